@@ -1,0 +1,111 @@
+#ifndef PLSH_ATTENTION_ONLINE_SOFTMAX_HPP
+#define PLSH_ATTENTION_ONLINE_SOFTMAX_HPP
+
+/// \file online_softmax.hpp
+/// Streaming softmax over key tiles, and the log-sum-exp merge of partial attention results.
+///
+/// A partial result over a key set \f$J\f$ is, per query row, the normalised output
+/// \f$o = \sum_{j\in J} e^{s_j} v_j / \sum_{j\in J} e^{s_j}\f$ and \f$\mathrm{lse} = \log
+/// \sum_{j\in J} e^{s_j}\f$ (FlashAttention's `out, softmax_lse`). A row with no key has
+/// \f$o = 0\f$ and \f$\mathrm{lse} = -\infty\f$, never NaN.
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+
+#include "../tensor.hpp"
+
+namespace plsh {
+
+/// Running softmax state of a tile of query rows: per row the running maximum \f$\mu\f$, the sum
+/// \f$\ell = \sum_j e^{s_j - \mu}\f$ and the accumulator \f$a = \sum_j e^{s_j - \mu} v_j\f$.
+/// A new maximum rescales \f$\ell\f$ and \f$a\f$ by \f$e^{\mu_{old} - \mu_{new}}\f$.
+///
+/// \tparam Scalar element type of scores, values and state.
+template <class Scalar>
+class OnlineSoftmax {
+ public:
+  using Matrix = RowMatrix<Scalar>;
+  using Vector = Eigen::Matrix<Scalar, Eigen::Dynamic, 1>;
+
+  /// Starts `rows` rows that have seen no key, with `value_dim` output columns.
+  void reset(Index rows, Index value_dim) {
+    max_.setConstant(rows, -std::numeric_limits<Scalar>::infinity());
+    sum_.setZero(rows);
+    accumulator_.setZero(rows, value_dim);
+  }
+
+  Index rows() const { return max_.size(); }
+
+  /// Takes a tile of logits (`rows() x keys`, \f$-\infty\f$ for masked entries) and the keys'
+  /// values (`keys x value_dim`). Overwrites `scores` with the unnormalised probabilities.
+  void update(Eigen::Ref<Matrix> scores, const Eigen::Ref<const Matrix>& values) {
+    for (Index r = 0; r < scores.rows(); ++r) {
+      const Scalar new_max = std::max(max_[r], scores.row(r).maxCoeff());
+      if (new_max == -std::numeric_limits<Scalar>::infinity()) {
+        scores.row(r).setZero();  // nothing visible yet: exp(-inf - -inf) would be NaN
+        continue;
+      }
+      const Scalar rescale = std::exp(max_[r] - new_max);
+      scores.row(r).array() = (scores.row(r).array() - new_max).exp();
+      sum_[r] = sum_[r] * rescale + scores.row(r).sum();
+      accumulator_.row(r) *= rescale;
+      max_[r] = new_max;
+    }
+    accumulator_.noalias() += scores * values;
+  }
+
+  /// Writes the normalised rows \f$a/\ell\f$ to `out` and, when `lse` is not null,
+  /// \f$\mu + \log\ell\f$ to `lse[r]`. Rows that saw no key get zeros and \f$-\infty\f$.
+  template <class Out>
+  void finish(Out&& out, Scalar* lse) const {
+    for (Index r = 0; r < rows(); ++r) {
+      const bool seen = sum_[r] > 0;
+      if (seen) {
+        out.row(r) = accumulator_.row(r) / sum_[r];
+      } else {
+        out.row(r).setZero();
+      }
+      if (lse != nullptr) {
+        lse[r] = seen ? max_[r] + std::log(sum_[r]) : -std::numeric_limits<Scalar>::infinity();
+      }
+    }
+  }
+
+ private:
+  Vector max_;
+  Vector sum_;
+  Matrix accumulator_;
+};
+
+/// Merges the partial result `(out_b, lse_b)` into `(out, lse)`, row by row:
+/// \f$L = \log(e^{\mathrm{lse}} + e^{\mathrm{lse}_b})\f$,
+/// \f$o \leftarrow e^{\mathrm{lse} - L} o + e^{\mathrm{lse}_b - L} o_b\f$, computed from the larger
+/// of the two so that nothing overflows. Attention over the union of the two key sets (or, with
+/// repeated keys, the sum of both weightings).
+template <class Out, class Lse, class OutB, class LseB>
+void online_softmax_merge(Out&& out, Lse&& lse, const OutB& out_b, const LseB& lse_b) {
+  using Scalar = typename std::decay_t<Out>::Scalar;
+  for (Index r = 0; r < out.rows(); ++r) {
+    const Scalar a = lse[r];
+    const Scalar b = lse_b[r];
+    if (b == -std::numeric_limits<Scalar>::infinity()) continue;
+    if (a == -std::numeric_limits<Scalar>::infinity()) {
+      out.row(r) = out_b.row(r);
+      lse[r] = b;
+      continue;
+    }
+    const Scalar high = std::max(a, b);
+    const Scalar weight_a = std::exp(a - high);
+    const Scalar weight_b = std::exp(b - high);
+    const Scalar total = weight_a + weight_b;
+    out.row(r) = (weight_a / total) * out.row(r) + (weight_b / total) * out_b.row(r);
+    lse[r] = high + std::log(total);
+  }
+}
+
+}  // namespace plsh
+
+#endif  // PLSH_ATTENTION_ONLINE_SOFTMAX_HPP

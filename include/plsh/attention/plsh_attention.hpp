@@ -1,0 +1,345 @@
+#ifndef PLSH_ATTENTION_PLSH_ATTENTION_HPP
+#define PLSH_ATTENTION_PLSH_ATTENTION_HPP
+
+/// \file plsh_attention.hpp
+/// ALiBi attention through Positional LSH: the factor matrix \f$K_{ij} = e^{-m|p_i - p_j|}\f$ is
+/// replaced by the mean of \f$s\f$ random block masks, \f$\hat K = \frac1s\sum_t M_t\f$:
+/// \f[ o_i = \frac{\sum_j \hat K_{ij} e^{S_{ij}} v_j}{\sum_j \hat K_{ij} e^{S_{ij}}},
+///     \qquad S_{ij} = \text{scale}\; q_i \cdot k_j. \f]
+/// Head h, draw t partitions the absolute positions with
+/// `RandomBinning(slopes[h], head_seed(seed, h))(t)`.
+///
+/// Two evaluations of the same function:
+/// - Kernel::Passes, the faithful form: for every draw and block, regular attention of the
+///   block's queries against the block's keys (causal inside the block when causal), giving
+///   \f$(o_t, \mathrm{lse}_t)\f$; the passes merge as \f$o = \sum_t e^{\mathrm{lse}_t} o_t /
+///   \sum_t e^{\mathrm{lse}_t}\f$. Cost \f$\sum_t \sum_{\text{blocks}} b^2 (d + d_v)\f$. The inner
+///   kernel is pluggable.
+/// - Kernel::Fused: with \f$c_{ij}\f$ the number of draws in which i and j share a block,
+///   \f$o_i = \sum_j c_{ij} e^{S_{ij}} v_j / \sum_j c_{ij} e^{S_{ij}}\f$ over the union of the
+///   blocks of i, an interval of width about \f$\ln(s)/m\f$: each score is computed once,
+///   whatever s. Counts come from difference arrays; \f$\log c_{ij}\f$ is added to the logits.
+///
+/// Tested against plsh::reference::mask_attention (dense \f$D^{-1}(e^S\circ\hat K)V\f$ in
+/// double, same grids) in tests/test_plsh_attention.cpp; fused against passes there too.
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "../detail/check.hpp"
+#include "../detail/parallel.hpp"
+#include "../detail/validate.hpp"
+#include "../partition.hpp"
+#include "../sampler.hpp"
+#include "../tensor.hpp"
+#include "online_softmax.hpp"
+#include "options.hpp"
+#include "regular.hpp"
+
+namespace plsh {
+namespace detail {
+
+/// Rows `[begin, begin + count)` of a head map, as a map of the same type.
+template <class Map>
+Map map_rows(const Map& map, Index begin, Index count) {
+  return Map(map.data() + begin * map.outerStride(), count, map.cols(),
+             Eigen::OuterStride<>(map.outerStride()));
+}
+
+/// The grids of every head: head h, draw t is `RandomBinning(slopes[h], head_seed(seed, h))(t)`.
+inline std::vector<std::vector<Grid>> draw_head_grids(const std::vector<double>& slopes,
+                                                      Index samples, std::uint64_t seed) {
+  std::vector<std::vector<Grid>> grids;
+  grids.reserve(slopes.size());
+  for (std::size_t h = 0; h < slopes.size(); ++h) {
+    grids.push_back(RandomBinning(slopes[h], head_seed(seed, static_cast<Index>(h))).draw(samples));
+  }
+  return grids;
+}
+
+/// Positions covered by queries or keys: every partition is cut to this range. Cutting does not
+/// change which queries and keys share a block, so any covering range gives the same result.
+struct PositionRange {
+  Index first;
+  Index last;
+};
+
+template <class Scalar>
+PositionRange position_range(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
+                             const AttentionOptions& options) {
+  return PositionRange{
+      std::min(options.query_position, options.key_position),
+      std::max(options.query_position + q.tokens, options.key_position + k.tokens)};
+}
+
+/// The pass kernel: per head, per grid, per block, `kernel` on the block's queries and keys,
+/// merged into `out` by log-sum-exp. `grids[h]` are the partitions of head h. Parallel over heads.
+template <class Scalar, class RegularKernel>
+void pass_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
+                    const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
+                    const std::vector<std::vector<Grid>>& grids, const AttentionOptions& options,
+                    RegularKernel&& kernel) {
+  if (q.tokens == 0) return;
+  AttentionOptions resolved = options;
+  resolved.scale = resolved_scale(options, q.dim);
+  const Index group = q.heads / k.heads;
+  const PositionRange range = position_range(q, k, options);
+  const Index query_end = options.query_position + q.tokens;
+  const Index key_end = options.key_position + k.tokens;
+  parallel_for(q.heads, [&](Index h) {
+    const ConstHeadMap<Scalar> q_head = q.head(h);
+    const ConstHeadMap<Scalar> k_head = k.head(h / group);
+    const ConstHeadMap<Scalar> v_head = v.head(h / group);
+    HeadMap<Scalar> out_head = out.head(h);
+    out_head.setZero();
+    Eigen::Matrix<Scalar, Eigen::Dynamic, 1> lse =
+        Eigen::Matrix<Scalar, Eigen::Dynamic, 1>::Constant(
+            q.tokens, -std::numeric_limits<Scalar>::infinity());
+    std::vector<Scalar> pass_out;
+    std::vector<Scalar> pass_lse;
+    for (const Grid& grid : grids[static_cast<std::size_t>(h)]) {
+      Block block{range.first, range.first};
+      for (Index p = range.first; p < range.last; p = block.end) {
+        block = grid_block(grid, p, range.first, range.last);
+        const Index query_begin = std::max(block.begin, options.query_position);
+        const Index query_stop = std::min(block.end, query_end);
+        const Index key_begin = std::max(block.begin, options.key_position);
+        const Index key_stop = std::min(block.end, key_end);
+        if (query_begin >= query_stop || key_begin >= key_stop) continue;
+        if (options.causal && key_begin >= query_stop) continue;  // every key after every query
+        const Index rows = query_stop - query_begin;
+        const Index first_row = query_begin - options.query_position;
+        const Index first_key = key_begin - options.key_position;
+        pass_out.resize(static_cast<std::size_t>(rows * v.dim));
+        pass_lse.resize(static_cast<std::size_t>(rows));
+        HeadMap<Scalar> block_out(pass_out.data(), rows, v.dim, Eigen::OuterStride<>(v.dim));
+        AttentionOptions block_options = resolved;
+        block_options.query_position = query_begin;
+        block_options.key_position = key_begin;
+        kernel(map_rows(q_head, first_row, rows), map_rows(k_head, first_key, key_stop - key_begin),
+               map_rows(v_head, first_key, key_stop - key_begin), block_options, block_out,
+               LseMap<Scalar>(pass_lse.data(), rows));
+        online_softmax_merge(out_head.middleRows(first_row, rows), lse.segment(first_row, rows),
+                             block_out, pass_lse);
+      }
+    }
+  });
+}
+
+/// Query rows per tile of the fused kernel for a head of slope m: about the mean block radius
+/// \f$1/m\f$, so that a tile's key interval is not much wider than one row's.
+inline Index fused_tile_rows(double slope) {
+  if (slope == 0) return kQueryTile;
+  Index rows = 8;
+  while (rows < kQueryTile && static_cast<double>(2 * rows) <= 1.0 / slope) rows *= 2;
+  return rows;
+}
+
+template <class Scalar>
+struct FusedWorkspace {
+  std::vector<Index> begins;  // [row][draw]: visible key block of the row in that draw
+  std::vector<Index> ends;
+  std::vector<int> counts;  // difference array, then running count, of one key chunk
+  std::vector<Scalar> scores;
+  std::vector<Scalar> log_count;  // log(c) for c = 0..s, log(0) = -inf
+  RowMatrix<Scalar> query;
+  OnlineSoftmax<Scalar> softmax;
+};
+
+/// Fused kernel for query rows `[row_begin, row_end)` of one head.
+template <class Scalar>
+void fused_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
+                const ConstHeadMap<Scalar>& v, const std::vector<Grid>& grids,
+                const AttentionOptions& options, const PositionRange& range, Index row_begin,
+                Index row_end, HeadMap<Scalar>& out) {
+  static thread_local FusedWorkspace<Scalar> workspace;
+  const Index rows = row_end - row_begin;
+  const Index samples = static_cast<Index>(grids.size());
+  const std::size_t cells = static_cast<std::size_t>(rows * samples);
+  workspace.begins.resize(cells);
+  workspace.ends.resize(cells);
+  const Index key_end = options.key_position + k.rows();
+  Index union_begin = std::numeric_limits<Index>::max();
+  Index union_end = std::numeric_limits<Index>::min();
+  for (Index t = 0; t < samples; ++t) {
+    Block block{0, 0};
+    for (Index r = 0; r < rows; ++r) {
+      const Index position = options.query_position + row_begin + r;
+      if (!block.contains(position)) {
+        block = grid_block(grids[static_cast<std::size_t>(t)], position, range.first, range.last);
+      }
+      const Index begin = std::max(block.begin, options.key_position);
+      const Index end =
+          std::min(options.causal ? position + 1 : block.end, std::min(block.end, key_end));
+      const std::size_t cell = static_cast<std::size_t>(r * samples + t);
+      workspace.begins[cell] = begin;
+      workspace.ends[cell] = std::max(begin, end);
+      if (begin < end) {
+        union_begin = std::min(union_begin, begin);
+        union_end = std::max(union_end, end);
+      }
+    }
+  }
+  workspace.softmax.reset(rows, v.cols());
+  if (union_begin < union_end) {
+    if (static_cast<Index>(workspace.log_count.size()) != samples + 1) {
+      workspace.log_count.resize(static_cast<std::size_t>(samples + 1));
+      workspace.log_count[0] = -std::numeric_limits<Scalar>::infinity();
+      for (Index c = 1; c <= samples; ++c) {
+        workspace.log_count[static_cast<std::size_t>(c)] = std::log(static_cast<Scalar>(c));
+      }
+    }
+    workspace.query.noalias() = q.middleRows(row_begin, rows) * static_cast<Scalar>(options.scale);
+    workspace.scores.resize(static_cast<std::size_t>(rows * kKeyTile));
+    workspace.counts.resize(static_cast<std::size_t>(kKeyTile + 1));
+    for (Index c0 = union_begin; c0 < union_end; c0 += kKeyTile) {
+      const Index cols = std::min(kKeyTile, union_end - c0);
+      const Index first_key = c0 - options.key_position;
+      Eigen::Map<RowMatrix<Scalar>> scores(workspace.scores.data(), rows, cols);
+      scores.noalias() = workspace.query * k.middleRows(first_key, cols).transpose();
+      for (Index r = 0; r < rows; ++r) {
+        // c_ij for this chunk: +1 on [begin, end) of every draw, by a difference array.
+        std::fill(workspace.counts.begin(), workspace.counts.begin() + cols + 1, 0);
+        for (Index t = 0; t < samples; ++t) {
+          const std::size_t cell = static_cast<std::size_t>(r * samples + t);
+          const Index begin = std::max(workspace.begins[cell], c0) - c0;
+          const Index end = std::min(workspace.ends[cell], c0 + cols) - c0;
+          if (begin < end) {
+            ++workspace.counts[static_cast<std::size_t>(begin)];
+            --workspace.counts[static_cast<std::size_t>(end)];
+          }
+        }
+        int count = 0;
+        Scalar* row = scores.row(r).data();
+        for (Index c = 0; c < cols; ++c) {
+          count += workspace.counts[static_cast<std::size_t>(c)];
+          row[c] += workspace.log_count[static_cast<std::size_t>(count)];
+        }
+      }
+      workspace.softmax.update(scores, v.middleRows(first_key, cols));
+    }
+  }
+  workspace.softmax.finish(out.middleRows(row_begin, rows), nullptr);
+}
+
+/// The fused kernel: parallel over (head, query tile), tile height from the head's slope.
+template <class Scalar>
+void fused_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
+                     const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
+                     const std::vector<std::vector<Grid>>& grids, const std::vector<double>& slopes,
+                     const AttentionOptions& options) {
+  if (q.tokens == 0) return;
+  AttentionOptions resolved = options;
+  resolved.scale = resolved_scale(options, q.dim);
+  const Index group = q.heads / k.heads;
+  const PositionRange range = position_range(q, k, options);
+  struct Tile {
+    Index head, row_begin, row_end;
+  };
+  std::vector<Tile> tiles;
+  for (Index h = 0; h < q.heads; ++h) {
+    const Index height = fused_tile_rows(slopes[static_cast<std::size_t>(h)]);
+    for (Index r0 = 0; r0 < q.tokens; r0 += height) {
+      tiles.push_back(Tile{h, r0, std::min(q.tokens, r0 + height)});
+    }
+  }
+  parallel_for(static_cast<Index>(tiles.size()), [&](Index job) {
+    const Tile& tile = tiles[static_cast<std::size_t>(job)];
+    HeadMap<Scalar> out_head = out.head(tile.head);
+    fused_rows<Scalar>(q.head(tile.head), k.head(tile.head / group), v.head(tile.head / group),
+                       grids[static_cast<std::size_t>(tile.head)], resolved, range, tile.row_begin,
+                       tile.row_end, out_head);
+  });
+}
+
+template <class Scalar>
+void validate_plsh(const char* function, const HeadsView<const Scalar>& q,
+                   const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
+                   const HeadsView<Scalar>& out, const std::vector<double>& slopes,
+                   const PlshOptions& options) {
+  validate_attention(function, q, k, v, out, options);
+  validate_slopes(function, slopes, q.heads);
+  require(options.samples >= 1, function, "options.samples must be at least 1");
+}
+
+}  // namespace detail
+
+/// ALiBi attention through Positional LSH, the average of `options.samples` random block
+/// partitions per head (see the file comment for the formula).
+///
+/// \code
+/// const Index n = 4096, heads = 8, dim = 64;
+/// std::vector<float> q(n * heads * dim), k(q.size()), v(q.size()), out(q.size());
+/// // ... fill q, k, v ...
+/// plsh::PlshOptions options;    // causal, s = 20, fused kernel
+/// plsh::plsh_attention<float>({q.data(), n, heads, dim}, {k.data(), n, heads, dim},
+///                             {v.data(), n, heads, dim}, {out.data(), n, heads, dim},
+///                             plsh::alibi_slopes(heads), options);
+/// \endcode
+///
+/// \param q `[n_q][H][d]`, \param k `[n_k][H_kv][d]`, \param v `[n_k][H_kv][d_v]`,
+/// \param out `[n_q][H][d_v]`; H a multiple of H_kv. \param slopes one per query head.
+/// \param options causal, scale, absolute positions of the first query and key rows, samples s,
+/// seed, and which kernel evaluates the estimator (Kernel::Fused and Kernel::Passes agree to
+/// rounding). The result is identical for any number of threads.
+/// \throws std::invalid_argument on shapes that disagree, a bad slope, `samples < 1`, or `out`
+/// overlapping an input.
+template <class Scalar>
+void plsh_attention(HeadsView<const detail::NonDeduced<Scalar>> q,
+                    HeadsView<const detail::NonDeduced<Scalar>> k,
+                    HeadsView<const detail::NonDeduced<Scalar>> v, HeadsView<Scalar> out,
+                    const std::vector<double>& slopes, const PlshOptions& options = {}) {
+  const char* function = "plsh_attention";
+  detail::validate_plsh(function, q, k, v, out, slopes, options);
+  const auto grids = detail::draw_head_grids(slopes, options.samples, options.seed);
+  if (options.kernel == Kernel::Passes) {
+    detail::pass_attention(q, k, v, out, grids, options, RegularAttention{});
+  } else {
+    detail::fused_attention(q, k, v, out, grids, slopes, options);
+  }
+}
+
+/// Positional LSH with a user-supplied regular attention kernel: always the pass kernel
+/// (`options.kernel` is ignored), calling
+/// `kernel(q, k, v, block_options, out, lse)` once per draw and block with
+/// `ConstHeadMap<Scalar>` q (`rows x d`), k (`keys x d`), v (`keys x d_v`), an AttentionOptions
+/// whose `scale` is resolved and whose positions are the absolute positions of the first query
+/// and key rows, `HeadMap<Scalar>` out (`rows x d_v`) and `LseMap<Scalar>` lse (`rows`). The
+/// kernel must write normalised rows and their log-sum-exp (\f$-\infty\f$ and zeros for a row
+/// with no visible key), like RegularAttention. With OpenMP it is called from several threads
+/// at once (one head per thread).
+template <class Scalar, class RegularKernel>
+void plsh_attention(HeadsView<const detail::NonDeduced<Scalar>> q,
+                    HeadsView<const detail::NonDeduced<Scalar>> k,
+                    HeadsView<const detail::NonDeduced<Scalar>> v, HeadsView<Scalar> out,
+                    const std::vector<double>& slopes, const PlshOptions& options,
+                    RegularKernel&& kernel) {
+  const char* function = "plsh_attention";
+  detail::validate_plsh(function, q, k, v, out, slopes, options);
+  const auto grids = detail::draw_head_grids(slopes, options.samples, options.seed);
+  detail::pass_attention(q, k, v, out, grids, options, kernel);
+}
+
+/// The fixed-blocks baseline of the paper: every head attends (regularly) within deterministic
+/// blocks of `block_size` positions, `[0, b), [b, 2b), ...` on absolute positions. No bias and no
+/// expectation property; one pass of the pass kernel with `fixed_grid(block_size)`.
+/// \throws std::invalid_argument as exact_alibi_attention, and for `block_size < 1`.
+template <class Scalar>
+void fixed_block_attention(HeadsView<const detail::NonDeduced<Scalar>> q,
+                           HeadsView<const detail::NonDeduced<Scalar>> k,
+                           HeadsView<const detail::NonDeduced<Scalar>> v, HeadsView<Scalar> out,
+                           Index block_size, const AttentionOptions& options = {}) {
+  const char* function = "fixed_block_attention";
+  detail::validate_attention(function, q, k, v, out, options);
+  detail::require(block_size >= 1, function, "block_size must be at least 1");
+  const std::vector<std::vector<Grid>> grids(
+      static_cast<std::size_t>(q.heads),
+      std::vector<Grid>{fixed_grid(static_cast<double>(block_size))});
+  detail::pass_attention(q, k, v, out, grids, options, RegularAttention{});
+}
+
+}  // namespace plsh
+
+#endif  // PLSH_ATTENTION_PLSH_ATTENTION_HPP

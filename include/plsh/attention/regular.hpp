@@ -1,0 +1,175 @@
+#ifndef PLSH_ATTENTION_REGULAR_HPP
+#define PLSH_ATTENTION_REGULAR_HPP
+
+/// \file regular.hpp
+/// Regular (unbiased) attention on a span of queries and keys, and the tiled core it shares with
+/// the ALiBi kernels.
+///
+/// Computes, for every query row i at absolute position \f$p_i\f$,
+/// \f$o_i = \sum_j w_{ij} v_j / \sum_j w_{ij}\f$ and \f$\mathrm{lse}_i = \log \sum_j w_{ij}\f$ with
+/// \f$w_{ij} = e^{\text{scale}\, q_i\cdot k_j - m|p_i - p_j|}\f$ over the visible keys (causal:
+/// \f$p_j \le p_i\f$; windowed: \f$|p_i - p_j| \le W\f$). Regular attention is \f$m = 0\f$.
+///
+/// Cost: query tiles of 64 rows against key tiles of 128; per tile one product \f$QK^\top\f$,
+/// one vectorised exp, one product \f$PV\f$: \f$2(d + d_v)\f$ flops per visible score. Key tiles
+/// outside the causal or window range are skipped. Memory: one tile of scores per thread.
+///
+/// Tested against plsh::reference::attention (dense, double) in tests/test_regular.cpp.
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "../detail/check.hpp"
+#include "../detail/validate.hpp"
+#include "../tensor.hpp"
+#include "online_softmax.hpp"
+#include "options.hpp"
+
+namespace plsh {
+
+/// Output and log-sum-exp of one span: `lse[i]` belongs to row i of `out`.
+template <class Scalar>
+using LseMap = Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>;
+
+namespace detail {
+
+constexpr Index kQueryTile = 64;
+constexpr Index kKeyTile = 128;
+/// A window wider than any sequence: no key is dropped.
+constexpr Index kNoWindow = std::numeric_limits<Index>::max() / 4;
+
+/// The ALiBi term of a logit: \f$-m|p_i - p_j|\f$, keys with \f$|p_i - p_j| > W\f$ dropped.
+struct LinearBias {
+  double slope = 0;
+  Index window = kNoWindow;
+};
+
+template <class Scalar>
+struct TileWorkspace {
+  RowMatrix<Scalar> query;
+  std::vector<Scalar> scores;
+  OnlineSoftmax<Scalar> softmax;
+  Eigen::Array<Scalar, 1, Eigen::Dynamic> offsets;  // 0, 1, ..., kKeyTile - 1
+};
+
+/// One workspace per thread and scalar type, so kernels allocate nothing per tile.
+template <class Scalar>
+TileWorkspace<Scalar>& tile_workspace() {
+  static thread_local TileWorkspace<Scalar> workspace;
+  if (workspace.offsets.size() != kKeyTile) {
+    workspace.offsets =
+        Eigen::Array<Scalar, 1, Eigen::Dynamic>::LinSpaced(kKeyTile, 0, kKeyTile - 1);
+  }
+  return workspace;
+}
+
+/// Adds the bias and masks invisible keys in a tile of logits. `distance` is \f$p_i - p_j\f$ for
+/// the tile's first row and first column; it grows by one per row and shrinks by one per column.
+template <class Scalar>
+void apply_linear_bias(Eigen::Map<RowMatrix<Scalar>>& scores, Index distance, bool causal,
+                       const LinearBias& bias,
+                       const Eigen::Array<Scalar, 1, Eigen::Dynamic>& offsets) {
+  const Index cols = scores.cols();
+  const Scalar slope = static_cast<Scalar>(bias.slope);
+  for (Index r = 0; r < scores.rows(); ++r) {
+    const Index d0 = distance + r;
+    const Index lo = std::max<Index>(0, d0 - bias.window);
+    const Index hi = std::min<Index>(cols, (causal ? d0 : d0 + bias.window) + 1);
+    auto row = scores.row(r);
+    if (lo >= hi) {
+      row.setConstant(-std::numeric_limits<Scalar>::infinity());
+      continue;
+    }
+    if (slope != 0) row.array() -= slope * (static_cast<Scalar>(d0) - offsets.head(cols)).abs();
+    if (lo > 0) row.head(lo).setConstant(-std::numeric_limits<Scalar>::infinity());
+    if (hi < cols) row.tail(cols - hi).setConstant(-std::numeric_limits<Scalar>::infinity());
+  }
+}
+
+/// Query rows `[row_begin, row_end)` of `q` against the visible keys of `k`, `v`: writes those
+/// rows of `out` and, when `lse` is not null, `lse[row_begin..row_end)`. `options.scale` must be
+/// resolved (non-zero).
+template <class Scalar>
+void attend_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
+                 const ConstHeadMap<Scalar>& v, const AttentionOptions& options,
+                 const LinearBias& bias, Index row_begin, Index row_end, HeadMap<Scalar>& out,
+                 Scalar* lse) {
+  TileWorkspace<Scalar>& workspace = tile_workspace<Scalar>();
+  const Index rows = row_end - row_begin;
+  const Index first_query = options.query_position + row_begin;
+  const Index last_query = options.query_position + row_end - 1;
+  const Index key_begin = std::max<Index>(0, first_query - bias.window - options.key_position);
+  const Index key_end =
+      std::min<Index>(k.rows(), (options.causal ? last_query : last_query + bias.window) + 1 -
+                                    options.key_position);
+  workspace.softmax.reset(rows, v.cols());
+  if (key_begin < key_end) {
+    workspace.query.noalias() = q.middleRows(row_begin, rows) * static_cast<Scalar>(options.scale);
+    const std::size_t needed = static_cast<std::size_t>(rows * kKeyTile);
+    if (workspace.scores.size() < needed) workspace.scores.resize(needed);
+    for (Index c0 = key_begin; c0 < key_end; c0 += kKeyTile) {
+      const Index cols = std::min(kKeyTile, key_end - c0);
+      Eigen::Map<RowMatrix<Scalar>> scores(workspace.scores.data(), rows, cols);
+      scores.noalias() = workspace.query * k.middleRows(c0, cols).transpose();
+      apply_linear_bias(scores, first_query - (options.key_position + c0), options.causal, bias,
+                        workspace.offsets);
+      workspace.softmax.update(scores, v.middleRows(c0, cols));
+    }
+  }
+  workspace.softmax.finish(out.middleRows(row_begin, rows),
+                           lse == nullptr ? nullptr : lse + row_begin);
+}
+
+/// All rows of a span, tile by tile.
+template <class Scalar>
+void attend_span(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
+                 const ConstHeadMap<Scalar>& v, const AttentionOptions& options,
+                 const LinearBias& bias, HeadMap<Scalar>& out, Scalar* lse) {
+  for (Index r0 = 0; r0 < q.rows(); r0 += kQueryTile) {
+    attend_rows(q, k, v, options, bias, r0, std::min(q.rows(), r0 + kQueryTile), out, lse);
+  }
+}
+
+}  // namespace detail
+
+/// Regular (unbiased) attention of a query span against a key span of one head, with the
+/// FlashAttention contract: normalised `out` and per-row `lse`. Positions are
+/// `options.query_position + i` and `options.key_position + j`; causal keeps keys at positions
+/// \f$\le\f$ the query's. A row with no visible key gets zeros and \f$\mathrm{lse} = -\infty\f$.
+///
+/// \param q `n_q x d`, \param k `n_k x d`, \param v `n_k x d_v`, \param out `n_q x d_v`,
+/// \param lse `n_q`. `options.scale == 0` means \f$1/\sqrt d\f$.
+/// \throws std::invalid_argument when the shapes disagree.
+template <class Scalar>
+void regular_attention(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
+                       const ConstHeadMap<Scalar>& v, const AttentionOptions& options,
+                       HeadMap<Scalar> out, LseMap<Scalar> lse) {
+  const char* function = "regular_attention";
+  detail::require(k.cols() == q.cols(), function, "k.cols() must equal q.cols()");
+  detail::require(v.rows() == k.rows(), function, "v.rows() must equal k.rows()");
+  detail::require(out.rows() == q.rows(), function, "out.rows() must equal q.rows()");
+  detail::require(out.cols() == v.cols(), function, "out.cols() must equal v.cols()");
+  detail::require(lse.size() == q.rows(), function, "lse.size() must equal q.rows()");
+  detail::require(std::isfinite(options.scale), function, "options.scale must be finite");
+  AttentionOptions resolved = options;
+  resolved.scale = detail::resolved_scale(options, q.cols());
+  detail::attend_span(q, k, v, resolved, detail::LinearBias{}, out, lse.data());
+}
+
+/// The built-in regular kernel as a function object: the default inner kernel of the Positional
+/// LSH pass kernel, and the contract a user-supplied kernel must follow (see plsh_attention).
+struct RegularAttention {
+  template <class Scalar>
+  void operator()(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
+                  const ConstHeadMap<Scalar>& v, const AttentionOptions& options,
+                  HeadMap<Scalar> out, LseMap<Scalar> lse) const {
+    regular_attention<Scalar>(q, k, v, options, out, lse);
+  }
+};
+
+}  // namespace plsh
+
+#endif  // PLSH_ATTENTION_REGULAR_HPP

@@ -1,0 +1,34 @@
+#ifndef PLSH_METRICS_HPP
+#define PLSH_METRICS_HPP
+
+/// \file metrics.hpp
+/// How far a mean of block masks is from the ALiBi factor matrix.
+
+#include <Eigen/Core>
+#include <Eigen/Eigenvalues>
+#include <vector>
+
+#include "alibi.hpp"
+#include "partition.hpp"
+
+namespace plsh {
+
+/// Norms of \f$E = \hat K - K\f$, with \f$\hat K\f$ the mean mask and \f$K\f$ the Laplacian kernel.
+struct MaskError {
+  double spectral;  ///< \f$\|E\|_2\f$, the largest \f$|\lambda|\f$ of the symmetric \f$E\f$.
+  double max;       ///< \f$\max_{ij} |E_{ij}|\f$.
+};
+
+/// Spectral and max-abs norms of `mean_mask(n, grids) - laplacian_kernel(n, slope)`.
+/// Dense: O(n^2) memory and O(n^3) time (a symmetric eigenvalue solve), for tests and studies.
+/// \throws std::invalid_argument if `n < 1`, `grids` is empty, or the slope is invalid.
+inline MaskError mask_error(Index n, double slope, const std::vector<Grid>& grids) {
+  detail::require(n >= 1, "mask_error", "n must be at least 1");
+  const Eigen::MatrixXd error = mean_mask<double>(n, grids) - laplacian_kernel<double>(n, slope);
+  const Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd> solver(error, Eigen::EigenvaluesOnly);
+  return MaskError{solver.eigenvalues().cwiseAbs().maxCoeff(), error.cwiseAbs().maxCoeff()};
+}
+
+}  // namespace plsh
+
+#endif  // PLSH_METRICS_HPP
