@@ -22,13 +22,14 @@ constexpr double open_unit(std::uint64_t bits) {
 }
 
 /// A counter-based generator: word `(counter, lane)` is a pure function of the key, so draws can be
-/// taken in any order, by any thread, with the same result.
+/// taken in any order, by any thread, with the same result. Every 64-bit counter gets its own
+/// stream: \f$w = \mathrm{mix64}(\mathrm{mix64}(\text{key} \oplus \text{counter}) + \text{lane})\f$.
 class CounterRandom {
  public:
   explicit constexpr CounterRandom(std::uint64_t seed) : key_(mix64(seed)) {}
 
   constexpr std::uint64_t word(std::uint64_t counter, std::uint64_t lane) const {
-    return mix64(key_ ^ mix64(counter * 4 + lane));
+    return mix64(mix64(key_ ^ counter) + lane);
   }
 
   constexpr double unit(std::uint64_t counter, std::uint64_t lane) const {
