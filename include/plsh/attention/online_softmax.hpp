@@ -19,6 +19,20 @@
 
 namespace plsh {
 
+/// Below this many keys a product of a tile is evaluated coefficient-wise: packing the operands
+/// for Eigen's blocked GEMM costs more than it saves.
+constexpr Index kSmallProductDepth = 32;
+
+/// `scores = query * keys^T`, by the blocked GEMM or, for few keys, coefficient-wise.
+template <class Query, class Keys, class Scores>
+void multiply_transposed(const Query& query, const Keys& keys, Scores& scores) {
+  if (keys.rows() <= kSmallProductDepth) {
+    scores.noalias() = query.lazyProduct(keys.transpose());
+  } else {
+    scores.noalias() = query * keys.transpose();
+  }
+}
+
 /// Running softmax state of a tile of query rows: per row the running maximum \f$\mu\f$, the sum
 /// \f$\ell = \sum_j e^{s_j - \mu}\f$ and the accumulator \f$a = \sum_j e^{s_j - \mu} v_j\f$.
 /// A new maximum rescales \f$\ell\f$ and \f$a\f$ by \f$e^{\mu_{old} - \mu_{new}}\f$.
@@ -54,7 +68,11 @@ class OnlineSoftmax {
       accumulator_.row(r) *= rescale;
       max_[r] = new_max;
     }
-    accumulator_.noalias() += scores * values;
+    if (scores.cols() <= kSmallProductDepth) {
+      accumulator_.noalias() += scores.lazyProduct(values);
+    } else {
+      accumulator_.noalias() += scores * values;
+    }
   }
 
   /// Writes the normalised rows \f$a/\ell\f$ to `out` and, when `lse` is not null,

@@ -137,18 +137,72 @@ inline Index fused_tile_rows(double slope) {
   return rows;
 }
 
+/// Keys per chunk of the fused kernel: wide enough to amortise the products' packing.
+constexpr Index kFusedKeyTile = 256;
+
 template <class Scalar>
 struct FusedWorkspace {
-  std::vector<Index> begins;  // [row][draw]: visible key block of the row in that draw
+  std::vector<Index> begins;  // [row][draw]: visible key interval of the row in that draw
   std::vector<Index> ends;
-  std::vector<int> counts;  // difference array, then running count, of one key chunk
+  std::vector<Index> segment_start;   // [row][k]: c_ij is constant on [start_k, start_{k+1})
+  std::vector<Scalar> segment_value;  // log c_ij on that segment, -inf where c_ij = 0
+  std::vector<Index> segment_count;   // segments per row
+  std::vector<Index> cursor;          // per row: first segment not yet fully applied
+  std::vector<Index> intervals;       // per row: number of non-empty intervals
+  std::vector<int> difference;
   std::vector<Scalar> scores;
   std::vector<Scalar> log_count;  // log(c) for c = 0..s, log(0) = -inf
   RowMatrix<Scalar> query;
   OnlineSoftmax<Scalar> softmax;
 };
 
-/// Fused kernel for query rows `[row_begin, row_end)` of one head.
+/// Splits the keys of one row into segments of constant \f$c_{ij} = \#\{t: b_t \le j\} -
+/// \#\{t: e_t \le j\}\f$, from its draws' intervals \f$[b_t, e_t)\f$, starting at
+/// `union_begin`; segment k is `[start[k], start[k + 1])` with value \f$\log c\f$ (the last one,
+/// to the end of the union, has c = 0). A narrow row counts with a difference array, O(s + width);
+/// a wide one sorts the interval ends, O(s log s). Returns the number of segments.
+template <class Scalar>
+Index count_segments(Index* begins, Index* ends, Index intervals, Index union_begin,
+                     const std::vector<Scalar>& log_count, std::vector<int>& difference,
+                     Index* start, Scalar* value) {
+  Index segments = 0;
+  start[0] = union_begin;
+  value[0] = log_count[0];
+  const auto open_segment = [&](Index position, int count) {
+    if (position != start[segments]) ++segments;
+    start[segments] = position;
+    value[segments] = log_count[static_cast<std::size_t>(count)];
+  };
+  if (intervals == 0) return 1;
+  const Index low = *std::min_element(begins, begins + intervals);
+  const Index high = *std::max_element(ends, ends + intervals);
+  if (high - low <= 4 * intervals) {
+    difference.assign(static_cast<std::size_t>(high - low + 1), 0);
+    for (Index t = 0; t < intervals; ++t) {
+      ++difference[static_cast<std::size_t>(begins[t] - low)];
+      --difference[static_cast<std::size_t>(ends[t] - low)];
+    }
+    int count = 0;
+    for (Index j = low; j <= high; ++j) {
+      const int change = difference[static_cast<std::size_t>(j - low)];
+      if (change != 0) open_segment(j, count += change);
+    }
+    return segments + 1;
+  }
+  std::sort(begins, begins + intervals);
+  std::sort(ends, ends + intervals);
+  int count = 0;
+  for (Index b = 0, e = 0; b < intervals || e < intervals;) {
+    const Index next = (b < intervals && begins[b] < ends[e]) ? begins[b] : ends[e];
+    for (; b < intervals && begins[b] == next; ++b) ++count;
+    for (; e < intervals && ends[e] == next; ++e) --count;
+    open_segment(next, count);
+  }
+  return segments + 1;
+}
+
+/// Fused kernel for query rows `[row_begin, row_end)` of one head: logits
+/// \f$S_{ij} + \log c_{ij}\f$ over the union of the rows' blocks, one online softmax.
 template <class Scalar>
 void fused_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
                 const ConstHeadMap<Scalar>& v, const std::vector<Grid>& grids,
@@ -157,12 +211,25 @@ void fused_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
   static thread_local FusedWorkspace<Scalar> workspace;
   const Index rows = row_end - row_begin;
   const Index samples = static_cast<Index>(grids.size());
+  const Index max_segments = 2 * samples + 1;
   const std::size_t cells = static_cast<std::size_t>(rows * samples);
   workspace.begins.resize(cells);
   workspace.ends.resize(cells);
+  workspace.segment_start.resize(static_cast<std::size_t>(rows * max_segments));
+  workspace.segment_value.resize(static_cast<std::size_t>(rows * max_segments));
+  workspace.segment_count.assign(static_cast<std::size_t>(rows), 0);
+  workspace.cursor.assign(static_cast<std::size_t>(rows), 0);
+  if (static_cast<Index>(workspace.log_count.size()) != samples + 1) {
+    workspace.log_count.resize(static_cast<std::size_t>(samples + 1));
+    workspace.log_count[0] = -std::numeric_limits<Scalar>::infinity();
+    for (Index c = 1; c <= samples; ++c) {
+      workspace.log_count[static_cast<std::size_t>(c)] = std::log(static_cast<Scalar>(c));
+    }
+  }
+  // Per row, the non-empty intervals [begin, end) of keys sharing its block, one per draw.
+  std::vector<Index>& intervals = workspace.intervals;
+  intervals.assign(static_cast<std::size_t>(rows), 0);
   const Index key_end = options.key_position + k.rows();
-  Index union_begin = std::numeric_limits<Index>::max();
-  Index union_end = std::numeric_limits<Index>::min();
   for (Index t = 0; t < samples; ++t) {
     Block block{0, 0};
     for (Index r = 0; r < rows; ++r) {
@@ -172,50 +239,62 @@ void fused_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
       }
       const Index begin = std::max(block.begin, options.key_position);
       const Index end =
-          std::min(options.causal ? position + 1 : block.end, std::min(block.end, key_end));
-      const std::size_t cell = static_cast<std::size_t>(r * samples + t);
-      workspace.begins[cell] = begin;
-      workspace.ends[cell] = std::max(begin, end);
+          std::min(options.causal ? std::min(block.end, position + 1) : block.end, key_end);
       if (begin < end) {
-        union_begin = std::min(union_begin, begin);
-        union_end = std::max(union_end, end);
+        const std::size_t cell =
+            static_cast<std::size_t>(r * samples + intervals[static_cast<std::size_t>(r)]++);
+        workspace.begins[cell] = begin;
+        workspace.ends[cell] = end;
       }
     }
   }
+  Index union_begin = std::numeric_limits<Index>::max();
+  Index union_end = std::numeric_limits<Index>::min();
+  for (Index r = 0; r < rows; ++r) {
+    const Index count = intervals[static_cast<std::size_t>(r)];
+    if (count == 0) continue;
+    const std::size_t first = static_cast<std::size_t>(r * samples);
+    union_begin = std::min(
+        union_begin, *std::min_element(&workspace.begins[first], &workspace.begins[first] + count));
+    union_end = std::max(union_end,
+                         *std::max_element(&workspace.ends[first], &workspace.ends[first] + count));
+  }
+  for (Index r = 0; r < rows; ++r) {
+    const std::size_t first = static_cast<std::size_t>(r * samples);
+    const std::size_t segments = static_cast<std::size_t>(r * max_segments);
+    workspace.segment_count[static_cast<std::size_t>(r)] = count_segments(
+        &workspace.begins[first], &workspace.ends[first], intervals[static_cast<std::size_t>(r)],
+        union_begin, workspace.log_count, workspace.difference, &workspace.segment_start[segments],
+        &workspace.segment_value[segments]);
+  }
   workspace.softmax.reset(rows, v.cols());
   if (union_begin < union_end) {
-    if (static_cast<Index>(workspace.log_count.size()) != samples + 1) {
-      workspace.log_count.resize(static_cast<std::size_t>(samples + 1));
-      workspace.log_count[0] = -std::numeric_limits<Scalar>::infinity();
-      for (Index c = 1; c <= samples; ++c) {
-        workspace.log_count[static_cast<std::size_t>(c)] = std::log(static_cast<Scalar>(c));
-      }
-    }
     workspace.query.noalias() = q.middleRows(row_begin, rows) * static_cast<Scalar>(options.scale);
-    workspace.scores.resize(static_cast<std::size_t>(rows * kKeyTile));
-    workspace.counts.resize(static_cast<std::size_t>(kKeyTile + 1));
-    for (Index c0 = union_begin; c0 < union_end; c0 += kKeyTile) {
-      const Index cols = std::min(kKeyTile, union_end - c0);
+    workspace.scores.resize(static_cast<std::size_t>(rows * kFusedKeyTile));
+    for (Index c0 = union_begin; c0 < union_end; c0 += kFusedKeyTile) {
+      const Index cols = std::min(kFusedKeyTile, union_end - c0);
+      const Index c1 = c0 + cols;
       const Index first_key = c0 - options.key_position;
       Eigen::Map<RowMatrix<Scalar>> scores(workspace.scores.data(), rows, cols);
-      scores.noalias() = workspace.query * k.middleRows(first_key, cols).transpose();
+      multiply_transposed(workspace.query, k.middleRows(first_key, cols), scores);
       for (Index r = 0; r < rows; ++r) {
-        // c_ij for this chunk: +1 on [begin, end) of every draw, by a difference array.
-        std::fill(workspace.counts.begin(), workspace.counts.begin() + cols + 1, 0);
-        for (Index t = 0; t < samples; ++t) {
-          const std::size_t cell = static_cast<std::size_t>(r * samples + t);
-          const Index begin = std::max(workspace.begins[cell], c0) - c0;
-          const Index end = std::min(workspace.ends[cell], c0 + cols) - c0;
-          if (begin < end) {
-            ++workspace.counts[static_cast<std::size_t>(begin)];
-            --workspace.counts[static_cast<std::size_t>(end)];
+        const Index* start = &workspace.segment_start[static_cast<std::size_t>(r * max_segments)];
+        const Scalar* value = &workspace.segment_value[static_cast<std::size_t>(r * max_segments)];
+        const Index segments = workspace.segment_count[static_cast<std::size_t>(r)];
+        Index& j = workspace.cursor[static_cast<std::size_t>(r)];
+        auto row = scores.row(r);
+        for (; j < segments; ++j) {
+          const Index segment_end = j + 1 < segments ? start[j + 1] : union_end;
+          const Index a = std::max(start[j], c0);
+          const Index b = std::min(segment_end, c1);
+          if (a < b) {
+            if (value[j] == -std::numeric_limits<Scalar>::infinity()) {
+              row.segment(a - c0, b - a).setConstant(value[j]);
+            } else {
+              row.segment(a - c0, b - a).array() += value[j];
+            }
           }
-        }
-        int count = 0;
-        Scalar* row = scores.row(r).data();
-        for (Index c = 0; c < cols; ++c) {
-          count += workspace.counts[static_cast<std::size_t>(c)];
-          row[c] += workspace.log_count[static_cast<std::size_t>(count)];
+          if (segment_end > c1) break;  // the segment continues in the next chunk
         }
       }
       workspace.softmax.update(scores, v.middleRows(first_key, cols));

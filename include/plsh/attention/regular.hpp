@@ -113,7 +113,7 @@ void attend_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
     for (Index c0 = key_begin; c0 < key_end; c0 += kKeyTile) {
       const Index cols = std::min(kKeyTile, key_end - c0);
       Eigen::Map<RowMatrix<Scalar>> scores(workspace.scores.data(), rows, cols);
-      scores.noalias() = workspace.query * k.middleRows(c0, cols).transpose();
+      multiply_transposed(workspace.query, k.middleRows(c0, cols), scores);
       apply_linear_bias(scores, first_query - (options.key_position + c0), options.causal, bias,
                         workspace.offsets);
       workspace.softmax.update(scores, v.middleRows(c0, cols));

@@ -1,0 +1,618 @@
+#ifndef PLSH_ATTENTION_BACKWARD_HPP
+#define PLSH_ATTENTION_BACKWARD_HPP
+
+/// \file backward.hpp
+/// Gradients of exact ALiBi attention and of Positional LSH attention with respect to q, k, v.
+///
+/// Both forwards are softmax attention with logits \f$l_{ij}\f$: exact ALiBi
+/// \f$l_{ij} = S_{ij} - m|p_i - p_j|\f$, Positional LSH \f$l_{ij} = S_{ij} + \log c_{ij}\f$ with
+/// \f$c_{ij}\f$ the number of draws in which i and j share a block (\f$c = 0\f$: masked), and
+/// \f$S_{ij} = \text{scale}\; q_i\cdot k_j\f$. With \f$P_{ij} = e^{l_{ij} - \mathrm{lse}_i}\f$,
+/// \f$o_i = \sum_j P_{ij} v_j\f$ and the gradient \f$dO\f$ of a loss with respect to the output:
+/// \f[ D_i = dO_i\cdot o_i,\quad dV_j = \sum_i P_{ij}\, dO_i,\quad dP_{ij} = dO_i\cdot v_j,\quad
+///     dS_{ij} = P_{ij}(dP_{ij} - D_i), \f]
+/// \f[ dQ_i = \text{scale}\sum_j dS_{ij} k_j,\qquad dK_j = \text{scale}\sum_i dS_{ij} q_i. \f]
+/// Query heads of a group (H a multiple of H_kv) add their dK, dV into their shared head.
+///
+/// Cost: FlashAttention-style recomputation, nothing \f$n\times n\f$. Sweep 1, parallel over
+/// (head, query tile): the logits of the visible keys, a running log-sum-exp and dQ in one pass
+/// (dQ's accumulator is rescaled on a new row maximum, like the forward's output). Sweep 2,
+/// parallel over (key/value head, key tile): the logits again, P from the stored lse, dV and dK,
+/// with the query heads of the group and their query tiles visited in a fixed order. About
+/// \f$8d + 6d_v\f$ flops per visible score (the forward: \f$2d + 2d_v\f$); memory: lse and D,
+/// \f$2Hn_q\f$ scalars, plus one tile workspace per thread. Every output row is written by one
+/// job and every sum runs in a fixed order: the result is identical for any number of threads.
+/// The Positional LSH visible set is the union of the blocks of each row (or of each key tile),
+/// found from the draws as in the fused forward.
+///
+/// Tested in tests/test_backward.cpp against central finite differences of
+/// exact_alibi_attention and plsh_attention, and against the dense double references
+/// plsh::reference::alibi_attention_backward and plsh::reference::plsh_attention_backward below.
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "../detail/check.hpp"
+#include "../detail/parallel.hpp"
+#include "../detail/validate.hpp"
+#include "../partition.hpp"
+#include "../sampler.hpp"
+#include "../tensor.hpp"
+#include "options.hpp"
+#include "plsh_attention.hpp"
+#include "regular.hpp"
+
+namespace plsh {
+namespace detail {
+
+/// Checks of the backward entry points: q, k, v, out as the forward; dout like out, dq like q,
+/// dk like k, dv like v; no gradient view overlapping an input or another gradient.
+template <class Scalar>
+void validate_backward(const char* function, const HeadsView<const Scalar>& q,
+                       const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
+                       const HeadsView<const Scalar>& out, const HeadsView<const Scalar>& dout,
+                       const HeadsView<Scalar>& dq, const HeadsView<Scalar>& dk,
+                       const HeadsView<Scalar>& dv, const AttentionOptions& options) {
+  require_view(q, function, "q");
+  require_view(k, function, "k");
+  require_view(v, function, "v");
+  require_view(out, function, "out");
+  require_view(dout, function, "dout");
+  require_view(dq, function, "dq");
+  require_view(dk, function, "dk");
+  require_view(dv, function, "dv");
+  require(k.dim == q.dim, function, "k.dim must equal q.dim");
+  require(v.tokens == k.tokens, function, "v.tokens must equal k.tokens");
+  require(v.heads == k.heads, function, "v.heads must equal k.heads");
+  require(q.heads % k.heads == 0, function, "q.heads must be a multiple of k.heads");
+  const auto require_shape = [&](const auto& view, const std::string& name, const auto& like,
+                                 const std::string& like_name) {
+    require(view.tokens == like.tokens, function,
+            name + ".tokens must equal " + like_name + ".tokens");
+    require(view.heads == like.heads, function, name + ".heads must equal " + like_name + ".heads");
+    require(view.dim == like.dim, function, name + ".dim must equal " + like_name + ".dim");
+  };
+  // out is [n_q][H][d_v]; dout, dq, dk, dv follow from it and the inputs.
+  require(out.tokens == q.tokens, function, "out.tokens must equal q.tokens");
+  require(out.heads == q.heads, function, "out.heads must equal q.heads");
+  require(out.dim == v.dim, function, "out.dim must equal v.dim");
+  require_shape(dout, "dout", out, "out");
+  require_shape(dq, "dq", q, "q");
+  require_shape(dk, "dk", k, "k");
+  require_shape(dv, "dv", v, "v");
+  const HeadsView<Scalar> gradients[] = {dq, dk, dv};
+  const char* gradient_names[] = {"dq", "dk", "dv"};
+  const HeadsView<const Scalar> inputs[] = {q, k, v, out, dout};
+  const char* input_names[] = {"q", "k", "v", "out", "dout"};
+  for (int g = 0; g < 3; ++g) {
+    require_injective(gradients[g], function, gradient_names[g]);
+    for (int i = 0; i < 5; ++i) {
+      require(!views_overlap(gradients[g], inputs[i]), function,
+              std::string(gradient_names[g]) + " overlaps " + input_names[i]);
+    }
+    for (int other = 0; other < g; ++other) {
+      require(!views_overlap(gradients[g], gradients[other]), function,
+              std::string(gradient_names[g]) + " overlaps " + gradient_names[other]);
+    }
+  }
+  require(options.query_position >= 0, function, "options.query_position must be non-negative");
+  require(options.key_position >= 0, function, "options.key_position must be non-negative");
+  require(std::isfinite(options.scale), function, "options.scale must be finite");
+}
+
+/// Per-thread scratch of the backward sweeps.
+template <class Scalar>
+struct BackwardWorkspace {
+  RowMatrix<Scalar> query;              // scaled query rows of a tile
+  std::vector<Scalar> scores;           // logits, then weights or P, then dS
+  std::vector<Scalar> value_scores;     // dP = dO v^T
+  RowMatrix<Scalar> accumulator;        // dQ of a query tile, or dK of a key tile
+  RowMatrix<Scalar> value_accumulator;  // dV of a key tile
+  Eigen::Matrix<Scalar, Eigen::Dynamic, 1> max;
+  Eigen::Matrix<Scalar, Eigen::Dynamic, 1> sum;
+  std::vector<Index> begins;  // [row][draw]: visible key interval of the row in that draw
+  std::vector<Index> ends;
+  std::vector<int> counts;                          // difference array of c_ij over a key tile
+  Eigen::Array<Scalar, 1, Eigen::Dynamic> offsets;  // 0, 1, ..., for apply_linear_bias
+};
+
+template <class Scalar>
+BackwardWorkspace<Scalar>& backward_workspace() {
+  static thread_local BackwardWorkspace<Scalar> workspace;
+  return workspace;
+}
+
+/// Logits of exact ALiBi: \f$S_{ij} - m_h|p_i - p_j|\f$, causal keys masked.
+template <class Scalar>
+class AlibiLogits {
+ public:
+  AlibiLogits(const std::vector<double>& slopes, const AttentionOptions& options, Index queries,
+              Index keys)
+      : slopes_(slopes),
+        options_(options),
+        query_end_(options.query_position + queries),
+        key_end_(options.key_position + keys) {}
+
+  Index query_tile(Index) const { return kQueryTile; }
+  Index key_tile(Index, Index) const { return kKeyTile; }
+
+  /// Key positions that query positions `[first_query, first_query + rows)` may see.
+  Block prepare_rows(Index, Index first_query, Index rows, BackwardWorkspace<Scalar>&) const {
+    const Index end = options_.causal ? std::min(key_end_, first_query + rows) : key_end_;
+    return Block{options_.key_position, std::max(options_.key_position, end)};
+  }
+
+  /// Query positions that may see a key of `[first_key, first_key + cols)`.
+  Block queries_of_keys(Index, Index first_key, Index) const {
+    const Index begin =
+        options_.causal ? std::max(options_.query_position, first_key) : options_.query_position;
+    return Block{begin, std::max(begin, query_end_)};
+  }
+
+  /// Adds the bias to a tile of scores whose first row and column are at the given positions.
+  void apply(Index h, BackwardWorkspace<Scalar>& workspace, Eigen::Map<RowMatrix<Scalar>>& scores,
+             Index first_query, Index first_key) const {
+    if (workspace.offsets.size() < scores.cols()) {
+      workspace.offsets =
+          Eigen::Array<Scalar, 1, Eigen::Dynamic>::LinSpaced(kKeyTile, 0, kKeyTile - 1);
+    }
+    apply_linear_bias(scores, first_query - first_key, options_.causal,
+                      LinearBias{slopes_[static_cast<std::size_t>(h)], kNoWindow},
+                      workspace.offsets);
+  }
+
+ private:
+  const std::vector<double>& slopes_;
+  AttentionOptions options_;
+  Index query_end_;
+  Index key_end_;
+};
+
+/// Logits of the fused Positional LSH kernel: \f$S_{ij} + \log c_{ij}\f$ over the union of the
+/// blocks of each row, with the draws of plsh_attention.
+template <class Scalar>
+class PlshLogits {
+ public:
+  PlshLogits(const std::vector<double>& slopes, const std::vector<std::vector<Grid>>& grids,
+             const AttentionOptions& options, const PositionRange& range, Index queries, Index keys)
+      : slopes_(slopes),
+        grids_(grids),
+        options_(options),
+        range_(range),
+        query_end_(options.query_position + queries),
+        key_end_(options.key_position + keys) {
+    const std::size_t samples = grids.empty() ? 0 : grids.front().size();
+    log_count_.resize(samples + 1);
+    log_count_[0] = -std::numeric_limits<Scalar>::infinity();
+    for (std::size_t c = 1; c <= samples; ++c) log_count_[c] = std::log(static_cast<Scalar>(c));
+  }
+
+  Index query_tile(Index h) const { return fused_tile_rows(slopes_[static_cast<std::size_t>(h)]); }
+
+  Index key_tile(Index kv_head, Index group) const {
+    Index tile = kKeyTile;
+    for (Index h = kv_head * group; h < (kv_head + 1) * group; ++h) {
+      tile = std::min(tile, query_tile(h));
+    }
+    return tile;
+  }
+
+  /// Records the visible key interval of every row and draw (as the fused forward) and returns
+  /// their union.
+  Block prepare_rows(Index h, Index first_query, Index rows,
+                     BackwardWorkspace<Scalar>& workspace) const {
+    const std::vector<Grid>& grids = grids_[static_cast<std::size_t>(h)];
+    const Index samples = static_cast<Index>(grids.size());
+    const std::size_t cells = static_cast<std::size_t>(rows * samples);
+    if (workspace.begins.size() < cells) {
+      workspace.begins.resize(cells);
+      workspace.ends.resize(cells);
+    }
+    Index union_begin = std::numeric_limits<Index>::max();
+    Index union_end = std::numeric_limits<Index>::min();
+    for (Index t = 0; t < samples; ++t) {
+      Block block{0, 0};
+      for (Index r = 0; r < rows; ++r) {
+        const Index position = first_query + r;
+        if (!block.contains(position)) {
+          block =
+              grid_block(grids[static_cast<std::size_t>(t)], position, range_.first, range_.last);
+        }
+        const Index begin = std::max(block.begin, options_.key_position);
+        const Index end =
+            std::min(options_.causal ? position + 1 : block.end, std::min(block.end, key_end_));
+        const std::size_t cell = static_cast<std::size_t>(r * samples + t);
+        workspace.begins[cell] = begin;
+        workspace.ends[cell] = std::max(begin, end);
+        if (begin < end) {
+          union_begin = std::min(union_begin, begin);
+          union_end = std::max(union_end, end);
+        }
+      }
+    }
+    if (union_begin >= union_end) return Block{options_.key_position, options_.key_position};
+    return Block{union_begin, union_end};
+  }
+
+  /// Query positions that share a block with a key of `[first_key, first_key + cols)` in some
+  /// draw: from the block of the first key to the block of the last, over the draws.
+  Block queries_of_keys(Index h, Index first_key, Index cols) const {
+    Index begin = std::numeric_limits<Index>::max();
+    Index end = std::numeric_limits<Index>::min();
+    for (const Grid& grid : grids_[static_cast<std::size_t>(h)]) {
+      begin = std::min(begin, grid_block(grid, first_key, range_.first, range_.last).begin);
+      end = std::max(end, grid_block(grid, first_key + cols - 1, range_.first, range_.last).end);
+    }
+    begin = std::max(begin, options_.query_position);
+    if (options_.causal) begin = std::max(begin, first_key);
+    end = std::min(end, query_end_);
+    return Block{begin, std::max(begin, end)};
+  }
+
+  /// Adds \f$\log c_{ij}\f$ to a tile of scores, from the intervals of the last prepare_rows
+  /// (whose first row must be `first_query`).
+  void apply(Index h, BackwardWorkspace<Scalar>& workspace, Eigen::Map<RowMatrix<Scalar>>& scores,
+             Index, Index first_key) const {
+    const Index samples = static_cast<Index>(grids_[static_cast<std::size_t>(h)].size());
+    const Index cols = scores.cols();
+    if (static_cast<Index>(workspace.counts.size()) < cols + 1) {
+      workspace.counts.resize(static_cast<std::size_t>(cols + 1));
+    }
+    for (Index r = 0; r < scores.rows(); ++r) {
+      std::fill(workspace.counts.begin(), workspace.counts.begin() + cols + 1, 0);
+      for (Index t = 0; t < samples; ++t) {
+        const std::size_t cell = static_cast<std::size_t>(r * samples + t);
+        const Index begin = std::max(workspace.begins[cell], first_key) - first_key;
+        const Index end = std::min(workspace.ends[cell], first_key + cols) - first_key;
+        if (begin < end) {
+          ++workspace.counts[static_cast<std::size_t>(begin)];
+          --workspace.counts[static_cast<std::size_t>(end)];
+        }
+      }
+      int count = 0;
+      Scalar* row = scores.row(r).data();
+      for (Index c = 0; c < cols; ++c) {
+        count += workspace.counts[static_cast<std::size_t>(c)];
+        row[c] += log_count_[static_cast<std::size_t>(count)];
+      }
+    }
+  }
+
+ private:
+  const std::vector<double>& slopes_;
+  const std::vector<std::vector<Grid>>& grids_;
+  AttentionOptions options_;
+  PositionRange range_;
+  Index query_end_;
+  Index key_end_;
+  std::vector<Scalar> log_count_;  // log(c) for c = 0..s, log(0) = -inf
+};
+
+/// Sweep 1 for query rows `[row_begin, row_end)` of head h: writes those rows of dq, and their
+/// lse and D. The accumulator holds \f$\sum_j e^{l_{ij} - \mu_i}(dP_{ij} - D_i) k_j\f$ with the
+/// running maximum \f$\mu_i\f$; at the end \f$dQ_i = \text{scale}\cdot\text{acc}_i/\ell_i\f$.
+template <class Scalar, class Logits>
+void backward_query_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
+                         const ConstHeadMap<Scalar>& v, const ConstHeadMap<Scalar>& out,
+                         const ConstHeadMap<Scalar>& dout, HeadMap<Scalar>& dq,
+                         const AttentionOptions& options, const Logits& logits, Index h,
+                         Index row_begin, Index row_end, Scalar* lse, Scalar* delta) {
+  constexpr Scalar kMinusInfinity = -std::numeric_limits<Scalar>::infinity();
+  BackwardWorkspace<Scalar>& workspace = backward_workspace<Scalar>();
+  const Index rows = row_end - row_begin;
+  const Index first_query = options.query_position + row_begin;
+  const Scalar scale = static_cast<Scalar>(options.scale);
+  for (Index r = 0; r < rows; ++r) {
+    delta[row_begin + r] = dout.row(row_begin + r).dot(out.row(row_begin + r));
+  }
+  workspace.max.setConstant(rows, kMinusInfinity);
+  workspace.sum.setZero(rows);
+  workspace.accumulator.setZero(rows, q.cols());
+  const Block keys = logits.prepare_rows(h, first_query, rows, workspace);
+  if (keys.begin < keys.end) {
+    workspace.query.noalias() = q.middleRows(row_begin, rows) * scale;
+    const std::size_t needed = static_cast<std::size_t>(rows * kKeyTile);
+    if (workspace.scores.size() < needed) workspace.scores.resize(needed);
+    if (workspace.value_scores.size() < needed) workspace.value_scores.resize(needed);
+    for (Index c0 = keys.begin; c0 < keys.end; c0 += kKeyTile) {
+      const Index cols = std::min(kKeyTile, keys.end - c0);
+      const Index first_key = c0 - options.key_position;
+      Eigen::Map<RowMatrix<Scalar>> scores(workspace.scores.data(), rows, cols);
+      Eigen::Map<RowMatrix<Scalar>> value_scores(workspace.value_scores.data(), rows, cols);
+      scores.noalias() = workspace.query * k.middleRows(first_key, cols).transpose();
+      logits.apply(h, workspace, scores, first_query, c0);
+      value_scores.noalias() =
+          dout.middleRows(row_begin, rows) * v.middleRows(first_key, cols).transpose();
+      for (Index r = 0; r < rows; ++r) {
+        const Scalar new_max = std::max(workspace.max[r], scores.row(r).maxCoeff());
+        if (new_max == kMinusInfinity) {  // nothing visible yet: exp(-inf - -inf) would be NaN
+          scores.row(r).setZero();
+          continue;
+        }
+        const Scalar rescale = std::exp(workspace.max[r] - new_max);
+        scores.row(r).array() = (scores.row(r).array() - new_max).exp();
+        workspace.sum[r] = workspace.sum[r] * rescale + scores.row(r).sum();
+        workspace.accumulator.row(r) *= rescale;
+        workspace.max[r] = new_max;
+        scores.row(r).array() *= value_scores.row(r).array() - delta[row_begin + r];
+      }
+      workspace.accumulator.noalias() += scores * k.middleRows(first_key, cols);
+    }
+  }
+  for (Index r = 0; r < rows; ++r) {
+    const bool seen = workspace.sum[r] > 0;
+    if (seen) {
+      dq.row(row_begin + r) = workspace.accumulator.row(r) * (scale / workspace.sum[r]);
+    } else {
+      dq.row(row_begin + r).setZero();
+    }
+    lse[row_begin + r] = seen ? workspace.max[r] + std::log(workspace.sum[r]) : kMinusInfinity;
+  }
+}
+
+/// Sweep 2 for key rows `[col_begin, col_end)` of key/value head g: writes those rows of dk and
+/// dv, summing over the query heads of the group in order, and their query tiles in order.
+template <class Scalar, class Logits>
+void backward_key_rows(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
+                       const HeadsView<const Scalar>& v, const HeadsView<const Scalar>& dout,
+                       const HeadsView<Scalar>& dk, const HeadsView<Scalar>& dv,
+                       const AttentionOptions& options, const Logits& logits, Index kv_head,
+                       Index col_begin, Index col_end, const std::vector<Scalar>& lse,
+                       const std::vector<Scalar>& delta) {
+  constexpr Scalar kMinusInfinity = -std::numeric_limits<Scalar>::infinity();
+  BackwardWorkspace<Scalar>& workspace = backward_workspace<Scalar>();
+  const Index group = q.heads / k.heads;
+  const Index cols = col_end - col_begin;
+  const Index first_key = options.key_position + col_begin;
+  const Scalar scale = static_cast<Scalar>(options.scale);
+  const ConstHeadMap<Scalar> k_head = k.head(kv_head);
+  const ConstHeadMap<Scalar> v_head = v.head(kv_head);
+  const auto k_tile = k_head.middleRows(col_begin, cols);
+  const auto v_tile = v_head.middleRows(col_begin, cols);
+  workspace.accumulator.setZero(cols, k.dim);
+  workspace.value_accumulator.setZero(cols, v.dim);
+  for (Index h = kv_head * group; h < (kv_head + 1) * group; ++h) {
+    const ConstHeadMap<Scalar> q_head = q.head(h);
+    const ConstHeadMap<Scalar> dout_head = dout.head(h);
+    const Scalar* head_lse = lse.data() + h * q.tokens;
+    const Scalar* head_delta = delta.data() + h * q.tokens;
+    const Block queries = logits.queries_of_keys(h, first_key, cols);
+    const Index tile = logits.query_tile(h);
+    for (Index p0 = queries.begin; p0 < queries.end; p0 += tile) {
+      const Index rows = std::min(tile, queries.end - p0);
+      const Index row_begin = p0 - options.query_position;
+      const Block keys = logits.prepare_rows(h, p0, rows, workspace);
+      if (keys.end <= first_key || keys.begin >= first_key + cols) continue;
+      const std::size_t needed = static_cast<std::size_t>(rows * cols);
+      if (workspace.scores.size() < needed) workspace.scores.resize(needed);
+      if (workspace.value_scores.size() < needed) workspace.value_scores.resize(needed);
+      Eigen::Map<RowMatrix<Scalar>> scores(workspace.scores.data(), rows, cols);
+      Eigen::Map<RowMatrix<Scalar>> value_scores(workspace.value_scores.data(), rows, cols);
+      workspace.query.noalias() = q_head.middleRows(row_begin, rows) * scale;
+      scores.noalias() = workspace.query * k_tile.transpose();
+      logits.apply(h, workspace, scores, p0, first_key);
+      for (Index r = 0; r < rows; ++r) {
+        const Scalar row_lse = head_lse[row_begin + r];
+        if (row_lse == kMinusInfinity) {
+          scores.row(r).setZero();
+        } else {
+          scores.row(r).array() = (scores.row(r).array() - row_lse).exp();
+        }
+      }
+      const auto dout_rows = dout_head.middleRows(row_begin, rows);
+      workspace.value_accumulator.noalias() += scores.transpose() * dout_rows;
+      value_scores.noalias() = dout_rows * v_tile.transpose();
+      for (Index r = 0; r < rows; ++r) {
+        scores.row(r).array() *= value_scores.row(r).array() - head_delta[row_begin + r];
+      }
+      workspace.accumulator.noalias() += scores.transpose() * workspace.query;
+    }
+  }
+  dk.head(kv_head).middleRows(col_begin, cols) = workspace.accumulator;
+  dv.head(kv_head).middleRows(col_begin, cols) = workspace.value_accumulator;
+}
+
+/// Both sweeps. `options.scale` must be resolved.
+template <class Scalar, class Logits>
+void attention_backward(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
+                        const HeadsView<const Scalar>& v, const HeadsView<const Scalar>& out,
+                        const HeadsView<const Scalar>& dout, const HeadsView<Scalar>& dq,
+                        const HeadsView<Scalar>& dk, const HeadsView<Scalar>& dv,
+                        const AttentionOptions& options, const Logits& logits) {
+  const Index group = q.heads / k.heads;
+  std::vector<Scalar> lse(static_cast<std::size_t>(q.heads * q.tokens));
+  std::vector<Scalar> delta(lse.size());
+  struct Tile {
+    Index head, begin, end;
+  };
+  std::vector<Tile> tiles;
+  for (Index h = 0; h < q.heads; ++h) {
+    const Index height = logits.query_tile(h);
+    for (Index r0 = 0; r0 < q.tokens; r0 += height) {
+      tiles.push_back(Tile{h, r0, std::min(q.tokens, r0 + height)});
+    }
+  }
+  parallel_for(static_cast<Index>(tiles.size()), [&](Index job) {
+    const Tile& tile = tiles[static_cast<std::size_t>(job)];
+    HeadMap<Scalar> dq_head = dq.head(tile.head);
+    backward_query_rows<Scalar>(
+        q.head(tile.head), k.head(tile.head / group), v.head(tile.head / group),
+        out.head(tile.head), dout.head(tile.head), dq_head, options, logits, tile.head, tile.begin,
+        tile.end, lse.data() + tile.head * q.tokens, delta.data() + tile.head * q.tokens);
+  });
+  tiles.clear();
+  for (Index g = 0; g < k.heads; ++g) {
+    const Index width = logits.key_tile(g, group);
+    for (Index c0 = 0; c0 < k.tokens; c0 += width) {
+      tiles.push_back(Tile{g, c0, std::min(k.tokens, c0 + width)});
+    }
+  }
+  parallel_for(static_cast<Index>(tiles.size()), [&](Index job) {
+    const Tile& tile = tiles[static_cast<std::size_t>(job)];
+    backward_key_rows<Scalar>(q, k, v, dout, dk, dv, options, logits, tile.head, tile.begin,
+                              tile.end, lse, delta);
+  });
+}
+
+}  // namespace detail
+
+/// Gradients of exact_alibi_attention with respect to q, k and v.
+///
+/// Given the forward's output `out` and the gradient `dout` of a loss with respect to it, writes
+/// \f$dq = \partial L/\partial q\f$, \f$dk\f$, \f$dv\f$ (overwritten, not accumulated); see the
+/// file comment for the formulas. Grouped heads: dk and dv of a key/value head sum over the query
+/// heads that read it.
+///
+/// \param q, k, v, out as exact_alibi_attention (out is its result for these inputs).
+/// \param dout `[n_q][H][d_v]`. \param dq like q, \param dk like k, \param dv like v.
+/// \param slopes, options as the forward.
+/// \throws std::invalid_argument on shapes that disagree, a bad slope, or a gradient view that
+/// overlaps an input or another gradient; the message names the argument.
+template <class Scalar>
+void exact_alibi_attention_backward(
+    HeadsView<const detail::NonDeduced<Scalar>> q, HeadsView<const detail::NonDeduced<Scalar>> k,
+    HeadsView<const detail::NonDeduced<Scalar>> v, HeadsView<const detail::NonDeduced<Scalar>> out,
+    HeadsView<const detail::NonDeduced<Scalar>> dout, HeadsView<Scalar> dq, HeadsView<Scalar> dk,
+    HeadsView<Scalar> dv, const std::vector<double>& slopes, const AttentionOptions& options = {}) {
+  const char* function = "exact_alibi_attention_backward";
+  detail::validate_backward(function, q, k, v, out, dout, dq, dk, dv, options);
+  detail::validate_slopes(function, slopes, q.heads);
+  AttentionOptions resolved = options;
+  resolved.scale = detail::resolved_scale(options, q.dim);
+  const detail::AlibiLogits<Scalar> logits(slopes, resolved, q.tokens, k.tokens);
+  detail::attention_backward(q, k, v, out, dout, dq, dk, dv, resolved, logits);
+}
+
+/// Gradients of plsh_attention with respect to q, k and v: the function of the fused kernel,
+/// softmax of \f$S_{ij} + \log c_{ij}\f$, with the draws of `options.seed` (Kernel::Passes
+/// evaluates the same function, so `options.kernel` does not matter).
+///
+/// Arguments as exact_alibi_attention_backward, with the options of plsh_attention.
+/// \throws std::invalid_argument as exact_alibi_attention_backward, and for `samples < 1`.
+template <class Scalar>
+void plsh_attention_backward(HeadsView<const detail::NonDeduced<Scalar>> q,
+                             HeadsView<const detail::NonDeduced<Scalar>> k,
+                             HeadsView<const detail::NonDeduced<Scalar>> v,
+                             HeadsView<const detail::NonDeduced<Scalar>> out,
+                             HeadsView<const detail::NonDeduced<Scalar>> dout, HeadsView<Scalar> dq,
+                             HeadsView<Scalar> dk, HeadsView<Scalar> dv,
+                             const std::vector<double>& slopes, const PlshOptions& options = {}) {
+  const char* function = "plsh_attention_backward";
+  detail::validate_backward(function, q, k, v, out, dout, dq, dk, dv, options);
+  detail::validate_slopes(function, slopes, q.heads);
+  detail::require(options.samples >= 1, function, "options.samples must be at least 1");
+  AttentionOptions resolved = options;
+  resolved.scale = detail::resolved_scale(options, q.dim);
+  const auto grids = detail::draw_head_grids(slopes, options.samples, options.seed);
+  const detail::PlshLogits<Scalar> logits(
+      slopes, grids, resolved, detail::position_range(q, k, options), q.tokens, k.tokens);
+  detail::attention_backward(q, k, v, out, dout, dq, dk, dv, resolved, logits);
+}
+
+namespace reference {
+
+/// Dense backward of plsh::reference::factor_attention in double, straight from the formulas of
+/// the file comment: per head the whole matrix \f$P_{ij} = F_{ij}e^{S_{ij}}/\sum_j F_{ij}
+/// e^{S_{ij}}\f$, \f$o = PV\f$, \f$D = \mathrm{rowsum}(dO\circ o)\f$, \f$dV = P^\top dO\f$,
+/// \f$dS = P\circ(dO\,V^\top - D)\f$, \f$dQ = \text{scale}\; dS\,K\f$, \f$dK = \text{scale}\;
+/// dS^\top Q\f$. `factor(h, p_i, p_j)` is \f$F_{ij}\f$ for query head h. O(n_q n_k) memory per
+/// head.
+template <class Scalar, class Factor>
+void factor_attention_backward(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
+                               const HeadsView<const Scalar>& v,
+                               const HeadsView<const Scalar>& dout, const HeadsView<Scalar>& dq,
+                               const HeadsView<Scalar>& dk, const HeadsView<Scalar>& dv,
+                               const AttentionOptions& options, Factor&& factor) {
+  // dout stands in for out in the checks: both are [n_q][H][d_v].
+  detail::validate_backward("reference::factor_attention_backward", q, k, v, dout, dout, dq, dk, dv,
+                            options);
+  const double scale = detail::resolved_scale(options, q.dim);
+  const Index group = q.heads / k.heads;
+  for (Index g = 0; g < k.heads; ++g) {
+    const Eigen::MatrixXd k_head = k.head(g).template cast<double>();
+    const Eigen::MatrixXd v_head = v.head(g).template cast<double>();
+    Eigen::MatrixXd dk_head = Eigen::MatrixXd::Zero(k.tokens, k.dim);
+    Eigen::MatrixXd dv_head = Eigen::MatrixXd::Zero(v.tokens, v.dim);
+    for (Index h = g * group; h < (g + 1) * group; ++h) {
+      const Eigen::MatrixXd q_head = q.head(h).template cast<double>();
+      const Eigen::MatrixXd dout_head = dout.head(h).template cast<double>();
+      Eigen::MatrixXd probabilities = Eigen::MatrixXd::Zero(q.tokens, k.tokens);
+      for (Index i = 0; i < q.tokens; ++i) {
+        const Index query_position = options.query_position + i;
+        double max_logit = -std::numeric_limits<double>::infinity();
+        for (Index j = 0; j < k.tokens; ++j) {
+          const Index key_position = options.key_position + j;
+          const double weight = (options.causal && key_position > query_position)
+                                    ? 0.0
+                                    : factor(h, query_position, key_position);
+          if (weight > 0) {
+            probabilities(i, j) = std::log(weight) + scale * q_head.row(i).dot(k_head.row(j));
+            max_logit = std::max(max_logit, probabilities(i, j));
+          } else {
+            probabilities(i, j) = -std::numeric_limits<double>::infinity();
+          }
+        }
+        if (max_logit == -std::numeric_limits<double>::infinity()) {
+          probabilities.row(i).setZero();
+          continue;
+        }
+        probabilities.row(i) = (probabilities.row(i).array() - max_logit).exp().matrix();
+        probabilities.row(i) /= probabilities.row(i).sum();
+      }
+      const Eigen::MatrixXd out_head = probabilities * v_head;
+      const Eigen::VectorXd delta = dout_head.cwiseProduct(out_head).rowwise().sum();
+      dv_head += probabilities.transpose() * dout_head;
+      const Eigen::MatrixXd score_gradient =
+          probabilities.cwiseProduct((dout_head * v_head.transpose()).colwise() - delta);
+      const Eigen::MatrixXd dq_head = scale * score_gradient * k_head;
+      dk_head += scale * score_gradient.transpose() * q_head;
+      dq.head(h) = dq_head.template cast<Scalar>();
+    }
+    dk.head(g) = dk_head.template cast<Scalar>();
+    dv.head(g) = dv_head.template cast<Scalar>();
+  }
+}
+
+/// Backward of exact ALiBi: \f$F_{ij} = e^{-m_h|p_i - p_j|}\f$.
+template <class Scalar>
+void alibi_attention_backward(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
+                              const HeadsView<const Scalar>& v, const HeadsView<const Scalar>& dout,
+                              const HeadsView<Scalar>& dq, const HeadsView<Scalar>& dk,
+                              const HeadsView<Scalar>& dv, const std::vector<double>& slopes,
+                              const AttentionOptions& options = {}) {
+  detail::validate_slopes("reference::alibi_attention_backward", slopes, q.heads);
+  factor_attention_backward(q, k, v, dout, dq, dk, dv, options, [&](Index h, Index i, Index j) {
+    return std::exp(-slopes[static_cast<std::size_t>(h)] * static_cast<double>(std::abs(i - j)));
+  });
+}
+
+/// Backward of Positional LSH with the grids plsh_attention draws for `options.seed`:
+/// \f$F_{ij} = c_{ij}/s\f$, the mean block mask.
+template <class Scalar>
+void plsh_attention_backward(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
+                             const HeadsView<const Scalar>& v, const HeadsView<const Scalar>& dout,
+                             const HeadsView<Scalar>& dq, const HeadsView<Scalar>& dk,
+                             const HeadsView<Scalar>& dv, const std::vector<double>& slopes,
+                             const PlshOptions& options = {}) {
+  detail::validate_slopes("reference::plsh_attention_backward", slopes, q.heads);
+  const auto grids = detail::draw_head_grids(slopes, options.samples, options.seed);
+  factor_attention_backward(q, k, v, dout, dq, dk, dv, options, [&](Index h, Index i, Index j) {
+    const std::vector<Grid>& head_grids = grids[static_cast<std::size_t>(h)];
+    double shared = 0;
+    for (const Grid& grid : head_grids) {
+      if (std::isinf(grid.pitch) || detail::bin_index(grid, i) == detail::bin_index(grid, j)) {
+        shared += 1;
+      }
+    }
+    return shared / static_cast<double>(head_grids.size());
+  });
+}
+
+}  // namespace reference
+}  // namespace plsh
+
+#endif  // PLSH_ATTENTION_BACKWARD_HPP
