@@ -23,7 +23,8 @@ constexpr double open_unit(std::uint64_t bits) {
 
 /// A counter-based generator: word `(counter, lane)` is a pure function of the key, so draws can be
 /// taken in any order, by any thread, with the same result. Every 64-bit counter gets its own
-/// stream: \f$w = \mathrm{mix64}(\mathrm{mix64}(\text{key} \oplus \text{counter}) + \text{lane})\f$.
+/// stream: \f$w = \mathrm{mix64}(\mathrm{mix64}(\text{key} \oplus \text{counter}) +
+/// \text{lane})\f$.
 class CounterRandom {
  public:
   explicit constexpr CounterRandom(std::uint64_t seed) : key_(mix64(seed)) {}
