@@ -37,6 +37,13 @@ inline double bin_index(const Grid& grid, Index position) {
   return std::floor((static_cast<double>(position) - grid.shift) / grid.pitch);
 }
 
+/// Whether positions `i` and `j` fall in the same bin of `grid`.
+inline bool same_bin(const Grid& grid, Index i, Index j) {
+  if (std::isinf(grid.pitch)) return true;
+  if (grid.pitch <= 1) return i == j;
+  return bin_index(grid, i) == bin_index(grid, j);
+}
+
 }  // namespace detail
 
 /// The block of the partition of `[first, last)` that holds `position`, in O(1): the integers of
@@ -49,6 +56,8 @@ inline Block grid_block(const Grid& grid, Index position, Index first, Index las
   detail::require(first <= position && position < last, "grid_block",
                   "position must lie in [first, last)");
   if (std::isinf(grid.pitch)) return Block{first, last};
+  // A bin no longer than 1 holds at most one integer; (p - shift) / pitch could overflow.
+  if (grid.pitch <= 1) return Block{position, position + 1};
   const double k = detail::bin_index(grid, position);
   const auto clamp = [](double value, Index low, Index high) {
     return static_cast<Index>(

@@ -64,7 +64,8 @@ struct HeadsView {
     return HeadsView{data + begin * token_stride, count, heads, dim, token_stride, head_stride};
   }
 
-  template <class T = Scalar, class = std::enable_if_t<!std::is_const<T>::value>>
+  template <class T = Scalar,
+            class = std::enable_if_t<std::is_same<T, Scalar>::value && !std::is_const<T>::value>>
   operator HeadsView<const T>() const {  // NOLINT(google-explicit-constructor): T* -> const T*
     return HeadsView<const T>{data, tokens, heads, dim, token_stride, head_stride};
   }
