@@ -1,0 +1,188 @@
+#!/usr/bin/env python3
+"""Plots of the plsh benchmarks.
+
+Reads the Google Benchmark JSON of plsh_bench
+(--benchmark_format=json --benchmark_out=FILE, or --benchmark_out_format=json) and the JSON of
+plsh_accuracy (--json=FILE), and writes:
+
+  time_vs_n.png     time per call against n (log-log), one line per method, PLSH methods at
+                    one number of samples (--samples, default 20); GFLOP/s against n beside it.
+  error_vs_time.png relative error against exact ALiBi versus time per call (log-log): the
+                    accuracy trade-off of each method.
+
+With repetitions (--benchmark_repetitions=R) the median aggregate is used, or the median of the
+repetitions when only those were written. Needs python3 and matplotlib.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+# Benchmark families and the accuracy methods, in plotting order.
+FAMILIES = ["gemm", "gemm_tile", "regular", "exact", "windowed", "passes", "fused",
+            "fixed_blocks"]
+SAMPLED = {"passes", "fused"}
+STYLE = {
+    "gemm": dict(color="0.55", linestyle=":", marker="x"),
+    "gemm_tile": dict(color="0.35", linestyle=":", marker="+"),
+    "regular": dict(color="tab:gray", linestyle="--", marker="s"),
+    "exact": dict(color="tab:red", marker="o"),
+    "windowed": dict(color="tab:orange", marker="v"),
+    "passes": dict(color="tab:blue", marker="^"),
+    "fused": dict(color="tab:green", marker="D"),
+    "fixed_blocks": dict(color="tab:purple", marker="P"),
+}
+TIME_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+def load_matplotlib():
+    try:
+        import matplotlib
+    except ImportError:
+        sys.exit("plot.py: matplotlib is not installed (Debian: apt-get install python3-matplotlib;"
+                 " otherwise: python3 -m pip install matplotlib)")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as pyplot
+    return pyplot
+
+
+def parse_name(run_name):
+    """'fused/16384/20/real_time' -> ('fused', [16384, 20]); options such as 'min_time:0.5' and
+    'real_time' are dropped."""
+    parts = run_name.split("/")
+    numbers = [int(part) for part in parts[1:] if part.isdigit()]
+    return parts[0], numbers
+
+
+def read_benchmarks(path, clock):
+    """{(family, n, s or None): {"seconds": ..., "gflops": ...}} from a Google Benchmark JSON."""
+    with open(path) as file:
+        report = json.load(file)
+    medians = {}
+    repetitions = {}
+    for entry in report.get("benchmarks", []):
+        if entry.get("error_occurred"):
+            continue
+        run_name = entry.get("run_name", entry["name"])
+        seconds = entry[clock + "_time"] * TIME_UNIT_SECONDS[entry.get("time_unit", "ns")]
+        sample = {"seconds": seconds, "gflops": entry.get("gflops")}
+        if entry.get("run_type") == "aggregate":
+            if entry.get("aggregate_name") == "median":
+                medians[run_name] = sample
+        else:
+            repetitions.setdefault(run_name, []).append(sample)
+    results = {}
+    for run_name in set(medians) | set(repetitions):
+        if run_name in medians:
+            sample = medians[run_name]
+        else:
+            runs = repetitions[run_name]
+            sample = {
+                "seconds": statistics.median(run["seconds"] for run in runs),
+                "gflops": (statistics.median(run["gflops"] for run in runs)
+                           if all(run["gflops"] is not None for run in runs) else None),
+            }
+        family, numbers = parse_name(run_name)
+        if family not in STYLE or not numbers:
+            continue  # other families (threads, decoding) are not part of these plots
+        n = numbers[0]
+        samples = numbers[1] if family in SAMPLED and len(numbers) > 1 else None
+        results[(family, n, samples)] = sample
+    return results
+
+
+def plot_time_vs_n(pyplot, results, samples, clock, path):
+    figure, (time_axes, rate_axes) = pyplot.subplots(1, 2, figsize=(12, 5))
+    plotted = False
+    for family in FAMILIES:
+        wanted = samples if family in SAMPLED else None
+        points = sorted((n, sample) for (name, n, s), sample in results.items()
+                        if name == family and s == wanted)
+        if not points:
+            continue
+        plotted = True
+        label = f"{family} (s = {samples})" if family in SAMPLED else family
+        lengths = [n for n, _ in points]
+        time_axes.loglog(lengths, [1e3 * sample["seconds"] for _, sample in points],
+                         label=label, **STYLE[family])
+        rates = [(n, sample["gflops"]) for n, sample in points if sample["gflops"] is not None]
+        if rates:
+            rate_axes.semilogx([n for n, _ in rates], [rate for _, rate in rates], label=label,
+                               **STYLE[family])
+    if not plotted:
+        print(f"plot.py: no benchmark of the known families in the input; {path} not written",
+              file=sys.stderr)
+        pyplot.close(figure)
+        return
+    time_axes.set_xlabel("sequence length n")
+    time_axes.set_ylabel(f"time per call, ms ({clock} time)")
+    time_axes.set_title("8 heads, d = 64, causal, float")
+    time_axes.grid(True, which="both", alpha=0.3)
+    time_axes.legend(fontsize="small")
+    rate_axes.set_xlabel("sequence length n")
+    rate_axes.set_ylabel("GFLOP/s (2 (d + d_v) per computed score)")
+    rate_axes.set_title("arithmetic rate")
+    rate_axes.set_ylim(bottom=0)
+    rate_axes.grid(True, which="both", alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    pyplot.close(figure)
+    print(f"wrote {path}")
+
+
+def plot_error_vs_time(pyplot, accuracy, path):
+    figure, axes = pyplot.subplots(figsize=(7, 5))
+    methods = accuracy["methods"]
+    for family in FAMILIES:
+        rows = [row for row in methods if row["method"] == family]
+        if not rows:
+            continue
+        times = [1e3 * row["median_seconds"] for row in rows]
+        errors = [row["relative_error"] for row in rows]
+        axes.loglog(times, errors, label=family, **STYLE[family])
+        for time, error, row in zip(times, errors, rows):
+            if row["parameter"]:
+                axes.annotate(row["parameter"], (time, error), textcoords="offset points",
+                              xytext=(4, 4), fontsize="x-small")
+    axes.set_xlabel("time per call, ms (median wall time)")
+    axes.set_ylabel("relative Frobenius error vs exact ALiBi (double)")
+    axes.set_title(f"n = {accuracy['n']}, {accuracy['heads']} heads, d = {accuracy['dim']}, "
+                   f"{accuracy['threads']} thread(s)")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    pyplot.close(figure)
+    print(f"wrote {path}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bench", help="plsh_bench JSON output")
+    parser.add_argument("--accuracy", help="plsh_accuracy --json output")
+    parser.add_argument("--out-dir", default=".", help="where the PNG files go (default: .)")
+    parser.add_argument("--samples", type=int, default=20,
+                        help="number of samples s of the PLSH curves in time_vs_n.png")
+    parser.add_argument("--clock", choices=["real", "cpu"], default="real",
+                        help="benchmark time to plot (default: real, the wall time)")
+    arguments = parser.parse_args()
+    if not arguments.bench and not arguments.accuracy:
+        parser.error("give --bench FILE, --accuracy FILE, or both")
+
+    pyplot = load_matplotlib()
+    os.makedirs(arguments.out_dir, exist_ok=True)
+    if arguments.bench:
+        results = read_benchmarks(arguments.bench, arguments.clock)
+        plot_time_vs_n(pyplot, results, arguments.samples, arguments.clock,
+                       os.path.join(arguments.out_dir, "time_vs_n.png"))
+    if arguments.accuracy:
+        with open(arguments.accuracy) as file:
+            accuracy = json.load(file)
+        plot_error_vs_time(pyplot, accuracy, os.path.join(arguments.out_dir, "error_vs_time.png"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,398 @@
+/// \file plsh_bench.cpp
+/// Speed of the attention kernels of plsh (Google Benchmark).
+///
+/// Problem: 8 heads with plsh::alibi_slopes(8), head dimension d = d_v = 64, causal, float, q, k
+/// and v uniform in [-1, 1] from plsh::detail::CounterRandom (filled once per sequence length,
+/// outside the timed region). Benchmarks are named `family/n[/s]`:
+///
+/// - `gemm/n`: Eigen reference product, the efficiency yardstick. n/1024 times the pair
+///   S = Q K^T, O = S V with Q, K, V of 1024 x 64 (float, row-major): the work of n queries
+///   against 1024 keys in one large product, 2 (d + d_v) flops per score entry.
+/// - `gemm_tile/n`: the same products cut into the tiles of the attention core (64 query rows
+///   against 128 keys): what Eigen reaches on those small shapes, before softmax.
+/// - `regular/n`: unbiased causal attention, exact_alibi_attention with every slope 0.
+/// - `exact/n`: plsh::exact_alibi_attention.
+/// - `windowed/n`: plsh::windowed_alibi_attention, tolerance 1e-6.
+/// - `passes/n/s`, `fused/n/s`: plsh::plsh_attention with Kernel::Passes / Kernel::Fused.
+/// - `fixed_blocks/n`: plsh::fixed_block_attention, block size 64.
+/// - `fused_threads/16384/20/t`: the fused kernel with t OpenMP threads (OpenMP builds only).
+///
+/// Counters: `tokens_per_second` (n per second), `scores_per_query` (score entries computed per
+/// query and head, counted from the kernels' own tiling), `gflops` (2 (d + d_v) flops per
+/// computed score entry, per second, in units of 1e9). Threads: the kernels use
+/// omp_get_max_threads() threads; run with OMP_NUM_THREADS=1 for single-thread figures.
+
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include <plsh/plsh.hpp>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+namespace {
+
+using plsh::Index;
+
+constexpr Index kHeads = 8;
+constexpr Index kDim = 64;
+constexpr Index kValueDim = 64;
+constexpr double kWindowTolerance = 1e-6;
+constexpr Index kFixedBlockSize = 64;
+/// Keys of the gemm yardstick: each product is (1024 x 64) (64 x 1024), then (1024 x 1024)
+/// (1024 x 64).
+constexpr Index kGemmKeys = 1024;
+/// Flops per computed score entry: q.k (2d) and the weighted sum of values (2 d_v).
+constexpr double kFlopsPerScore = 2.0 * (kDim + kValueDim);
+
+const std::vector<Index> kLengths = {1024, 4096, 16384, 65536};
+/// The fused kernel also runs at 8192, so that its growth from 8192 to 65536 can be read off.
+const std::vector<Index> kFusedLengths = {1024, 4096, 8192, 16384, 65536};
+const std::vector<Index> kSamples = {5, 20, 100};
+
+/// Fills `values` with uniform numbers in [-1, 1]: element i is 2 U(i) - 1 from a generator
+/// seeded with `seed`.
+void fill_uniform(std::vector<float>& values, std::uint64_t seed) {
+  const plsh::detail::CounterRandom random(seed);
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    values[i] = static_cast<float>(2 * random.unit(i, 0) - 1);
+  }
+}
+
+/// q, k, v and out of one sequence length, [n][heads][dim], packed.
+struct Problem {
+  Index n = 0;
+  std::vector<float> q, k, v, out;
+
+  plsh::HeadsView<const float> view(const std::vector<float>& data, Index dim) const {
+    return plsh::HeadsView<const float>{data.data(), n, kHeads, dim};
+  }
+  plsh::HeadsView<const float> queries() const { return view(q, kDim); }
+  plsh::HeadsView<const float> keys() const { return view(k, kDim); }
+  plsh::HeadsView<const float> values() const { return view(v, kValueDim); }
+  plsh::HeadsView<float> output() {
+    return plsh::HeadsView<float>{out.data(), n, kHeads, kValueDim};
+  }
+};
+
+/// The inputs of length n. Only the latest length is kept: at n = 65536 the four tensors take
+/// 0.5 GB.
+Problem& problem(Index n) {
+  static std::unique_ptr<Problem> cached;
+  if (!cached || cached->n != n) {
+    cached.reset();
+    cached = std::make_unique<Problem>();
+    cached->n = n;
+    const auto size = static_cast<std::size_t>(n * kHeads * kDim);
+    cached->q.resize(size);
+    cached->k.resize(size);
+    cached->v.resize(static_cast<std::size_t>(n * kHeads * kValueDim));
+    cached->out.assign(cached->v.size(), 0.0f);
+    fill_uniform(cached->q, 1);
+    fill_uniform(cached->k, 2);
+    fill_uniform(cached->v, 3);
+  }
+  return *cached;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Score entries computed by each kernel, counted from the same tiling the kernel uses.
+// ---------------------------------------------------------------------------------------------
+
+/// Entries computed by the tiled core (detail::attend_span) on a causal span of `length` queries
+/// against the `length` keys at the same positions, keys farther than `window` dropped: query
+/// tile [r0, r1) covers keys [max(0, r0 - window), r1), i.e. (r1 - r0) (r1 - key_begin)
+/// entries, the masked upper triangle of the diagonal tile included.
+double causal_span_entries(Index length, Index window) {
+  double entries = 0;
+  for (Index r0 = 0; r0 < length; r0 += plsh::detail::kQueryTile) {
+    const Index r1 = std::min(length, r0 + plsh::detail::kQueryTile);
+    const Index key_begin = std::max<Index>(0, r0 - window);
+    entries += static_cast<double>(r1 - r0) * static_cast<double>(r1 - key_begin);
+  }
+  return entries;
+}
+
+/// Exact (window = detail::kNoWindow) or windowed ALiBi: one causal span per head.
+double alibi_entries(Index n, const std::vector<double>& slopes, double tolerance) {
+  double entries = 0;
+  for (const double slope : slopes) {
+    entries += causal_span_entries(n, plsh::detail::alibi_window(slope, tolerance));
+  }
+  return entries;
+}
+
+/// The pass kernel: per head, draw and block b, the tiled core on a causal b x b span.
+double pass_entries(Index n, const std::vector<std::vector<plsh::Grid>>& head_grids) {
+  double entries = 0;
+  for (const auto& grids : head_grids) {
+    for (const plsh::Grid& grid : grids) {
+      for (Index p = 0; p < n;) {
+        const plsh::Block block = plsh::grid_block(grid, p, 0, n);
+        entries += causal_span_entries(block.size(), plsh::detail::kNoWindow);
+        p = block.end;
+      }
+    }
+  }
+  return entries;
+}
+
+/// The fused kernel (detail::fused_attention / fused_rows, self-attention at position 0): per
+/// head, query tiles of detail::fused_tile_rows(slope) rows; each tile computes its rows against
+/// the union of the visible parts [block.begin, min(position + 1, block.end)) of the blocks that
+/// hold its rows, over all draws.
+double fused_entries(Index n, const std::vector<double>& slopes,
+                     const std::vector<std::vector<plsh::Grid>>& head_grids) {
+  double entries = 0;
+  for (std::size_t h = 0; h < slopes.size(); ++h) {
+    const Index height = plsh::detail::fused_tile_rows(slopes[h]);
+    for (Index row_begin = 0; row_begin < n; row_begin += height) {
+      const Index row_end = std::min(n, row_begin + height);
+      Index union_begin = n;
+      Index union_end = 0;
+      for (const plsh::Grid& grid : head_grids[h]) {
+        plsh::Block block{0, 0};
+        for (Index position = row_begin; position < row_end; ++position) {
+          if (!block.contains(position)) block = plsh::grid_block(grid, position, 0, n);
+          const Index end = std::min(position + 1, block.end);
+          if (block.begin < end) {
+            union_begin = std::min(union_begin, block.begin);
+            union_end = std::max(union_end, end);
+          }
+        }
+      }
+      if (union_begin < union_end) {
+        entries +=
+            static_cast<double>(row_end - row_begin) * static_cast<double>(union_end - union_begin);
+      }
+    }
+  }
+  return entries;
+}
+
+double count_entries(const std::string& family, Index n, Index samples) {
+  const std::vector<double> slopes = plsh::alibi_slopes(kHeads);
+  if (family == "regular") return alibi_entries(n, std::vector<double>(slopes.size(), 0.0), 0);
+  if (family == "exact") return alibi_entries(n, slopes, 0);
+  if (family == "windowed") return alibi_entries(n, slopes, kWindowTolerance);
+  if (family == "fixed_blocks") {
+    return pass_entries(n, std::vector<std::vector<plsh::Grid>>(
+                               slopes.size(), {plsh::fixed_grid(kFixedBlockSize)}));
+  }
+  const plsh::PlshOptions defaults;
+  const auto grids = plsh::detail::draw_head_grids(slopes, samples, defaults.seed);
+  if (family == "passes") return pass_entries(n, grids);
+  return fused_entries(n, slopes, grids);  // "fused", "fused_threads"
+}
+
+/// Counting the fused and pass entries at n = 65536, s = 100 takes a noticeable fraction of a
+/// second: each count is made once per (family, n, s).
+double cached_entries(const std::string& family, Index n, Index samples) {
+  static std::map<std::tuple<std::string, Index, Index>, double> counted;
+  const auto key = std::make_tuple(family, n, samples);
+  const auto found = counted.find(key);
+  if (found != counted.end()) return found->second;
+  const double entries = count_entries(family, n, samples);
+  counted.emplace(key, entries);
+  return entries;
+}
+
+/// tokens_per_second, scores_per_query and gflops; the rates are per real second of all
+/// iterations (kIsIterationInvariantRate: value per iteration times iterations over time).
+void set_counters(benchmark::State& state, Index n, Index heads, double entries) {
+  using benchmark::Counter;
+  state.counters["tokens_per_second"] =
+      Counter(static_cast<double>(n), Counter::kIsIterationInvariantRate);
+  state.counters["scores_per_query"] = Counter(entries / static_cast<double>(n * heads));
+  state.counters["gflops"] =
+      Counter(kFlopsPerScore * entries * 1e-9, Counter::kIsIterationInvariantRate);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Benchmarks.
+// ---------------------------------------------------------------------------------------------
+
+plsh::PlshOptions plsh_options(Index samples, plsh::Kernel kernel) {
+  plsh::PlshOptions options;
+  options.samples = samples;
+  options.kernel = kernel;
+  return options;
+}
+
+/// Runs `kernel(problem)` as the timed body on the inputs of length n.
+template <class Kernel>
+void attention_benchmark(benchmark::State& state, const std::string& family, Index n, Index samples,
+                         Kernel kernel) {
+  Problem& inputs = problem(n);
+  const double entries = cached_entries(family, n, samples);
+  for (auto _ : state) {
+    kernel(inputs);
+    benchmark::DoNotOptimize(inputs.out.data());
+    benchmark::ClobberMemory();
+  }
+  set_counters(state, n, kHeads, entries);
+}
+
+using RowMatrixF = plsh::RowMatrix<float>;
+
+RowMatrixF uniform_matrix(Index rows, Index cols, std::uint64_t seed) {
+  std::vector<float> values(static_cast<std::size_t>(rows * cols));
+  fill_uniform(values, seed);
+  return Eigen::Map<const RowMatrixF>(values.data(), rows, cols);
+}
+
+/// gemm/n: n / 1024 times S = Q K^T (1024 x 1024), O = S V, all operands resident in cache.
+void gemm_benchmark(benchmark::State& state, Index n) {
+  const RowMatrixF q = uniform_matrix(kGemmKeys, kDim, 1);
+  const RowMatrixF k = uniform_matrix(kGemmKeys, kDim, 2);
+  const RowMatrixF v = uniform_matrix(kGemmKeys, kValueDim, 3);
+  RowMatrixF scores(kGemmKeys, kGemmKeys);
+  RowMatrixF out(kGemmKeys, kValueDim);
+  for (auto _ : state) {
+    for (Index block = 0; block < n; block += kGemmKeys) {
+      scores.noalias() = q * k.transpose();
+      out.noalias() = scores * v;
+      benchmark::DoNotOptimize(out.data());
+      benchmark::ClobberMemory();
+    }
+  }
+  set_counters(state, n, 1, static_cast<double>(n * kGemmKeys));
+}
+
+/// gemm_tile/n: the same n x 1024 score entries in the attention core's tile shapes: per
+/// 64-row query tile and 128-key tile, S = Q_t K_t^T (64 x 128), O_t += S V_t.
+void gemm_tile_benchmark(benchmark::State& state, Index n) {
+  constexpr Index kRows = plsh::detail::kQueryTile;
+  constexpr Index kCols = plsh::detail::kKeyTile;
+  const RowMatrixF q = uniform_matrix(n, kDim, 1);
+  const RowMatrixF k = uniform_matrix(kGemmKeys, kDim, 2);
+  const RowMatrixF v = uniform_matrix(kGemmKeys, kValueDim, 3);
+  RowMatrixF scores(kRows, kCols);
+  RowMatrixF out(kRows, kValueDim);
+  for (auto _ : state) {
+    for (Index r0 = 0; r0 < n; r0 += kRows) {
+      out.setZero();
+      for (Index c0 = 0; c0 < kGemmKeys; c0 += kCols) {
+        scores.noalias() = q.middleRows(r0, kRows) * k.middleRows(c0, kCols).transpose();
+        out.noalias() += scores * v.middleRows(c0, kCols);
+      }
+      benchmark::DoNotOptimize(out.data());
+      benchmark::ClobberMemory();
+    }
+  }
+  set_counters(state, n, 1, static_cast<double>(n * kGemmKeys));
+}
+
+benchmark::internal::Benchmark* configure(benchmark::internal::Benchmark* benchmark) {
+  return benchmark->Unit(benchmark::kMillisecond)->UseRealTime();
+}
+
+std::string name_of(const std::string& family, Index n) { return family + "/" + std::to_string(n); }
+std::string name_of(const std::string& family, Index n, Index samples) {
+  return name_of(family, n) + "/" + std::to_string(samples);
+}
+
+/// Registers every family, family by family, sizes increasing.
+bool register_benchmarks() {
+  const std::vector<double> slopes = plsh::alibi_slopes(kHeads);
+  const std::vector<double> no_slopes(slopes.size(), 0.0);
+
+  for (const Index n : kLengths) {
+    configure(benchmark::RegisterBenchmark(name_of("gemm", n).c_str(), gemm_benchmark, n));
+  }
+  for (const Index n : kLengths) {
+    configure(
+        benchmark::RegisterBenchmark(name_of("gemm_tile", n).c_str(), gemm_tile_benchmark, n));
+  }
+  for (const Index n : kLengths) {
+    configure(benchmark::RegisterBenchmark(
+        name_of("regular", n).c_str(), [n, no_slopes](benchmark::State& state) {
+          attention_benchmark(state, "regular", n, 0, [&](Problem& p) {
+            plsh::exact_alibi_attention<float>(p.queries(), p.keys(), p.values(), p.output(),
+                                               no_slopes);
+          });
+        }));
+  }
+  for (const Index n : kLengths) {
+    configure(benchmark::RegisterBenchmark(
+        name_of("exact", n).c_str(), [n, slopes](benchmark::State& state) {
+          attention_benchmark(state, "exact", n, 0, [&](Problem& p) {
+            plsh::exact_alibi_attention<float>(p.queries(), p.keys(), p.values(), p.output(),
+                                               slopes);
+          });
+        }));
+  }
+  for (const Index n : kLengths) {
+    configure(benchmark::RegisterBenchmark(
+        name_of("windowed", n).c_str(), [n, slopes](benchmark::State& state) {
+          attention_benchmark(state, "windowed", n, 0, [&](Problem& p) {
+            plsh::windowed_alibi_attention<float>(p.queries(), p.keys(), p.values(), p.output(),
+                                                  slopes, kWindowTolerance);
+          });
+        }));
+  }
+  const std::pair<const char*, plsh::Kernel> plsh_families[] = {{"passes", plsh::Kernel::Passes},
+                                                                {"fused", plsh::Kernel::Fused}};
+  for (const auto& [family, kernel] : plsh_families) {
+    const bool fused = kernel == plsh::Kernel::Fused;
+    for (const Index n : fused ? kFusedLengths : kLengths) {
+      for (const Index samples : kSamples) {
+        const std::string name = family;
+        const plsh::PlshOptions options = plsh_options(samples, kernel);
+        configure(benchmark::RegisterBenchmark(
+            name_of(name, n, samples).c_str(), [=](benchmark::State& state) {
+              attention_benchmark(state, name, n, samples, [&](Problem& p) {
+                plsh::plsh_attention<float>(p.queries(), p.keys(), p.values(), p.output(), slopes,
+                                            options);
+              });
+            }));
+      }
+    }
+  }
+  for (const Index n : kLengths) {
+    configure(benchmark::RegisterBenchmark(
+        name_of("fixed_blocks", n).c_str(), [n](benchmark::State& state) {
+          attention_benchmark(state, "fixed_blocks", n, 0, [&](Problem& p) {
+            plsh::fixed_block_attention<float>(p.queries(), p.keys(), p.values(), p.output(),
+                                               kFixedBlockSize);
+          });
+        }));
+  }
+#if defined(_OPENMP)
+  constexpr Index kThreadsLength = 16384;
+  constexpr Index kThreadsSamples = 20;
+  for (const int threads : {1, 2}) {
+    const plsh::PlshOptions options = plsh_options(kThreadsSamples, plsh::Kernel::Fused);
+    configure(benchmark::RegisterBenchmark(
+        (name_of("fused_threads", kThreadsLength, kThreadsSamples) + "/" + std::to_string(threads))
+            .c_str(),
+        [=](benchmark::State& state) {
+          const int saved_threads = omp_get_max_threads();
+          omp_set_num_threads(threads);
+          attention_benchmark(state, "fused_threads", kThreadsLength, kThreadsSamples,
+                              [&](Problem& p) {
+                                plsh::plsh_attention<float>(p.queries(), p.keys(), p.values(),
+                                                            p.output(), slopes, options);
+                              });
+          state.counters["threads"] = threads;
+          omp_set_num_threads(saved_threads);
+        }));
+  }
+#endif
+  return true;
+}
+
+[[maybe_unused]] const bool registered = register_benchmarks();
+
+}  // namespace
+
+BENCHMARK_MAIN();
