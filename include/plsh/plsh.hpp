@@ -6,11 +6,13 @@
 
 #include "alibi.hpp"
 #include "attention/alibi_attention.hpp"
+#include "attention/backward.hpp"
 #include "attention/online_softmax.hpp"
 #include "attention/options.hpp"
 #include "attention/plsh_attention.hpp"
 #include "attention/reference.hpp"
 #include "attention/regular.hpp"
+#include "kv_cache.hpp"
 #include "metrics.hpp"
 #include "partition.hpp"
 #include "sampler.hpp"

@@ -1,0 +1,396 @@
+// Tests of kv_cache.hpp: KvCache::attend equals the rows of plsh_attention over the whole
+// sequence whatever the chunking of the appends (grouped heads, offsets, both kernels); the
+// number of resident tokens stays within the bound computed from the partitions over a 10^5
+// token run; degenerate slopes; every rejected argument.
+//
+// Accuracy: the cache and the whole-sequence kernel weight the same keys by the same counts, but
+// tile the keys differently, so float sums differ by rounding only. Outputs are convex
+// combinations of values in [-1, 1]; a weighted mean of a few hundred terms in float errs by
+// ~1e-6, below the 2e-5 bound.
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <plsh/alibi.hpp>
+#include <plsh/attention/plsh_attention.hpp>
+#include <plsh/detail/random.hpp>
+#include <plsh/kv_cache.hpp>
+#include <plsh/partition.hpp>
+#include <plsh/sampler.hpp>
+
+namespace {
+
+using plsh::HeadsView;
+using plsh::Index;
+
+/// Queries, keys and values of a whole sequence, packed, uniform in [-1, 1] from CounterRandom.
+struct Sequence {
+  Index tokens, heads, kv_heads, dim, value_dim;
+  std::vector<float> q, k, v;
+
+  Sequence(Index n, Index h, Index h_kv, Index d, Index d_v, std::uint64_t seed)
+      : tokens(n), heads(h), kv_heads(h_kv), dim(d), value_dim(d_v) {
+    const plsh::detail::CounterRandom random(seed);
+    const auto fill = [&](std::vector<float>& values, Index count, std::uint64_t lane) {
+      values.resize(static_cast<std::size_t>(count));
+      for (Index i = 0; i < count; ++i) {
+        values[static_cast<std::size_t>(i)] =
+            static_cast<float>(2 * random.unit(static_cast<std::uint64_t>(i), lane) - 1);
+      }
+    };
+    fill(q, n * h * d, 0);
+    fill(k, n * h_kv * d, 1);
+    fill(v, n * h_kv * d_v, 2);
+  }
+
+  HeadsView<const float> queries(Index begin, Index count) const {
+    return HeadsView<const float>{q.data(), tokens, heads, dim}.slice(begin, count);
+  }
+  HeadsView<const float> keys(Index begin, Index count) const {
+    return HeadsView<const float>{k.data(), tokens, kv_heads, dim}.slice(begin, count);
+  }
+  HeadsView<const float> values(Index begin, Index count) const {
+    return HeadsView<const float>{v.data(), tokens, kv_heads, value_dim}.slice(begin, count);
+  }
+};
+
+/// Chunk sizes cycling through `pattern`, cut to the sequence length.
+std::vector<Index> chunk_schedule(Index tokens, const std::vector<Index>& pattern) {
+  std::vector<Index> chunks;
+  for (Index done = 0, i = 0; done < tokens; ++i) {
+    const Index size =
+        std::min(pattern[static_cast<std::size_t>(i) % pattern.size()], tokens - done);
+    chunks.push_back(size);
+    done += size;
+  }
+  return chunks;
+}
+
+/// Largest |a - b| over the rows `[row_begin, row_begin + rows)` of a `[n][heads][value_dim]`
+/// tensor `b` and the packed rows `a`.
+double max_row_difference(const std::vector<float>& a, const std::vector<float>& b, Index row_begin,
+                          Index rows, Index row_size) {
+  double difference = 0;
+  for (Index i = 0; i < rows * row_size; ++i) {
+    difference =
+        std::max(difference, std::abs(static_cast<double>(a[static_cast<std::size_t>(i)]) -
+                                      b[static_cast<std::size_t>(row_begin * row_size + i)]));
+  }
+  return difference;
+}
+
+/// \f$\max_p (p - E(p) + 1)\f$ over positions `[first, last)`, with \f$E(p)\f$ the smallest start,
+/// over heads and draws, of the block of p: computed from the BlockPartition of every grid.
+Index resident_bound(const std::vector<double>& slopes, const plsh::PlshOptions& options,
+                     Index first, Index last) {
+  std::vector<Index> reachable(static_cast<std::size_t>(last - first),
+                               std::numeric_limits<Index>::max());
+  for (std::size_t h = 0; h < slopes.size(); ++h) {
+    const plsh::RandomBinning sampler(slopes[h],
+                                      plsh::head_seed(options.seed, static_cast<Index>(h)));
+    for (const plsh::Grid& grid : sampler.draw(options.samples)) {
+      const plsh::BlockPartition partition(grid, first, last);
+      for (const plsh::Block block : partition) {
+        for (Index p = block.begin; p < block.end; ++p) {
+          Index& start = reachable[static_cast<std::size_t>(p - first)];
+          start = std::min(start, block.begin);
+        }
+      }
+    }
+  }
+  Index bound = 0;
+  for (Index p = first; p < last; ++p) {
+    bound = std::max(bound, p - reachable[static_cast<std::size_t>(p - first)] + 1);
+  }
+  return bound;
+}
+
+struct DecodeResult {
+  double max_difference = 0;
+  Index max_resident = 0;
+  Index final_resident = 0;
+};
+
+/// Appends `sequence` chunk by chunk and, after every append, attends the whole chunk and its
+/// newest token; compares with the rows of `expected` (plsh_attention over the sequence).
+DecodeResult decode(const Sequence& sequence, const std::vector<double>& slopes,
+                    const plsh::PlshOptions& options, const std::vector<Index>& chunks,
+                    const std::vector<float>& expected) {
+  plsh::KvCache<float> cache(sequence.heads, sequence.kv_heads, sequence.dim, sequence.value_dim,
+                             slopes, options);
+  const Index row_size = sequence.heads * sequence.value_dim;
+  DecodeResult result;
+  Index done = 0;
+  std::vector<float> out;
+  for (const Index chunk : chunks) {
+    cache.append(sequence.keys(done, chunk), sequence.values(done, chunk));
+    done += chunk;
+    REQUIRE(cache.position() == options.key_position + done);
+    REQUIRE(cache.oldest_position() + cache.resident() == cache.position());
+    result.max_resident = std::max(result.max_resident, cache.resident());
+    for (const Index queries : {chunk, Index{1}}) {
+      out.assign(static_cast<std::size_t>(queries * row_size), 0.0f);
+      cache.attend(sequence.queries(done - queries, queries),
+                   HeadsView<float>{out.data(), queries, sequence.heads, sequence.value_dim});
+      result.max_difference =
+          std::max(result.max_difference,
+                   max_row_difference(out, expected, done - queries, queries, row_size));
+    }
+  }
+  result.final_resident = cache.resident();
+  return result;
+}
+
+std::vector<float> whole_sequence(const Sequence& sequence, const std::vector<double>& slopes,
+                                  const plsh::PlshOptions& options) {
+  std::vector<float> out(
+      static_cast<std::size_t>(sequence.tokens * sequence.heads * sequence.value_dim));
+  plsh::PlshOptions whole = options;
+  whole.query_position = options.key_position;
+  plsh::plsh_attention<float>(
+      sequence.queries(0, sequence.tokens), sequence.keys(0, sequence.tokens),
+      sequence.values(0, sequence.tokens),
+      HeadsView<float>{out.data(), sequence.tokens, sequence.heads, sequence.value_dim}, slopes,
+      whole);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("KvCache::attend equals plsh_attention over the whole sequence", "[kv_cache]") {
+  // Eight query heads on two key/value heads. Steep slopes make eviction happen within 500
+  // tokens; the standard ALiBi list keeps nearly everything at this length.
+  const Sequence sequence(500, 8, 2, 16, 8, 17);
+  const std::vector<std::vector<double>> slope_lists = {
+      {0.5, 0.25, 0.125, 1.0 / 16, 1.0 / 32, 0.3, 0.2, 0.1}, plsh::alibi_slopes(8)};
+  const std::vector<std::vector<Index>> patterns = {{1}, {1, 7, 64, 3}, {5, 1, 2}};
+  for (std::size_t list = 0; list < slope_lists.size(); ++list) {
+    const std::vector<double>& slopes = slope_lists[list];
+    for (const Index key_position : {Index{0}, Index{1000}}) {
+      plsh::PlshOptions options;
+      options.samples = 20;
+      options.seed = 3;
+      options.key_position = key_position;
+      const std::vector<float> expected = whole_sequence(sequence, slopes, options);
+      for (const auto& pattern : patterns) {
+        const DecodeResult result =
+            decode(sequence, slopes, options, chunk_schedule(sequence.tokens, pattern), expected);
+        // The resident bound of kv_cache.hpp, max_p (p - E(p) + 1) + chunk - 1, from the
+        // partitions of the positions of this run.
+        const Index bound =
+            resident_bound(slopes, options, key_position, key_position + sequence.tokens);
+        const Index largest_chunk = *std::max_element(pattern.begin(), pattern.end());
+        INFO("slope list " << list << ", first position " << key_position << ", chunks of "
+                           << pattern.front() << (pattern.size() > 1 ? ", ..." : "")
+                           << ": max |cache - whole sequence| = " << result.max_difference
+                           << ", max resident " << result.max_resident << ", bound " << bound
+                           << " + " << largest_chunk - 1);
+        CHECK(result.max_difference <= 2e-5);
+        CHECK(result.max_resident <= bound + largest_chunk - 1);
+        if (list == 0) {
+          INFO("steep slopes: the cache must have evicted tokens");
+          CHECK(result.final_resident < sequence.tokens);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("KvCache with the pass kernel equals plsh_attention", "[kv_cache]") {
+  const Sequence sequence(300, 4, 4, 8, 8, 5);
+  const std::vector<double> slopes = {0.5, 0.2, 0.05, 0.01};
+  plsh::PlshOptions options;
+  options.samples = 8;
+  options.kernel = plsh::Kernel::Passes;
+  const std::vector<float> expected = whole_sequence(sequence, slopes, options);
+  const DecodeResult result =
+      decode(sequence, slopes, options, chunk_schedule(sequence.tokens, {3, 1, 9}), expected);
+  INFO("max |cache - whole sequence| = " << result.max_difference);
+  CHECK(result.max_difference <= 2e-5);
+}
+
+TEST_CASE("KvCache keeps a bounded number of tokens over a long run", "[kv_cache][long]") {
+  // 10^5 tokens in chunks of 1, 7, 64, 3. The cache may hold at most
+  // max_p (p - E(p) + 1) + chunk - 1 tokens (see kv_cache.hpp), computed here independently from
+  // the BlockPartition of every grid.
+  const Index tokens = 100000;
+  const Sequence sequence(tokens, 2, 1, 8, 8, 29);
+  const std::vector<double> slopes = {1.0 / 8, 1.0 / 64};
+  plsh::PlshOptions options;
+  options.samples = 20;
+  options.seed = 7;
+  const Index bound = resident_bound(slopes, options, 0, tokens);
+  const std::vector<Index> chunks = chunk_schedule(tokens, {1, 7, 64, 3});
+  plsh::KvCache<float> cache(2, 1, 8, 8, slopes, options);
+  std::vector<float> out;
+  std::vector<float> expected;
+  Index done = 0;
+  Index max_resident = 0;
+  Index violations = 0;
+  double max_difference = 0;
+  for (std::size_t step = 0; step < chunks.size(); ++step) {
+    const Index chunk = chunks[step];
+    cache.append(sequence.keys(done, chunk), sequence.values(done, chunk));
+    done += chunk;
+    max_resident = std::max(max_resident, cache.resident());
+    if (cache.resident() > bound + chunk) ++violations;
+    if (step % 97 == 0) {
+      // Attend here and compare with the rows of the whole-sequence kernel: these queries
+      // against every key so far (the fused kernel reads only the union of their blocks).
+      // Attending every chunk would test nothing more and cost a thread start-up per chunk.
+      out.assign(static_cast<std::size_t>(chunk * 2 * 8), 0.0f);
+      cache.attend(sequence.queries(done - chunk, chunk),
+                   HeadsView<float>{out.data(), chunk, 2, 8});
+      expected.assign(out.size(), 0.0f);
+      plsh::PlshOptions rows = options;
+      rows.query_position = done - chunk;
+      plsh::plsh_attention<float>(sequence.queries(done - chunk, chunk), sequence.keys(0, done),
+                                  sequence.values(0, done),
+                                  HeadsView<float>{expected.data(), chunk, 2, 8}, slopes, rows);
+      max_difference = std::max(max_difference, max_row_difference(out, expected, 0, chunk, 16));
+    }
+  }
+  INFO("bound from the partitions " << bound << ", max resident " << max_resident
+                                    << ", final resident " << cache.resident() << " of "
+                                    << cache.position() << " tokens");
+  CHECK(violations == 0);
+  CHECK(max_resident <= bound + 64);
+  // The bound is about the largest pitch of the 20 draws of the flatter head, Gamma(2, 64):
+  // the maximum of 20 such draws is near 4.4 * 64 ~ 280 (where 20 (1 + x) e^-x = 1): far below
+  // the 2000 asked here, and far below 10^5.
+  CHECK(max_resident < tokens / 50);
+  CHECK(cache.position() == tokens);
+  INFO("max |cache - whole sequence| at the checked steps = " << max_difference);
+  CHECK(max_difference <= 2e-5);
+}
+
+TEST_CASE("KvCache with a zero slope keeps every token", "[kv_cache]") {
+  // Slope 0 is one block holding everything: no key can ever be evicted.
+  const Sequence sequence(200, 2, 1, 4, 4, 1);
+  const std::vector<double> slopes = {0.0, 0.5};
+  plsh::PlshOptions options;
+  const std::vector<float> expected = whole_sequence(sequence, slopes, options);
+  const DecodeResult result =
+      decode(sequence, slopes, options, chunk_schedule(sequence.tokens, {4, 1}), expected);
+  INFO("max |cache - whole sequence| = " << result.max_difference);
+  CHECK(result.final_resident == 200);
+  CHECK(result.max_difference <= 2e-5);
+}
+
+TEST_CASE("KvCache rejects bad arguments", "[kv_cache][validation]") {
+  const std::vector<double> slopes = {0.1, 0.2};
+  const auto construct = [&](Index heads, Index kv_heads, Index dim, Index value_dim,
+                             std::vector<double> s, plsh::PlshOptions options) {
+    plsh::KvCache<float> cache(heads, kv_heads, dim, value_dim, std::move(s), options);
+  };
+  const plsh::PlshOptions good;
+  REQUIRE_NOTHROW(construct(2, 1, 4, 3, slopes, good));
+  const auto expect_rejected = [](auto&& call, const std::string& function,
+                                  const std::string& argument) {
+    INFO(function << " must reject " << argument);
+    REQUIRE_THROWS_AS(call(), std::invalid_argument);
+    REQUIRE_THROWS_WITH(call(), Catch::Contains(function + ": ") && Catch::Contains(argument));
+  };
+  const std::string ctor = "KvCache";
+  expect_rejected([&] { construct(0, 1, 4, 3, {}, good); }, ctor, "heads");
+  expect_rejected([&] { construct(2, 0, 4, 3, slopes, good); }, ctor, "kv_heads");
+  expect_rejected(
+      [&] {
+        construct(3, 2, 4, 3, {0.1, 0.2, 0.3}, good);
+      },
+      ctor, "heads must be a multiple of kv_heads");
+  expect_rejected([&] { construct(2, 1, 0, 3, slopes, good); }, ctor, "dim");
+  expect_rejected([&] { construct(2, 1, 4, 0, slopes, good); }, ctor, "value_dim");
+  expect_rejected([&] { construct(2, 1, 4, 3, {0.1}, good); }, ctor, "slopes.size()");
+  expect_rejected([&] { construct(2, 1, 4, 3, {0.1, -1.0}, good); }, ctor, "slopes[1]");
+  plsh::PlshOptions options = good;
+  options.samples = 0;
+  expect_rejected([&] { construct(2, 1, 4, 3, slopes, options); }, ctor, "options.samples");
+  options = good;
+  options.causal = false;
+  expect_rejected([&] { construct(2, 1, 4, 3, slopes, options); }, ctor, "options.causal");
+  options = good;
+  options.key_position = -1;
+  expect_rejected([&] { construct(2, 1, 4, 3, slopes, options); }, ctor, "options.key_position");
+  options = good;
+  options.scale = std::numeric_limits<double>::infinity();
+  expect_rejected([&] { construct(2, 1, 4, 3, slopes, options); }, ctor, "options.scale");
+
+  plsh::KvCache<float> cache(2, 1, 4, 3, slopes, good);
+  std::vector<float> buffer(256, 0.5f);
+  using View = HeadsView<const float>;
+  using Out = HeadsView<float>;
+  const std::string append = "KvCache::append";
+  const std::string attend = "KvCache::attend";
+  std::vector<float> q(2 * 2 * 4, 0.1f);
+  std::vector<float> out(2 * 2 * 3);
+  const View q_view{q.data(), 1, 2, 4};
+  const Out out_view{out.data(), 1, 2, 3};
+  expect_rejected([&] { cache.attend(q_view, out_view); }, attend, "q.tokens (1) must not exceed");
+  const View k_view{buffer.data(), 2, 1, 4};
+  const View v_view{buffer.data() + 100, 2, 1, 3};
+  expect_rejected([&] { cache.append(View{buffer.data(), -1, 1, 4}, v_view); }, append, "k.tokens");
+  expect_rejected([&] { cache.append(View{nullptr, 2, 1, 4}, v_view); }, append, "k.data");
+  expect_rejected([&] { cache.append(View{buffer.data(), 2, 2, 4}, v_view); }, append, "k.heads");
+  expect_rejected([&] { cache.append(View{buffer.data(), 2, 1, 5}, v_view); }, append, "k.dim");
+  expect_rejected(
+      [&] {
+        cache.append(k_view, View{buffer.data(), 2, 1, 3, -1, 3});
+      },
+      append, "v strides");
+  expect_rejected([&] { cache.append(k_view, View{buffer.data(), 2, 2, 3}); }, append, "v.heads");
+  expect_rejected([&] { cache.append(k_view, View{buffer.data(), 2, 1, 4}); }, append, "v.dim");
+  expect_rejected([&] { cache.append(k_view, View{buffer.data(), 3, 1, 3}); }, append, "v.tokens");
+
+  REQUIRE_NOTHROW(cache.append(k_view.slice(0, 0), v_view.slice(0, 0)));
+  CHECK(cache.position() == 0);
+  REQUIRE_NOTHROW(cache.append(k_view, v_view));
+  CHECK(cache.position() == 2);
+  CHECK(cache.resident() == 2);
+  REQUIRE_NOTHROW(cache.attend(View{q.data(), 2, 2, 4}, Out{out.data(), 2, 2, 3}));
+  REQUIRE_NOTHROW(cache.attend(q_view.slice(0, 0), out_view.slice(0, 0)));
+  expect_rejected(
+      [&] {
+        cache.attend(View{q.data(), 2, 2, 4}.slice(0, 0), Out{nullptr, 0, 0, 3});
+      },
+      attend, "out.heads");
+  expect_rejected([&] { cache.attend(View{nullptr, 1, 2, 4}, out_view); }, attend, "q.data");
+  expect_rejected([&] { cache.attend(View{q.data(), 1, 1, 4}, out_view); }, attend, "q.heads");
+  expect_rejected([&] { cache.attend(View{q.data(), 1, 2, 3}, out_view); }, attend, "q.dim");
+  expect_rejected(
+      [&] {
+        cache.attend(View{q.data(), 3, 2, 4}, Out{out.data(), 3, 2, 3});
+      },
+      attend, "q.tokens (3) must not exceed the tokens of the last append (2)");
+  expect_rejected([&] { cache.attend(q_view, Out{out.data(), 2, 2, 3}); }, attend, "out.tokens");
+  expect_rejected(
+      [&] {
+        cache.attend(q_view, Out{out.data(), 1, 1, 3});
+      },
+      attend, "out.heads must equal");
+  expect_rejected([&] { cache.attend(q_view, Out{out.data(), 1, 2, 4}); }, attend, "out.dim");
+  expect_rejected(
+      [&] {
+        cache.attend(View{q.data(), 2, 2, 4}, Out{out.data(), 2, 2, 3, 1, 3});
+      },
+      attend, "out strides make rows overlap");
+  expect_rejected(
+      [&] {
+        cache.attend(View{q.data(), 1, 2, 4}, Out{q.data(), 1, 2, 3});
+      },
+      attend, "out overlaps q");
+  // The cache's own storage cannot be passed as out through the public interface except by
+  // casting away const; the check exists for it all the same.
+  const View stored = cache.values();
+  expect_rejected(
+      [&] {
+        cache.attend(q_view, Out{const_cast<float*>(stored.data), 1, 2, 3});
+      },
+      attend, "out overlaps v");
+}
