@@ -436,7 +436,7 @@ void attention_backward(const HeadsView<const Scalar>& q, const HeadsView<const 
       tiles.push_back(Tile{h, r0, std::min(q.tokens, r0 + height)});
     }
   }
-  parallel_for(static_cast<Index>(tiles.size()), [&](Index job) {
+  parallel_for(static_cast<Index>(tiles.size()), attention_work(q, k, v), [&](Index job) {
     const Tile& tile = tiles[static_cast<std::size_t>(job)];
     HeadMap<Scalar> dq_head = dq.head(tile.head);
     backward_query_rows<Scalar>(
@@ -451,7 +451,7 @@ void attention_backward(const HeadsView<const Scalar>& q, const HeadsView<const 
       tiles.push_back(Tile{g, c0, std::min(k.tokens, c0 + width)});
     }
   }
-  parallel_for(static_cast<Index>(tiles.size()), [&](Index job) {
+  parallel_for(static_cast<Index>(tiles.size()), attention_work(q, k, v), [&](Index job) {
     const Tile& tile = tiles[static_cast<std::size_t>(job)];
     backward_key_rows<Scalar>(q, k, v, dout, dk, dv, options, logits, tile.head, tile.begin,
                               tile.end, lse, delta);

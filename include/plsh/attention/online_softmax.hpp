@@ -14,6 +14,7 @@
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #include "../tensor.hpp"
 
@@ -32,6 +33,13 @@ void multiply_transposed(const Query& query, const Keys& keys, Scores& scores) {
     scores.noalias() = query * keys.transpose();
   }
 }
+
+/// Entries `[begin, end)` of row `row` of a tile of logits are masked (\f$-\infty\f$).
+struct MaskedRange {
+  Index row;
+  Index begin;
+  Index end;
+};
 
 /// Running softmax state of a tile of query rows: per row the running maximum \f$\mu\f$, the sum
 /// \f$\ell = \sum_j e^{s_j - \mu}\f$ and the accumulator \f$a = \sum_j e^{s_j - \mu} v_j\f$.
@@ -54,25 +62,23 @@ class OnlineSoftmax {
   Index rows() const { return max_.size(); }
 
   /// Takes a tile of logits (`rows() x keys`, \f$-\infty\f$ for masked entries) and the keys'
-  /// values (`keys x value_dim`). Overwrites `scores` with the unnormalised probabilities.
+  /// values (`keys x value_dim`). Overwrites `scores` with the unnormalised probabilities; a
+  /// masked entry weighs exactly 0. (Eigen's vectorised exp maps \f$-\infty\f$ to a tiny
+  /// subnormal, not 0: rows holding \f$-\infty\f$ are exponentiated entry by entry.)
   void update(Eigen::Ref<Matrix> scores, const Eigen::Ref<const Matrix>& values) {
-    for (Index r = 0; r < scores.rows(); ++r) {
-      const Scalar new_max = std::max(max_[r], scores.row(r).maxCoeff());
-      if (new_max == -std::numeric_limits<Scalar>::infinity()) {
-        scores.row(r).setZero();  // nothing visible yet: exp(-inf - -inf) would be NaN
-        continue;
-      }
-      const Scalar rescale = std::exp(max_[r] - new_max);
-      scores.row(r).array() = (scores.row(r).array() - new_max).exp();
-      sum_[r] = sum_[r] * rescale + scores.row(r).sum();
-      accumulator_.row(r) *= rescale;
-      max_[r] = new_max;
+    exponentiate(scores, [&](Index r) { return scores.row(r).minCoeff() == -kInfinity; });
+    accumulate(scores, values);
+  }
+
+  /// As update(scores, values), faster: `masked` lists every run of \f$-\infty\f$ entries of
+  /// the tile, which are zeroed after the vectorised exp.
+  void update(Eigen::Ref<Matrix> scores, const Eigen::Ref<const Matrix>& values,
+              const std::vector<MaskedRange>& masked) {
+    exponentiate(scores, [](Index) { return false; });
+    for (const MaskedRange& range : masked) {
+      scores.row(range.row).segment(range.begin, range.end - range.begin).setZero();
     }
-    if (scores.cols() <= kSmallProductDepth) {
-      accumulator_.noalias() += scores.lazyProduct(values);
-    } else {
-      accumulator_.noalias() += scores * values;
-    }
+    accumulate(scores, values);
   }
 
   /// Writes the normalised rows \f$a/\ell\f$ to `out` and, when `lse` is not null,
@@ -93,6 +99,42 @@ class OnlineSoftmax {
   }
 
  private:
+  static constexpr Scalar kInfinity = std::numeric_limits<Scalar>::infinity();
+
+  /// Rescales the running state to each row's new maximum \f$\mu\f$ and replaces the logits
+  /// by \f$e^{s - \mu}\f$, entry by entry (exactly 0 for \f$-\infty\f$) where
+  /// `has_masked(r)` holds, vectorised elsewhere.
+  template <class HasMasked>
+  void exponentiate(Eigen::Ref<Matrix>& scores, HasMasked&& has_masked) {
+    for (Index r = 0; r < scores.rows(); ++r) {
+      const Scalar new_max = std::max(max_[r], scores.row(r).maxCoeff());
+      if (new_max == -kInfinity) {
+        scores.row(r).setZero();  // nothing visible yet: exp(-inf - -inf) would be NaN
+        continue;
+      }
+      auto row = scores.row(r).array();
+      if (has_masked(r)) {
+        for (Index c = 0; c < row.size(); ++c) {
+          row[c] = row[c] == -kInfinity ? Scalar(0) : std::exp(row[c] - new_max);
+        }
+      } else {
+        row = (row - new_max).exp();
+      }
+      const Scalar rescale = std::exp(max_[r] - new_max);
+      sum_[r] = sum_[r] * rescale + row.sum();
+      accumulator_.row(r) *= rescale;
+      max_[r] = new_max;
+    }
+  }
+
+  void accumulate(const Eigen::Ref<Matrix>& probabilities, const Eigen::Ref<const Matrix>& values) {
+    if (probabilities.cols() <= kSmallProductDepth) {
+      accumulator_.noalias() += probabilities.lazyProduct(values);
+    } else {
+      accumulator_.noalias() += probabilities * values;
+    }
+  }
+
   Vector max_;
   Vector sum_;
   Matrix accumulator_;
@@ -119,7 +161,8 @@ void online_softmax_merge(Out&& out, Lse&& lse, const OutB& out_b, const LseB& l
     const Scalar weight_a = std::exp(a - high);
     const Scalar weight_b = std::exp(b - high);
     const Scalar total = weight_a + weight_b;
-    out.row(r) = (weight_a / total) * out.row(r) + (weight_b / total) * out_b.row(r);
+    // o + (w_b / W)(o_b - o): exact when both partial rows are equal.
+    out.row(r) += (weight_b / total) * (out_b.row(r) - out.row(r));
     lse[r] = high + std::log(total);
   }
 }

@@ -88,7 +88,7 @@ void pass_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scal
   const PositionRange range = position_range(q, k, options);
   const Index query_end = options.query_position + q.tokens;
   const Index key_end = options.key_position + k.tokens;
-  parallel_for(q.heads, [&](Index h) {
+  parallel_for(q.heads, attention_work(q, k, v), [&](Index h) {
     const ConstHeadMap<Scalar> q_head = q.head(h);
     const ConstHeadMap<Scalar> k_head = k.head(h / group);
     const ConstHeadMap<Scalar> v_head = v.head(h / group);
@@ -150,6 +150,7 @@ struct FusedWorkspace {
   std::vector<Index> cursor;          // per row: first segment not yet fully applied
   std::vector<Index> intervals;       // per row: number of non-empty intervals
   std::vector<int> difference;
+  std::vector<MaskedRange> masked;  // count-0 runs of the current chunk
   std::vector<Scalar> scores;
   std::vector<Scalar> log_count;  // log(c) for c = 0..s, log(0) = -inf
   RowMatrix<Scalar> query;
@@ -277,6 +278,7 @@ void fused_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
       const Index first_key = c0 - options.key_position;
       Eigen::Map<RowMatrix<Scalar>> scores(workspace.scores.data(), rows, cols);
       multiply_transposed(workspace.query, k.middleRows(first_key, cols), scores);
+      workspace.masked.clear();
       for (Index r = 0; r < rows; ++r) {
         const Index* start = &workspace.segment_start[static_cast<std::size_t>(r * max_segments)];
         const Scalar* value = &workspace.segment_value[static_cast<std::size_t>(r * max_segments)];
@@ -290,6 +292,7 @@ void fused_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
           if (a < b) {
             if (value[j] == -std::numeric_limits<Scalar>::infinity()) {
               row.segment(a - c0, b - a).setConstant(value[j]);
+              workspace.masked.push_back(MaskedRange{r, a - c0, b - c0});
             } else {
               row.segment(a - c0, b - a).array() += value[j];
             }
@@ -297,7 +300,7 @@ void fused_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
           if (segment_end > c1) break;  // the segment continues in the next chunk
         }
       }
-      workspace.softmax.update(scores, v.middleRows(first_key, cols));
+      workspace.softmax.update(scores, v.middleRows(first_key, cols), workspace.masked);
     }
   }
   workspace.softmax.finish(out.middleRows(row_begin, rows), nullptr);
@@ -324,7 +327,7 @@ void fused_attention(const HeadsView<const Scalar>& q, const HeadsView<const Sca
       tiles.push_back(Tile{h, r0, std::min(q.tokens, r0 + height)});
     }
   }
-  parallel_for(static_cast<Index>(tiles.size()), [&](Index job) {
+  parallel_for(static_cast<Index>(tiles.size()), attention_work(q, k, v), [&](Index job) {
     const Tile& tile = tiles[static_cast<std::size_t>(job)];
     HeadMap<Scalar> out_head = out.head(tile.head);
     fused_rows<Scalar>(q.head(tile.head), k.head(tile.head / group), v.head(tile.head / group),

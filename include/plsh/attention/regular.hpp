@@ -14,7 +14,8 @@
 /// one vectorised exp, one product \f$PV\f$: \f$2(d + d_v)\f$ flops per visible score. Key tiles
 /// outside the causal or window range are skipped. Memory: one tile of scores per thread.
 ///
-/// Tested against plsh::reference::attention (dense, double) in tests/test_regular.cpp.
+/// Tested against plsh::reference::factor_attention (dense, double, factor 1) in
+/// tests/test_regular.cpp.
 
 #include <Eigen/Core>
 #include <algorithm>
@@ -52,6 +53,7 @@ struct TileWorkspace {
   RowMatrix<Scalar> query;
   std::vector<Scalar> scores;
   OnlineSoftmax<Scalar> softmax;
+  std::vector<MaskedRange> masked;
   Eigen::Array<Scalar, 1, Eigen::Dynamic> offsets;  // 0, 1, ..., kKeyTile - 1
 };
 
@@ -68,24 +70,34 @@ TileWorkspace<Scalar>& tile_workspace() {
 
 /// Adds the bias and masks invisible keys in a tile of logits. `distance` is \f$p_i - p_j\f$ for
 /// the tile's first row and first column; it grows by one per row and shrinks by one per column.
+/// When `masked` is not null, the masked runs are appended to it.
 template <class Scalar>
 void apply_linear_bias(Eigen::Map<RowMatrix<Scalar>>& scores, Index distance, bool causal,
                        const LinearBias& bias,
-                       const Eigen::Array<Scalar, 1, Eigen::Dynamic>& offsets) {
+                       const Eigen::Array<Scalar, 1, Eigen::Dynamic>& offsets,
+                       std::vector<MaskedRange>* masked = nullptr) {
   const Index cols = scores.cols();
-  const Scalar slope = static_cast<Scalar>(bias.slope);
+  // A slope beyond the largest Scalar would make slope * 0 a NaN; the largest finite value
+  // already drives every other key's weight to zero.
+  const Scalar slope = static_cast<Scalar>(
+      std::min(bias.slope, static_cast<double>(std::numeric_limits<Scalar>::max())));
+  const auto mask = [&](Index r, Index begin, Index end) {
+    scores.row(r).segment(begin, end - begin).setConstant(-std::numeric_limits<Scalar>::infinity());
+    if (masked != nullptr) masked->push_back(MaskedRange{r, begin, end});
+  };
   for (Index r = 0; r < scores.rows(); ++r) {
     const Index d0 = distance + r;
     const Index lo = std::max<Index>(0, d0 - bias.window);
     const Index hi = std::min<Index>(cols, (causal ? d0 : d0 + bias.window) + 1);
-    auto row = scores.row(r);
     if (lo >= hi) {
-      row.setConstant(-std::numeric_limits<Scalar>::infinity());
+      mask(r, 0, cols);
       continue;
     }
-    if (slope != 0) row.array() -= slope * (static_cast<Scalar>(d0) - offsets.head(cols)).abs();
-    if (lo > 0) row.head(lo).setConstant(-std::numeric_limits<Scalar>::infinity());
-    if (hi < cols) row.tail(cols - hi).setConstant(-std::numeric_limits<Scalar>::infinity());
+    if (slope != 0) {
+      scores.row(r).array() -= slope * (static_cast<Scalar>(d0) - offsets.head(cols)).abs();
+    }
+    if (lo > 0) mask(r, 0, lo);
+    if (hi < cols) mask(r, hi, cols);
   }
 }
 
@@ -114,9 +126,10 @@ void attend_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
       const Index cols = std::min(kKeyTile, key_end - c0);
       Eigen::Map<RowMatrix<Scalar>> scores(workspace.scores.data(), rows, cols);
       multiply_transposed(workspace.query, k.middleRows(c0, cols), scores);
+      workspace.masked.clear();
       apply_linear_bias(scores, first_query - (options.key_position + c0), options.causal, bias,
-                        workspace.offsets);
-      workspace.softmax.update(scores, v.middleRows(c0, cols));
+                        workspace.offsets, &workspace.masked);
+      workspace.softmax.update(scores, v.middleRows(c0, cols), workspace.masked);
     }
   }
   workspace.softmax.finish(out.middleRows(row_begin, rows),

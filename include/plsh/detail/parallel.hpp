@@ -16,14 +16,30 @@ struct Identity {
 template <class T>
 using NonDeduced = typename Identity<T>::type;
 
-/// Calls `body(i)` for i in [0, count): across OpenMP threads when compiled with OpenMP, with
-/// dynamic scheduling. Every `i` must write its own outputs, so the result does not depend on the
-/// number of threads. The first exception thrown by a body is rethrown after the loop.
+/// Below this many estimated multiply-adds a loop runs on the calling thread: opening a parallel
+/// region (a few microseconds, far more on a loaded machine) would cost more than it saves, as in
+/// decoding one token.
+constexpr double kMinParallelWork = 1 << 20;
+
+/// An upper bound of the multiply-adds of attention of every query row against every key:
+/// \f$H\, n_q\, n_k\, (d + d_v)\f$.
+template <class View>
+double attention_work(const View& q, const View& k, const View& v) {
+  return static_cast<double>(q.heads) * static_cast<double>(q.tokens) *
+         static_cast<double>(k.tokens) * static_cast<double>(q.dim + v.dim);
+}
+
+/// Calls `body(i)` for i in [0, count): across OpenMP threads when compiled with OpenMP and
+/// `work` (estimated multiply-adds of the whole loop) reaches kMinParallelWork, with dynamic
+/// scheduling. Every `i` must write its own outputs, so the result does not depend on the number
+/// of threads. The first exception thrown by a body is rethrown after the loop.
 template <class Body>
-void parallel_for(Eigen::Index count, Body&& body) {
+void parallel_for(Eigen::Index count, double work, Body&& body) {
   std::exception_ptr failure;
+  const bool threaded = work >= kMinParallelWork;
+  static_cast<void>(threaded);  // unused without OpenMP
 #if defined(_OPENMP)
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1) if (threaded)
 #endif
   for (Eigen::Index i = 0; i < count; ++i) {
     try {
