@@ -36,7 +36,7 @@ void linear_bias_attention(const HeadsView<const Scalar>& q, const HeadsView<con
   resolved.scale = resolved_scale(options, q.dim);
   const Index group = q.heads / k.heads;
   const Index tiles = (q.tokens + kQueryTile - 1) / kQueryTile;
-  parallel_for(q.heads * tiles, [&](Index job) {
+  parallel_for(q.heads * tiles, attention_work(q, k, v), [&](Index job) {
     const Index h = job / tiles;
     // Later tiles see more keys under causal masking: hand them out first.
     const Index tile = tiles - 1 - job % tiles;
