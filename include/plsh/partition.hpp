@@ -58,17 +58,18 @@ inline Block grid_block(const Grid& grid, Index position, Index first, Index las
   if (std::isinf(grid.pitch)) return Block{first, last};
   // A bin no longer than 1 holds at most one integer; (p - shift) / pitch could overflow.
   if (grid.pitch <= 1) return Block{position, position + 1};
-  const double k = detail::bin_index(grid, position);
+  const auto bin = [&](Index p) { return detail::bin_index(grid, p); };
+  const double k = bin(position);
   const auto clamp = [](double value, Index low, Index high) {
     return static_cast<Index>(
         std::min(std::max(value, static_cast<double>(low)), static_cast<double>(high)));
   };
   Index begin = clamp(std::ceil(grid.shift + k * grid.pitch), first, position);
-  while (begin > first && detail::bin_index(grid, begin - 1) == k) --begin;
-  while (detail::bin_index(grid, begin) < k) ++begin;
+  while (begin > first && bin(begin - 1) == k) --begin;
+  while (bin(begin) < k) ++begin;
   Index end = clamp(std::ceil(grid.shift + (k + 1) * grid.pitch), position + 1, last);
-  while (end > position + 1 && detail::bin_index(grid, end - 1) > k) --end;
-  while (end < last && detail::bin_index(grid, end) == k) ++end;
+  while (end > position + 1 && bin(end - 1) > k) --end;
+  while (end < last && bin(end) == k) ++end;
   return Block{begin, end};
 }
 
@@ -97,16 +98,20 @@ class BlockPartition {
 
   /// Block number `k`, `0 <= k < size()`.
   Block operator[](Index k) const {
-    detail::require(k >= 0 && k < size(), "BlockPartition::operator[]",
-                    "block index " + std::to_string(k) + " out of range");
+    if (k < 0 || k >= size()) {
+      detail::fail("BlockPartition::operator[]",
+                   "block index " + std::to_string(k) + " out of range");
+    }
     const auto i = static_cast<std::size_t>(k);
     return Block{bounds_[i], bounds_[i + 1]};
   }
 
   /// The block that holds `position`, `first() <= position < last()`.
   Block block_of(Index position) const {
-    detail::require(position >= first() && position < last(), "BlockPartition::block_of",
-                    "position " + std::to_string(position) + " outside [first, last)");
+    if (position < first() || position >= last()) {
+      detail::fail("BlockPartition::block_of",
+                   "position " + std::to_string(position) + " outside [first, last)");
+    }
     const auto next = std::upper_bound(bounds_.begin(), bounds_.end(), position);
     return Block{*(next - 1), *next};
   }

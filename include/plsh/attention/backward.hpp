@@ -604,7 +604,7 @@ void plsh_attention_backward(const HeadsView<const Scalar>& q, const HeadsView<c
     const std::vector<Grid>& head_grids = grids[static_cast<std::size_t>(h)];
     double shared = 0;
     for (const Grid& grid : head_grids) {
-      if (std::isinf(grid.pitch) || detail::bin_index(grid, i) == detail::bin_index(grid, j)) {
+      if (detail::same_bin(grid, i, j)) {
         shared += 1;
       }
     }

@@ -86,7 +86,7 @@ inline void validate_slopes(const char* function, const std::vector<double>& slo
           "slopes.size() (" + std::to_string(slopes.size()) + ") must equal q.heads (" +
               std::to_string(heads) + ")");
   for (std::size_t h = 0; h < slopes.size(); ++h) {
-    require_slope(slopes[h], function, "slopes[" + std::to_string(h) + "]");
+    require_slope(slopes[h], function, ("slopes[" + std::to_string(h) + "]").c_str());
   }
 }
 
