@@ -41,8 +41,9 @@ def load_matplotlib():
     try:
         import matplotlib
     except ImportError:
-        sys.exit("plot.py: matplotlib is not installed (Debian: apt-get install python3-matplotlib;"
-                 " otherwise: python3 -m pip install matplotlib)")
+        sys.exit(f"plot.py: matplotlib is not available to {sys.executable} (Debian: apt-get install"
+                 " python3-matplotlib, then run with /usr/bin/python3; otherwise: python3 -m pip"
+                 " install matplotlib)")
     matplotlib.use("Agg")
     import matplotlib.pyplot as pyplot
     return pyplot
@@ -96,6 +97,7 @@ def read_benchmarks(path, clock):
 def plot_time_vs_n(pyplot, results, samples, clock, path):
     figure, (time_axes, rate_axes) = pyplot.subplots(1, 2, figsize=(12, 5))
     plotted = False
+    all_lengths = set()
     for family in FAMILIES:
         wanted = samples if family in SAMPLED else None
         points = sorted((n, sample) for (name, n, s), sample in results.items()
@@ -103,8 +105,14 @@ def plot_time_vs_n(pyplot, results, samples, clock, path):
         if not points:
             continue
         plotted = True
-        label = f"{family} (s = {samples})" if family in SAMPLED else family
+        if family in SAMPLED:
+            label = f"{family} (s = {samples})"
+        elif family.startswith("gemm"):
+            label = f"{family} (yardstick: n x 1024 scores)"
+        else:
+            label = family
         lengths = [n for n, _ in points]
+        all_lengths.update(lengths)
         time_axes.loglog(lengths, [1e3 * sample["seconds"] for _, sample in points],
                          label=label, **STYLE[family])
         rates = [(n, sample["gflops"]) for n, sample in points if sample["gflops"] is not None]
@@ -116,6 +124,10 @@ def plot_time_vs_n(pyplot, results, samples, clock, path):
               file=sys.stderr)
         pyplot.close(figure)
         return
+    for axes in (time_axes, rate_axes):
+        axes.set_xticks(sorted(all_lengths))
+        axes.set_xticklabels([str(n) for n in sorted(all_lengths)], rotation=30)
+        axes.minorticks_off()
     time_axes.set_xlabel("sequence length n")
     time_axes.set_ylabel(f"time per call, ms ({clock} time)")
     time_axes.set_title("8 heads, d = 64, causal, float")
