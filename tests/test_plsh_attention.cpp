@@ -278,6 +278,35 @@ TEST_CASE("Fused agrees with Passes on a sweep of random shapes", "[plsh]") {
   CHECK(largest_float > 0);  // the two really are different code paths
 }
 
+TEST_CASE("Fused agrees with Passes when tile unions span several key chunks", "[plsh]") {
+  // A tile's union wider than plsh::detail::kFusedKeyTile takes the per-row segment path of the
+  // fused kernel, over several chunks. Slope 0 makes the union every visible key, so with n_k >
+  // 2 kFusedKeyTile that path is certain; shallow slopes (unions of ~3.5/m keys) take it too.
+  static_assert(plsh::detail::kFusedKeyTile < 300, "the shapes below must exceed one chunk");
+  const std::vector<double> slopes = {0.0, 1.0 / 512, 1.0 / 128, 1.0 / 64};
+  for (const bool causal : {true, false}) {
+    for (const Index samples : {Index{5}, Index{20}}) {
+      plsh::AttentionOptions base;
+      base.causal = causal;
+      base.query_position = 450;  // the last 700 of 1150 key positions: chunked prefill
+      INFO((causal ? "causal" : "bidirectional") << ", s = " << samples);
+      const auto compare = [&](auto scalar_tag, double bound) {
+        using Scalar = decltype(scalar_tag);
+        Problem<Scalar> problem(Shape{700, 1150, 4, 2, 16, 8}, 900 + samples);
+        Buffer<Scalar> passes = problem.output();
+        run_plsh(problem, passes, slopes, plsh_options(base, samples, 3, plsh::Kernel::Passes));
+        run_plsh(problem, problem.out, slopes, plsh_options(base, samples, 3, plsh::Kernel::Fused));
+        const double fused_vs_passes = plsh_test::max_abs_difference(problem.out.in(), passes.in());
+        INFO(type_name<Scalar>() << ": |fused - passes| = "
+                                 << plsh_test::scientific(fused_vs_passes));
+        CHECK(fused_vs_passes <= bound);
+      };
+      compare(float{}, 2e-5);
+      compare(double{}, 1e-11);
+    }
+  }
+}
+
 TEST_CASE("plsh_attention is a pure function of the seed", "[plsh]") {
   Problem<double> problem(Shape{130, 130, 4, 2, 8, 8}, 70);
   const std::vector<double> slopes = plsh::alibi_slopes(4);

@@ -140,9 +140,19 @@ inline Index fused_tile_rows(double slope) {
 /// Keys per chunk of the fused kernel: wide enough to amortise the products' packing.
 constexpr Index kFusedKeyTile = 256;
 
+/// Rows `[row_begin, row_end)` of a tile share one block of a draw: they see keys from
+/// `begin` to `end` (and, when causal, up to their own position).
+struct BlockRun {
+  Index row_begin;
+  Index row_end;
+  Index begin;
+  Index end;
+};
+
 template <class Scalar>
 struct FusedWorkspace {
-  std::vector<Index> begins;  // [row][draw]: visible key interval of the row in that draw
+  std::vector<BlockRun> runs;  // every draw's blocks over the tile's rows
+  std::vector<Index> begins;   // [row][draw]: visible key interval of the row in that draw
   std::vector<Index> ends;
   std::vector<Index> segment_start;   // [row][k]: c_ij is constant on [start_k, start_{k+1})
   std::vector<Scalar> segment_value;  // log c_ij on that segment, -inf where c_ij = 0
@@ -150,6 +160,7 @@ struct FusedWorkspace {
   std::vector<Index> cursor;          // per row: first segment not yet fully applied
   std::vector<Index> intervals;       // per row: number of non-empty intervals
   std::vector<int> difference;
+  std::vector<int> counts;
   std::vector<MaskedRange> masked;  // count-0 runs of the current chunk
   std::vector<Scalar> scores;
   std::vector<Scalar> log_count;  // log(c) for c = 0..s, log(0) = -inf
@@ -202,8 +213,65 @@ Index count_segments(Index* begins, Index* ends, Index intervals, Index union_be
   return segments + 1;
 }
 
+/// Adds \f$\log c_{ij}\f$ to a tile of logits whose keys are the whole union `[union_begin,
+/// union_begin + cols)`, from the block runs by a two-dimensional difference array: each run adds
+/// 1 on a rectangle of (rows, keys), so O(runs + rows * cols) whatever s. Entries with
+/// \f$c_{ij} = 0\f$ (or after the row's position, when causal) become \f$-\infty\f$ and are listed
+/// in `workspace.masked`.
+template <class Scalar>
+void add_log_counts_narrow(FusedWorkspace<Scalar>& workspace, Eigen::Map<RowMatrix<Scalar>>& scores,
+                           Index union_begin, Index first_position, bool causal) {
+  const Index rows = scores.rows();
+  const Index cols = scores.cols();
+  const Index stride = cols + 1;
+  std::vector<int>& difference = workspace.difference;
+  difference.assign(static_cast<std::size_t>((rows + 1) * stride), 0);
+  const auto at = [&](Index r, Index c) -> int& {
+    return difference[static_cast<std::size_t>(r * stride + c)];
+  };
+  for (const BlockRun& run : workspace.runs) {
+    const Index begin = run.begin - union_begin;
+    const Index end = std::min(run.end - union_begin, cols);
+    if (begin >= end) continue;
+    ++at(run.row_begin, begin);
+    --at(run.row_begin, end);
+    --at(run.row_end, begin);
+    ++at(run.row_end, end);
+  }
+  workspace.masked.clear();
+  std::vector<int>& counts = workspace.counts;
+  counts.assign(static_cast<std::size_t>(cols), 0);
+  for (Index r = 0; r < rows; ++r) {
+    // counts[c] = sum of difference rows 0..r, prefix-summed along c.
+    int running = 0;
+    for (Index c = 0; c < cols; ++c) {
+      running += at(r, c);
+      counts[static_cast<std::size_t>(c)] += running;
+    }
+    const Index limit = causal ? std::min(cols, first_position + r + 1 - union_begin) : cols;
+    Scalar* row = scores.row(r).data();
+    Index masked_begin = -1;
+    for (Index c = 0; c < cols; ++c) {
+      const int count = c < limit ? counts[static_cast<std::size_t>(c)] : 0;
+      if (count == 0) {
+        row[c] = -std::numeric_limits<Scalar>::infinity();
+        if (masked_begin < 0) masked_begin = c;
+        continue;
+      }
+      row[c] += workspace.log_count[static_cast<std::size_t>(count)];
+      if (masked_begin >= 0) {
+        workspace.masked.push_back(MaskedRange{r, masked_begin, c});
+        masked_begin = -1;
+      }
+    }
+    if (masked_begin >= 0) workspace.masked.push_back(MaskedRange{r, masked_begin, cols});
+  }
+}
+
 /// Fused kernel for query rows `[row_begin, row_end)` of one head: logits
-/// \f$S_{ij} + \log c_{ij}\f$ over the union of the rows' blocks, one online softmax.
+/// \f$S_{ij} + \log c_{ij}\f$ over the union of the rows' blocks, one online softmax. A narrow
+/// union (one key chunk) takes its counts from a 2-D difference array over the block runs; a wide
+/// one from per-row segments (count_segments), so that its cost does not grow with the width.
 template <class Scalar>
 void fused_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
                 const ConstHeadMap<Scalar>& v, const std::vector<Grid>& grids,
@@ -212,6 +280,54 @@ void fused_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
   static thread_local FusedWorkspace<Scalar> workspace;
   const Index rows = row_end - row_begin;
   const Index samples = static_cast<Index>(grids.size());
+  const Index first_position = options.query_position + row_begin;
+  const Index last_position = first_position + rows - 1;
+  const Index key_end = options.key_position + k.rows();
+  if (static_cast<Index>(workspace.log_count.size()) != samples + 1) {
+    workspace.log_count.resize(static_cast<std::size_t>(samples + 1));
+    workspace.log_count[0] = -std::numeric_limits<Scalar>::infinity();
+    for (Index c = 1; c <= samples; ++c) {
+      workspace.log_count[static_cast<std::size_t>(c)] = std::log(static_cast<Scalar>(c));
+    }
+  }
+  // The blocks of every draw over the tile, and the union of the keys they let a row see.
+  workspace.runs.clear();
+  Index union_begin = std::numeric_limits<Index>::max();
+  Index union_end = std::numeric_limits<Index>::min();
+  for (const Grid& grid : grids) {
+    for (Index position = first_position; position <= last_position;) {
+      const Block block = grid_block(grid, position, range.first, range.last);
+      const Index run_last = std::min(block.end - 1, last_position);
+      const BlockRun run{position - first_position, run_last + 1 - first_position,
+                         std::max(block.begin, options.key_position), std::min(block.end, key_end)};
+      // The last row of the run sees the most keys: [begin, min(end, its position + 1)).
+      const Index visible_end = options.causal ? std::min(run.end, run_last + 1) : run.end;
+      if (run.begin < visible_end) {
+        workspace.runs.push_back(run);
+        union_begin = std::min(union_begin, run.begin);
+        union_end = std::max(union_end, visible_end);
+      }
+      position = run_last + 1;
+    }
+  }
+  workspace.softmax.reset(rows, v.cols());
+  if (union_begin >= union_end) {
+    workspace.softmax.finish(out.middleRows(row_begin, rows), nullptr);
+    return;
+  }
+  workspace.query.noalias() = q.middleRows(row_begin, rows) * static_cast<Scalar>(options.scale);
+  workspace.scores.resize(static_cast<std::size_t>(rows * kFusedKeyTile));
+  if (union_end - union_begin <= kFusedKeyTile) {
+    const Index cols = union_end - union_begin;
+    const Index first_key = union_begin - options.key_position;
+    Eigen::Map<RowMatrix<Scalar>> scores(workspace.scores.data(), rows, cols);
+    multiply_transposed(workspace.query, k.middleRows(first_key, cols), scores);
+    add_log_counts_narrow(workspace, scores, union_begin, first_position, options.causal);
+    workspace.softmax.update(scores, v.middleRows(first_key, cols), workspace.masked);
+    workspace.softmax.finish(out.middleRows(row_begin, rows), nullptr);
+    return;
+  }
+  // Wide union: per row, the non-empty intervals [begin, end) of keys sharing its block.
   const Index max_segments = 2 * samples + 1;
   const std::size_t cells = static_cast<std::size_t>(rows * samples);
   workspace.begins.resize(cells);
@@ -220,45 +336,17 @@ void fused_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
   workspace.segment_value.resize(static_cast<std::size_t>(rows * max_segments));
   workspace.segment_count.assign(static_cast<std::size_t>(rows), 0);
   workspace.cursor.assign(static_cast<std::size_t>(rows), 0);
-  if (static_cast<Index>(workspace.log_count.size()) != samples + 1) {
-    workspace.log_count.resize(static_cast<std::size_t>(samples + 1));
-    workspace.log_count[0] = -std::numeric_limits<Scalar>::infinity();
-    for (Index c = 1; c <= samples; ++c) {
-      workspace.log_count[static_cast<std::size_t>(c)] = std::log(static_cast<Scalar>(c));
-    }
-  }
-  // Per row, the non-empty intervals [begin, end) of keys sharing its block, one per draw.
   std::vector<Index>& intervals = workspace.intervals;
   intervals.assign(static_cast<std::size_t>(rows), 0);
-  const Index key_end = options.key_position + k.rows();
-  for (Index t = 0; t < samples; ++t) {
-    Block block{0, 0};
-    for (Index r = 0; r < rows; ++r) {
-      const Index position = options.query_position + row_begin + r;
-      if (!block.contains(position)) {
-        block = grid_block(grids[static_cast<std::size_t>(t)], position, range.first, range.last);
-      }
-      const Index begin = std::max(block.begin, options.key_position);
-      const Index end =
-          std::min(options.causal ? std::min(block.end, position + 1) : block.end, key_end);
-      if (begin < end) {
-        const std::size_t cell =
-            static_cast<std::size_t>(r * samples + intervals[static_cast<std::size_t>(r)]++);
-        workspace.begins[cell] = begin;
-        workspace.ends[cell] = end;
-      }
+  for (const BlockRun& run : workspace.runs) {
+    for (Index r = run.row_begin; r < run.row_end; ++r) {
+      const Index end = options.causal ? std::min(run.end, first_position + r + 1) : run.end;
+      if (run.begin >= end) continue;
+      const std::size_t cell =
+          static_cast<std::size_t>(r * samples + intervals[static_cast<std::size_t>(r)]++);
+      workspace.begins[cell] = run.begin;
+      workspace.ends[cell] = end;
     }
-  }
-  Index union_begin = std::numeric_limits<Index>::max();
-  Index union_end = std::numeric_limits<Index>::min();
-  for (Index r = 0; r < rows; ++r) {
-    const Index count = intervals[static_cast<std::size_t>(r)];
-    if (count == 0) continue;
-    const std::size_t first = static_cast<std::size_t>(r * samples);
-    union_begin = std::min(
-        union_begin, *std::min_element(&workspace.begins[first], &workspace.begins[first] + count));
-    union_end = std::max(union_end,
-                         *std::max_element(&workspace.ends[first], &workspace.ends[first] + count));
   }
   for (Index r = 0; r < rows; ++r) {
     const std::size_t first = static_cast<std::size_t>(r * samples);
@@ -268,40 +356,35 @@ void fused_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
         union_begin, workspace.log_count, workspace.difference, &workspace.segment_start[segments],
         &workspace.segment_value[segments]);
   }
-  workspace.softmax.reset(rows, v.cols());
-  if (union_begin < union_end) {
-    workspace.query.noalias() = q.middleRows(row_begin, rows) * static_cast<Scalar>(options.scale);
-    workspace.scores.resize(static_cast<std::size_t>(rows * kFusedKeyTile));
-    for (Index c0 = union_begin; c0 < union_end; c0 += kFusedKeyTile) {
-      const Index cols = std::min(kFusedKeyTile, union_end - c0);
-      const Index c1 = c0 + cols;
-      const Index first_key = c0 - options.key_position;
-      Eigen::Map<RowMatrix<Scalar>> scores(workspace.scores.data(), rows, cols);
-      multiply_transposed(workspace.query, k.middleRows(first_key, cols), scores);
-      workspace.masked.clear();
-      for (Index r = 0; r < rows; ++r) {
-        const Index* start = &workspace.segment_start[static_cast<std::size_t>(r * max_segments)];
-        const Scalar* value = &workspace.segment_value[static_cast<std::size_t>(r * max_segments)];
-        const Index segments = workspace.segment_count[static_cast<std::size_t>(r)];
-        Index& j = workspace.cursor[static_cast<std::size_t>(r)];
-        auto row = scores.row(r);
-        for (; j < segments; ++j) {
-          const Index segment_end = j + 1 < segments ? start[j + 1] : union_end;
-          const Index a = std::max(start[j], c0);
-          const Index b = std::min(segment_end, c1);
-          if (a < b) {
-            if (value[j] == -std::numeric_limits<Scalar>::infinity()) {
-              row.segment(a - c0, b - a).setConstant(value[j]);
-              workspace.masked.push_back(MaskedRange{r, a - c0, b - c0});
-            } else {
-              row.segment(a - c0, b - a).array() += value[j];
-            }
+  for (Index c0 = union_begin; c0 < union_end; c0 += kFusedKeyTile) {
+    const Index cols = std::min(kFusedKeyTile, union_end - c0);
+    const Index c1 = c0 + cols;
+    const Index first_key = c0 - options.key_position;
+    Eigen::Map<RowMatrix<Scalar>> scores(workspace.scores.data(), rows, cols);
+    multiply_transposed(workspace.query, k.middleRows(first_key, cols), scores);
+    workspace.masked.clear();
+    for (Index r = 0; r < rows; ++r) {
+      const Index* start = &workspace.segment_start[static_cast<std::size_t>(r * max_segments)];
+      const Scalar* value = &workspace.segment_value[static_cast<std::size_t>(r * max_segments)];
+      const Index segments = workspace.segment_count[static_cast<std::size_t>(r)];
+      Index& j = workspace.cursor[static_cast<std::size_t>(r)];
+      auto row = scores.row(r);
+      for (; j < segments; ++j) {
+        const Index segment_end = j + 1 < segments ? start[j + 1] : union_end;
+        const Index a = std::max(start[j], c0);
+        const Index b = std::min(segment_end, c1);
+        if (a < b) {
+          if (value[j] == -std::numeric_limits<Scalar>::infinity()) {
+            row.segment(a - c0, b - a).setConstant(value[j]);
+            workspace.masked.push_back(MaskedRange{r, a - c0, b - c0});
+          } else {
+            row.segment(a - c0, b - a).array() += value[j];
           }
-          if (segment_end > c1) break;  // the segment continues in the next chunk
         }
+        if (segment_end > c1) break;  // the segment continues in the next chunk
       }
-      workspace.softmax.update(scores, v.middleRows(first_key, cols), workspace.masked);
     }
+    workspace.softmax.update(scores, v.middleRows(first_key, cols), workspace.masked);
   }
   workspace.softmax.finish(out.middleRows(row_begin, rows), nullptr);
 }
