@@ -44,6 +44,7 @@
 #include "../tensor.hpp"
 #include "options.hpp"
 #include "plsh_attention.hpp"
+#include "reference.hpp"
 #include "regular.hpp"
 
 namespace plsh {
@@ -57,18 +58,12 @@ void validate_backward(const char* function, const HeadsView<const Scalar>& q,
                        const HeadsView<const Scalar>& out, const HeadsView<const Scalar>& dout,
                        const HeadsView<Scalar>& dq, const HeadsView<Scalar>& dk,
                        const HeadsView<Scalar>& dv, const AttentionOptions& options) {
-  require_view(q, function, "q");
-  require_view(k, function, "k");
-  require_view(v, function, "v");
-  require_view(out, function, "out");
+  validate_inputs(function, q, k, v);
+  validate_output_shape(function, out, q, v);
   require_view(dout, function, "dout");
   require_view(dq, function, "dq");
   require_view(dk, function, "dk");
   require_view(dv, function, "dv");
-  require(k.dim == q.dim, function, "k.dim must equal q.dim");
-  require(v.tokens == k.tokens, function, "v.tokens must equal k.tokens");
-  require(v.heads == k.heads, function, "v.heads must equal k.heads");
-  require(q.heads % k.heads == 0, function, "q.heads must be a multiple of k.heads");
   const auto require_shape = [&](const auto& view, const std::string& name, const auto& like,
                                  const std::string& like_name) {
     require(view.tokens == like.tokens, function,
@@ -76,10 +71,6 @@ void validate_backward(const char* function, const HeadsView<const Scalar>& q,
     require(view.heads == like.heads, function, name + ".heads must equal " + like_name + ".heads");
     require(view.dim == like.dim, function, name + ".dim must equal " + like_name + ".dim");
   };
-  // out is [n_q][H][d_v]; dout, dq, dk, dv follow from it and the inputs.
-  require(out.tokens == q.tokens, function, "out.tokens must equal q.tokens");
-  require(out.heads == q.heads, function, "out.heads must equal q.heads");
-  require(out.dim == v.dim, function, "out.dim must equal v.dim");
   require_shape(dout, "dout", out, "out");
   require_shape(dq, "dq", q, "q");
   require_shape(dk, "dk", k, "k");
@@ -99,9 +90,7 @@ void validate_backward(const char* function, const HeadsView<const Scalar>& q,
               std::string(gradient_names[g]) + " overlaps " + gradient_names[other]);
     }
   }
-  require(options.query_position >= 0, function, "options.query_position must be non-negative");
-  require(options.key_position >= 0, function, "options.key_position must be non-negative");
-  require(std::isfinite(options.scale), function, "options.scale must be finite");
+  validate_options(function, options);
 }
 
 /// Per-thread scratch of the backward sweeps.
@@ -600,16 +589,7 @@ void plsh_attention_backward(const HeadsView<const Scalar>& q, const HeadsView<c
                              const PlshOptions& options = {}) {
   detail::validate_slopes("reference::plsh_attention_backward", slopes, q.heads);
   const auto grids = detail::draw_head_grids(slopes, options.samples, options.seed);
-  factor_attention_backward(q, k, v, dout, dq, dk, dv, options, [&](Index h, Index i, Index j) {
-    const std::vector<Grid>& head_grids = grids[static_cast<std::size_t>(h)];
-    double shared = 0;
-    for (const Grid& grid : head_grids) {
-      if (detail::same_bin(grid, i, j)) {
-        shared += 1;
-      }
-    }
-    return shared / static_cast<double>(head_grids.size());
-  });
+  factor_attention_backward(q, k, v, dout, dq, dk, dv, options, mean_mask_factor(grids));
 }
 
 }  // namespace reference

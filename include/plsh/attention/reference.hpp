@@ -88,23 +88,27 @@ void windowed_alibi_attention(const HeadsView<const Scalar>& q, const HeadsView<
   });
 }
 
-/// \f$F = \hat K\f$, the mean block mask of `grids[h]`: positions i and j share a block of a grid
-/// when their bins \f$\lfloor (p - \text{shift})/\text{pitch} \rfloor\f$ are equal.
+/// The factor \f$F = \hat K\f$ as a function `(h, p_i, p_j)`: the mean block mask of `grids[h]`.
+/// Positions share a block of a grid when their bins \f$\lfloor (p - \text{shift})/\text{pitch}
+/// \rfloor\f$ are equal (detail::same_bin). `grids` must outlive the returned function.
+inline auto mean_mask_factor(const std::vector<std::vector<Grid>>& grids) {
+  return [&grids](Index h, Index i, Index j) {
+    const std::vector<Grid>& head_grids = grids[static_cast<std::size_t>(h)];
+    double shared = 0;
+    for (const Grid& grid : head_grids) {
+      if (detail::same_bin(grid, i, j)) shared += 1;
+    }
+    return shared / static_cast<double>(head_grids.size());
+  };
+}
+
+/// \f$F = \hat K\f$, the mean block mask of `grids[h]` (mean_mask_factor).
 template <class Scalar>
 void mask_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
                     const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
                     const std::vector<std::vector<Grid>>& grids,
                     const AttentionOptions& options = {}) {
-  factor_attention(q, k, v, out, options, [&](Index h, Index i, Index j) {
-    const std::vector<Grid>& head_grids = grids[static_cast<std::size_t>(h)];
-    double shared = 0;
-    for (const Grid& grid : head_grids) {
-      if (detail::same_bin(grid, i, j)) {
-        shared += 1;
-      }
-    }
-    return shared / static_cast<double>(head_grids.size());
-  });
+  factor_attention(q, k, v, out, options, mean_mask_factor(grids));
 }
 
 /// Positional LSH with the grids plsh_attention draws for `options.seed`.

@@ -54,31 +54,49 @@ bool views_overlap(const HeadsView<A>& a, const HeadsView<B>& b) {
   return begin_a < end_b && begin_b < end_a;
 }
 
-/// The checks shared by every attention entry point: shapes of q [n_q][H][d], k [n_k][H_kv][d],
-/// v [n_k][H_kv][d_v], out [n_q][H][d_v]; H a multiple of H_kv; out not overlapping an input;
-/// positions non-negative; a finite scale.
+/// Shapes of the inputs: q [n_q][H][d], k [n_k][H_kv][d], v [n_k][H_kv][d_v], H a multiple of
+/// H_kv.
 template <class Scalar>
-void validate_attention(const char* function, const HeadsView<const Scalar>& q,
-                        const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
-                        const HeadsView<Scalar>& out, const AttentionOptions& options) {
+void validate_inputs(const char* function, const HeadsView<const Scalar>& q,
+                     const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v) {
   require_view(q, function, "q");
   require_view(k, function, "k");
   require_view(v, function, "v");
-  require_view(out, function, "out");
   require(k.dim == q.dim, function, "k.dim must equal q.dim");
   require(v.tokens == k.tokens, function, "v.tokens must equal k.tokens");
   require(v.heads == k.heads, function, "v.heads must equal k.heads");
   require(q.heads % k.heads == 0, function, "q.heads must be a multiple of k.heads");
+}
+
+/// The shape of an attention output: out [n_q][H][d_v].
+template <class Out, class Scalar>
+void validate_output_shape(const char* function, const HeadsView<Out>& out,
+                           const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& v) {
+  require_view(out, function, "out");
   require(out.tokens == q.tokens, function, "out.tokens must equal q.tokens");
   require(out.heads == q.heads, function, "out.heads must equal q.heads");
   require(out.dim == v.dim, function, "out.dim must equal v.dim");
+}
+
+inline void validate_options(const char* function, const AttentionOptions& options) {
+  require(options.query_position >= 0, function, "options.query_position must be non-negative");
+  require(options.key_position >= 0, function, "options.key_position must be non-negative");
+  require(std::isfinite(options.scale), function, "options.scale must be finite");
+}
+
+/// The checks shared by every attention entry point: validate_inputs, validate_output_shape,
+/// out not overlapping itself or an input, validate_options.
+template <class Scalar>
+void validate_attention(const char* function, const HeadsView<const Scalar>& q,
+                        const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
+                        const HeadsView<Scalar>& out, const AttentionOptions& options) {
+  validate_inputs(function, q, k, v);
+  validate_output_shape(function, out, q, v);
   require_injective(out, function, "out");
   require(!views_overlap(out, q), function, "out overlaps q");
   require(!views_overlap(out, k), function, "out overlaps k");
   require(!views_overlap(out, v), function, "out overlaps v");
-  require(options.query_position >= 0, function, "options.query_position must be non-negative");
-  require(options.key_position >= 0, function, "options.key_position must be non-negative");
-  require(std::isfinite(options.scale), function, "options.scale must be finite");
+  validate_options(function, options);
 }
 
 inline void validate_slopes(const char* function, const std::vector<double>& slopes, Index heads) {
