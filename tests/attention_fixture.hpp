@@ -241,6 +241,38 @@ inline const std::vector<Index>& edge_lengths() {
   return lengths;
 }
 
+/// Queries and keys at different absolute positions.
+struct OffsetCase {
+  Index n_q, n_k, query_position, key_position;
+};
+
+/// Offsets shared by the ALiBi and Positional LSH kernel tests.
+inline const std::vector<OffsetCase>& offset_cases() {
+  static const std::vector<OffsetCase> cases{
+      {65, 257, 192, 0},  // chunked prefill: the queries are the last 65 key positions
+      {64, 130, 76, 10},  // the same with keys starting at 10
+      {63, 130, 100, 3},  // queries start after the keys do, some beyond the last key
+      {64, 65, 0, 50},    // the first 50 queries precede every key (empty rows when causal)
+      {1, 257, 256, 0},   // decoding the next token
+      {130, 2, 64, 100},  // two keys in the middle of the queries
+  };
+  return cases;
+}
+
+/// Calls `check(c, options)` for every case, causal and bidirectional, with the case's positions.
+template <class Check>
+void for_each_offset_case(const std::vector<OffsetCase>& cases, Check&& check) {
+  for (const OffsetCase& c : cases) {
+    for (const bool causal : {true, false}) {
+      plsh::AttentionOptions options;
+      options.causal = causal;
+      options.query_position = c.query_position;
+      options.key_position = c.key_position;
+      check(c, options);
+    }
+  }
+}
+
 }  // namespace plsh_test
 
 #endif  // PLSH_TESTS_ATTENTION_FIXTURE_HPP

@@ -123,29 +123,14 @@ TEST_CASE("Passes and Fused match the dense reference on edge shapes", "[plsh]")
 }
 
 TEST_CASE("Passes and Fused with query and key positions apart", "[plsh]") {
-  struct Case {
-    Index n_q, n_k, query_position, key_position;
-  };
-  const std::vector<Case> cases{
-      {65, 257, 192, 0},  // chunked prefill: the queries are the last 65 key positions
-      {64, 130, 76, 10},  // the same with keys starting at 10
-      {63, 130, 100, 3},  // queries start after the keys do, some beyond the last key
-      {64, 65, 0, 50},    // the first 50 queries precede every key (empty rows when causal)
-      {1, 257, 256, 0},   // decoding the next token
-      {130, 2, 64, 100},  // two keys in the middle of the queries
-  };
   std::uint64_t seed = 20;
-  for (const Case& c : cases) {
-    for (const bool causal : {true, false}) {
-      plsh::AttentionOptions options;
-      options.causal = causal;
-      options.query_position = c.query_position;
-      options.key_position = c.key_position;
-      const Shape shape{c.n_q, c.n_k, 4, 2, 8, 6};
-      check_plsh_kernels<double>(shape, options, plsh::alibi_slopes(4), {++seed});
-      check_plsh_kernels<float>(shape, options, plsh::alibi_slopes(4), {++seed});
-    }
-  }
+  plsh_test::for_each_offset_case(
+      plsh_test::offset_cases(),
+      [&](const plsh_test::OffsetCase& c, const plsh::AttentionOptions& options) {
+        const Shape shape{c.n_q, c.n_k, 4, 2, 8, 6};
+        check_plsh_kernels<double>(shape, options, plsh::alibi_slopes(4), {++seed});
+        check_plsh_kernels<float>(shape, options, plsh::alibi_slopes(4), {++seed});
+      });
 }
 
 TEST_CASE("slope 0 is plain attention for any number of samples", "[plsh]") {

@@ -143,12 +143,9 @@ TEST_CASE("regular_attention matches the dense reference on ragged sizes", "[reg
 }
 
 TEST_CASE("regular_attention with query and key positions apart", "[regular]") {
-  struct Case {
-    Index n_q, n_k, query_position, key_position;
-  };
   // Queries inside, after, straddling and before the keys; the last two rows under causal
   // masking have rows with no visible key (zero rows, lse = -inf).
-  const std::vector<Case> cases{
+  const std::vector<plsh_test::OffsetCase> cases{
       {65, 129, 64, 0},    // chunked prefill: queries are the last 65 key positions
       {63, 65, 300, 0},    // every query after every key
       {70, 65, 5, 12},     // the first 7 queries precede the first key
@@ -158,16 +155,11 @@ TEST_CASE("regular_attention with query and key positions apart", "[regular]") {
       {129, 129, 37, 37},  // equal offsets
   };
   std::uint64_t seed = 300;
-  for (const Case& c : cases) {
-    for (const bool causal : {true, false}) {
-      plsh::AttentionOptions options;
-      options.causal = causal;
-      options.query_position = c.query_position;
-      options.key_position = c.key_position;
-      check_against_reference<double>(Shape{c.n_q, c.n_k, 1, 1, 8, 5}, options, ++seed);
-      check_against_reference<float>(Shape{c.n_q, c.n_k, 1, 1, 8, 5}, options, ++seed);
-    }
-  }
+  plsh_test::for_each_offset_case(
+      cases, [&](const plsh_test::OffsetCase& c, const plsh::AttentionOptions& options) {
+        check_against_reference<double>(Shape{c.n_q, c.n_k, 1, 1, 8, 5}, options, ++seed);
+        check_against_reference<float>(Shape{c.n_q, c.n_k, 1, 1, 8, 5}, options, ++seed);
+      });
 }
 
 TEST_CASE("regular_attention honours an explicit scale", "[regular]") {
