@@ -241,6 +241,12 @@ inline const std::vector<Index>& edge_lengths() {
   return lengths;
 }
 
+/// "float" or "double", for INFO lines.
+template <class Scalar>
+const char* type_name() {
+  return sizeof(Scalar) == sizeof(float) ? "float" : "double";
+}
+
 /// Queries and keys at different absolute positions.
 struct OffsetCase {
   Index n_q, n_k, query_position, key_position;

@@ -30,14 +30,10 @@ using plsh_test::Buffer;
 using plsh_test::Layout;
 using plsh_test::Problem;
 using plsh_test::Shape;
+using plsh_test::type_name;
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 constexpr double kInfinity = std::numeric_limits<double>::infinity();
-
-template <class Scalar>
-const char* type_name() {
-  return sizeof(Scalar) == sizeof(float) ? "float" : "double";
-}
 
 /// Exact (and windowed with tolerance 0 and 1e-300, which keep every key of these problems) against
 /// reference::alibi_attention; windowed with tolerance 1e-3 against the windowed reference.

@@ -33,13 +33,9 @@ using plsh_test::Buffer;
 using plsh_test::Layout;
 using plsh_test::Problem;
 using plsh_test::Shape;
+using plsh_test::type_name;
 
 constexpr double kInfinity = std::numeric_limits<double>::infinity();
-
-template <class Scalar>
-const char* type_name() {
-  return sizeof(Scalar) == sizeof(float) ? "float" : "double";
-}
 
 plsh::PlshOptions plsh_options(const plsh::AttentionOptions& base, Index samples,
                                std::uint64_t seed, plsh::Kernel kernel) {
