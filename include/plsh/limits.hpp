@@ -21,8 +21,15 @@ using Index = Eigen::Index;
 constexpr Index kMaxPosition = Index(1) << 53;
 
 /// Largest number of draws `samples` of plsh_attention, its backward, KvCache and
-/// draw_head_grids: \f$2^{16}\f$. The fused kernels keep, per thread, the draws' intervals of
-/// every row of a query tile, O(tile rows · samples) memory (see plsh_attention).
+/// draw_head_grids: \f$2^{16}\f$.
+///
+/// Memory grows linearly with s. The draws take 16·H·s bytes (H heads). Per thread, the fused
+/// forward keeps, for a tile of R <= 64 query rows, every draw's block runs (at most R·s, 32
+/// bytes each), every row's interval in every draw (R·s begins and ends, 16 bytes) and every row's
+/// segments of constant count (R·(2s + 1) offsets and logarithms): at most about
+/// \f$(64 + 2\,\mathrm{sizeof(Scalar)})\,R\,s\f$ bytes, 320 MiB in double at s = kMaxSamples and
+/// 100 KiB at the default s = 20. The backward keeps R·s begins and ends per thread (64 MiB at
+/// s = kMaxSamples). Time also grows with s: O(s) block look-ups per query tile and head.
 constexpr Index kMaxSamples = Index(1) << 16;
 
 /// Largest number of heads of alibi_slopes: \f$2^{20}\f$ (8 MiB of slopes).
