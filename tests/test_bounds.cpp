@@ -38,13 +38,32 @@ namespace {
 std::atomic<long> allocations{0};
 }  // namespace
 
-void* operator new(std::size_t size) {
+namespace {
+void* counted_allocation(std::size_t size) noexcept {
   allocations.fetch_add(1, std::memory_order_relaxed);
-  if (void* pointer = std::malloc(size == 0 ? 1 : size)) return pointer;
+  return std::malloc(size == 0 ? 1 : size);
+}
+void* counted_allocation_or_throw(std::size_t size) {
+  if (void* pointer = counted_allocation(size)) return pointer;
   throw std::bad_alloc();
 }
+}  // namespace
+
+// Every form that pairs with the deletes below, so that no memory crosses allocators.
+void* operator new(std::size_t size) { return counted_allocation_or_throw(size); }
+void* operator new[](std::size_t size) { return counted_allocation_or_throw(size); }
+void* operator new(std::size_t size, const std::nothrow_t&) noexcept {
+  return counted_allocation(size);
+}
+void* operator new[](std::size_t size, const std::nothrow_t&) noexcept {
+  return counted_allocation(size);
+}
 void operator delete(void* pointer) noexcept { std::free(pointer); }
+void operator delete[](void* pointer) noexcept { std::free(pointer); }
 void operator delete(void* pointer, std::size_t) noexcept { std::free(pointer); }
+void operator delete[](void* pointer, std::size_t) noexcept { std::free(pointer); }
+void operator delete(void* pointer, const std::nothrow_t&) noexcept { std::free(pointer); }
+void operator delete[](void* pointer, const std::nothrow_t&) noexcept { std::free(pointer); }
 
 namespace {
 
