@@ -50,49 +50,6 @@
 namespace plsh {
 namespace detail {
 
-/// Checks of the backward entry points: q, k, v, out as the forward; dout like out, dq like q,
-/// dk like k, dv like v; no gradient view overlapping an input or another gradient.
-template <class Scalar>
-void validate_backward(const char* function, const HeadsView<const Scalar>& q,
-                       const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
-                       const HeadsView<const Scalar>& out, const HeadsView<const Scalar>& dout,
-                       const HeadsView<Scalar>& dq, const HeadsView<Scalar>& dk,
-                       const HeadsView<Scalar>& dv, const AttentionOptions& options) {
-  validate_inputs(function, q, k, v);
-  validate_output_shape(function, out, q, v);
-  require_view(dout, function, "dout");
-  require_view(dq, function, "dq");
-  require_view(dk, function, "dk");
-  require_view(dv, function, "dv");
-  const auto require_shape = [&](const auto& view, const std::string& name, const auto& like,
-                                 const std::string& like_name) {
-    require(view.tokens == like.tokens, function,
-            name + ".tokens must equal " + like_name + ".tokens");
-    require(view.heads == like.heads, function, name + ".heads must equal " + like_name + ".heads");
-    require(view.dim == like.dim, function, name + ".dim must equal " + like_name + ".dim");
-  };
-  require_shape(dout, "dout", out, "out");
-  require_shape(dq, "dq", q, "q");
-  require_shape(dk, "dk", k, "k");
-  require_shape(dv, "dv", v, "v");
-  const HeadsView<Scalar> gradients[] = {dq, dk, dv};
-  const char* gradient_names[] = {"dq", "dk", "dv"};
-  const HeadsView<const Scalar> inputs[] = {q, k, v, out, dout};
-  const char* input_names[] = {"q", "k", "v", "out", "dout"};
-  for (int g = 0; g < 3; ++g) {
-    require_injective(gradients[g], function, gradient_names[g]);
-    for (int i = 0; i < 5; ++i) {
-      require(!views_overlap(gradients[g], inputs[i]), function,
-              std::string(gradient_names[g]) + " overlaps " + input_names[i]);
-    }
-    for (int other = 0; other < g; ++other) {
-      require(!views_overlap(gradients[g], gradients[other]), function,
-              std::string(gradient_names[g]) + " overlaps " + gradient_names[other]);
-    }
-  }
-  validate_options(function, options);
-}
-
 /// Per-thread scratch of the backward sweeps.
 template <class Scalar>
 struct BackwardWorkspace {

@@ -52,17 +52,6 @@ Map map_rows(const Map& map, Index begin, Index count) {
              Eigen::OuterStride<>(map.outerStride()));
 }
 
-/// The grids of every head: head h, draw t is `RandomBinning(slopes[h], head_seed(seed, h))(t)`.
-inline std::vector<std::vector<Grid>> draw_head_grids(const std::vector<double>& slopes,
-                                                      Index samples, std::uint64_t seed) {
-  std::vector<std::vector<Grid>> grids;
-  grids.reserve(slopes.size());
-  for (std::size_t h = 0; h < slopes.size(); ++h) {
-    grids.push_back(RandomBinning(slopes[h], head_seed(seed, static_cast<Index>(h))).draw(samples));
-  }
-  return grids;
-}
-
 /// Positions covered by queries or keys: every partition is cut to this range. Cutting does not
 /// change which queries and keys share a block, so any covering range gives the same result.
 struct PositionRange {
@@ -421,16 +410,6 @@ void fused_attention(const HeadsView<const Scalar>& q, const HeadsView<const Sca
                        grids[static_cast<std::size_t>(tile.head)], resolved, range, tile.row_begin,
                        tile.row_end, out_head);
   });
-}
-
-template <class Scalar>
-void validate_plsh(const char* function, const HeadsView<const Scalar>& q,
-                   const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
-                   const HeadsView<Scalar>& out, const std::vector<double>& slopes,
-                   const PlshOptions& options) {
-  validate_attention(function, q, k, v, out, options);
-  validate_slopes(function, slopes, q.heads);
-  require(options.samples >= 1, function, "options.samples must be at least 1");
 }
 
 }  // namespace detail
