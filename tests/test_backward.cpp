@@ -24,6 +24,7 @@
 #include <plsh/attention/alibi_attention.hpp>
 #include <plsh/attention/backward.hpp>
 #include <plsh/attention/plsh_attention.hpp>
+#include <plsh/attention/reference.hpp>
 #include <plsh/detail/random.hpp>
 
 namespace {
