@@ -146,21 +146,22 @@ inline std::string describe(const plsh::AttentionOptions& options) {
 }
 
 /// Inputs and an output buffer of one problem. Queries carry `query_amplitude` so that the logits
-/// scale * q.k spread over a few units and the softmax is far from uniform.
+/// scale * q.k spread over a few units and the softmax is far from uniform; keys carry
+/// `key_amplitude`, values 1.
 template <class Scalar>
 struct Problem {
   Shape shape;
   Buffer<Scalar> q, k, v, out;
 
   Problem(const Shape& problem_shape, std::uint64_t seed, Layout layout = Layout::Packed,
-          double query_amplitude = 3.0)
+          double query_amplitude = 3.0, double key_amplitude = 1.0)
       : shape(problem_shape),
         q(shape.n_q, shape.heads, shape.dim, layout),
         k(shape.n_k, shape.kv_heads, shape.dim, layout),
         v(shape.n_k, shape.kv_heads, shape.value_dim, layout),
         out(shape.n_q, shape.heads, shape.value_dim, layout) {
     q.fill_random(plsh::detail::mix64(seed * 4 + 0), query_amplitude);
-    k.fill_random(plsh::detail::mix64(seed * 4 + 1));
+    k.fill_random(plsh::detail::mix64(seed * 4 + 1), key_amplitude);
     v.fill_random(plsh::detail::mix64(seed * 4 + 2));
   }
 
