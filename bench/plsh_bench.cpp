@@ -35,6 +35,8 @@
 
 #include <plsh/plsh.hpp>
 
+#include "../tests/fill.hpp"
+
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
@@ -60,13 +62,8 @@ const std::vector<Index> kFusedLengths = {1024, 4096, 8192, 16384, 65536};
 const std::vector<Index> kSamples = {5, 20, 100};
 
 /// Fills `values` with uniform numbers in [-1, 1]: element i is 2 U(i) - 1 from a generator
-/// seeded with `seed`.
-void fill_uniform(std::vector<float>& values, std::uint64_t seed) {
-  const plsh::detail::CounterRandom random(seed);
-  for (std::size_t i = 0; i < values.size(); ++i) {
-    values[i] = static_cast<float>(2 * random.unit(i, 0) - 1);
-  }
-}
+/// seeded with `seed` (the tests' fill, tests/fill.hpp).
+using plsh_test::fill_uniform;
 
 /// q, k, v and out of one sequence length, [n][heads][dim], packed.
 struct Problem {

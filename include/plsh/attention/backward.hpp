@@ -44,7 +44,6 @@
 #include "../tensor.hpp"
 #include "options.hpp"
 #include "plsh_attention.hpp"
-#include "reference.hpp"
 #include "regular.hpp"
 
 namespace plsh {
@@ -459,97 +458,6 @@ void plsh_attention_backward(HeadsView<const detail::NonDeduced<Scalar>> q,
   detail::attention_backward(q, k, v, out, dout, dq, dk, dv, resolved, logits);
 }
 
-namespace reference {
-
-/// Dense backward of plsh::reference::factor_attention in double, straight from the formulas of
-/// the file comment: per head the whole matrix \f$P_{ij} = F_{ij}e^{S_{ij}}/\sum_j F_{ij}
-/// e^{S_{ij}}\f$, \f$o = PV\f$, \f$D = \mathrm{rowsum}(dO\circ o)\f$, \f$dV = P^\top dO\f$,
-/// \f$dS = P\circ(dO\,V^\top - D)\f$, \f$dQ = \text{scale}\; dS\,K\f$, \f$dK = \text{scale}\;
-/// dS^\top Q\f$. `factor(h, p_i, p_j)` is \f$F_{ij}\f$ for query head h. O(n_q n_k) memory per
-/// head.
-template <class Scalar, class Factor>
-void factor_attention_backward(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
-                               const HeadsView<const Scalar>& v,
-                               const HeadsView<const Scalar>& dout, const HeadsView<Scalar>& dq,
-                               const HeadsView<Scalar>& dk, const HeadsView<Scalar>& dv,
-                               const AttentionOptions& options, Factor&& factor) {
-  // dout stands in for out in the checks: both are [n_q][H][d_v].
-  detail::validate_backward("reference::factor_attention_backward", q, k, v, dout, dout, dq, dk, dv,
-                            options);
-  const double scale = detail::resolved_scale(options, q.dim);
-  const Index group = q.heads / k.heads;
-  for (Index g = 0; g < k.heads; ++g) {
-    const Eigen::MatrixXd k_head = k.head(g).template cast<double>();
-    const Eigen::MatrixXd v_head = v.head(g).template cast<double>();
-    Eigen::MatrixXd dk_head = Eigen::MatrixXd::Zero(k.tokens, k.dim);
-    Eigen::MatrixXd dv_head = Eigen::MatrixXd::Zero(v.tokens, v.dim);
-    for (Index h = g * group; h < (g + 1) * group; ++h) {
-      const Eigen::MatrixXd q_head = q.head(h).template cast<double>();
-      const Eigen::MatrixXd dout_head = dout.head(h).template cast<double>();
-      Eigen::MatrixXd probabilities = Eigen::MatrixXd::Zero(q.tokens, k.tokens);
-      for (Index i = 0; i < q.tokens; ++i) {
-        const Index query_position = options.query_position + i;
-        double max_logit = -std::numeric_limits<double>::infinity();
-        for (Index j = 0; j < k.tokens; ++j) {
-          const Index key_position = options.key_position + j;
-          const double weight = (options.causal && key_position > query_position)
-                                    ? 0.0
-                                    : factor(h, query_position, key_position);
-          if (weight > 0) {
-            probabilities(i, j) = std::log(weight) + scale * q_head.row(i).dot(k_head.row(j));
-            max_logit = std::max(max_logit, probabilities(i, j));
-          } else {
-            probabilities(i, j) = -std::numeric_limits<double>::infinity();
-          }
-        }
-        if (max_logit == -std::numeric_limits<double>::infinity()) {
-          probabilities.row(i).setZero();
-          continue;
-        }
-        probabilities.row(i) = (probabilities.row(i).array() - max_logit).exp().matrix();
-        probabilities.row(i) /= probabilities.row(i).sum();
-      }
-      const Eigen::MatrixXd out_head = probabilities * v_head;
-      const Eigen::VectorXd delta = dout_head.cwiseProduct(out_head).rowwise().sum();
-      dv_head += probabilities.transpose() * dout_head;
-      const Eigen::MatrixXd score_gradient =
-          probabilities.cwiseProduct((dout_head * v_head.transpose()).colwise() - delta);
-      const Eigen::MatrixXd dq_head = scale * score_gradient * k_head;
-      dk_head += scale * score_gradient.transpose() * q_head;
-      dq.head(h) = dq_head.template cast<Scalar>();
-    }
-    dk.head(g) = dk_head.template cast<Scalar>();
-    dv.head(g) = dv_head.template cast<Scalar>();
-  }
-}
-
-/// Backward of exact ALiBi: \f$F_{ij} = e^{-m_h|p_i - p_j|}\f$.
-template <class Scalar>
-void alibi_attention_backward(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
-                              const HeadsView<const Scalar>& v, const HeadsView<const Scalar>& dout,
-                              const HeadsView<Scalar>& dq, const HeadsView<Scalar>& dk,
-                              const HeadsView<Scalar>& dv, const std::vector<double>& slopes,
-                              const AttentionOptions& options = {}) {
-  detail::validate_slopes("reference::alibi_attention_backward", slopes, q.heads);
-  factor_attention_backward(q, k, v, dout, dq, dk, dv, options, [&](Index h, Index i, Index j) {
-    return std::exp(-slopes[static_cast<std::size_t>(h)] * static_cast<double>(std::abs(i - j)));
-  });
-}
-
-/// Backward of Positional LSH with the grids plsh_attention draws for `options.seed`:
-/// \f$F_{ij} = c_{ij}/s\f$, the mean block mask.
-template <class Scalar>
-void plsh_attention_backward(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
-                             const HeadsView<const Scalar>& v, const HeadsView<const Scalar>& dout,
-                             const HeadsView<Scalar>& dq, const HeadsView<Scalar>& dk,
-                             const HeadsView<Scalar>& dv, const std::vector<double>& slopes,
-                             const PlshOptions& options = {}) {
-  detail::validate_slopes("reference::plsh_attention_backward", slopes, q.heads);
-  const auto grids = detail::draw_head_grids(slopes, options.samples, options.seed);
-  factor_attention_backward(q, k, v, dout, dq, dk, dv, options, mean_mask_factor(grids));
-}
-
-}  // namespace reference
 }  // namespace plsh
 
 #endif  // PLSH_ATTENTION_BACKWARD_HPP
