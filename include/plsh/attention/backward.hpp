@@ -97,12 +97,14 @@ void validate_backward(const char* function, const HeadsView<const Scalar>& q,
 template <class Scalar>
 struct BackwardWorkspace {
   RowMatrix<Scalar> query;              // scaled query rows of a tile
-  std::vector<Scalar> scores;           // logits, then weights or P, then dS
-  std::vector<Scalar> value_scores;     // dP = dO v^T
-  RowMatrix<Scalar> accumulator;        // dQ of a query tile, or dK of a key tile
+  AlignedVector<Scalar> scores;         // logits, then weights or P, then dS
+  AlignedVector<Scalar> value_scores;   // dP = dO v^T
+  OnlineSoftmax<Scalar> softmax;        // sweep 1: running lse, dQ as its accumulator
+  RowMatrix<Scalar> accumulator;        // dK of a key tile
   RowMatrix<Scalar> value_accumulator;  // dV of a key tile
-  Eigen::Matrix<Scalar, Eigen::Dynamic, 1> max;
-  Eigen::Matrix<Scalar, Eigen::Dynamic, 1> sum;
+  std::vector<Index> nonfinite;         // rows of a product's operand with a non-finite entry
+  RowMatrix<Scalar> clean;              // that operand with those rows zeroed
+  Eigen::Array<Scalar, 1, Eigen::Dynamic> row_scratch;
   std::vector<Index> begins;  // [row][draw]: visible key interval of the row in that draw
   std::vector<Index> ends;
   std::vector<int> counts;                          // difference array of c_ij over a key tile
@@ -149,8 +151,10 @@ class AlibiLogits {
       workspace.offsets =
           Eigen::Array<Scalar, 1, Eigen::Dynamic>::LinSpaced(kKeyTile, 0, kKeyTile - 1);
     }
+    // The same key span as the forward (attend_rows): the logits carry the same row shift.
+    const KeySpan span{first_query - options_.key_position, first_query - (key_end_ - 1)};
     apply_linear_bias(scores, first_query - first_key, options_.causal,
-                      LinearBias{slopes_[static_cast<std::size_t>(h)], kNoWindow},
+                      LinearBias{slopes_[static_cast<std::size_t>(h)], kNoWindow}, span,
                       workspace.offsets);
   }
 
@@ -266,7 +270,8 @@ class PlshLogits {
       Scalar* row = scores.row(r).data();
       for (Index c = 0; c < cols; ++c) {
         count += workspace.counts[static_cast<std::size_t>(c)];
-        row[c] += log_count_[static_cast<std::size_t>(count)];
+        // Assigned, not added: a masked key's score may be NaN.
+        row[c] = count == 0 ? log_count_[0] : row[c] + log_count_[static_cast<std::size_t>(count)];
       }
     }
   }
@@ -281,16 +286,33 @@ class PlshLogits {
   std::vector<Scalar> log_count_;  // log(c) for c = 0..s, log(0) = -inf
 };
 
+/// \f$dS = P\circ(dP - D)\f$ in place of the weights P (rows of a tile), exactly 0 where
+/// \f$P = 0\f$: the \f$dP\f$ of a masked key is NaN when its value row is.
+template <class Scalar>
+void score_gradient(Eigen::Map<RowMatrix<Scalar>>& weights,
+                    const Eigen::Map<RowMatrix<Scalar>>& value_scores, const Scalar* delta) {
+  for (Index r = 0; r < weights.rows(); ++r) {
+    if (std::isfinite(delta[r]) && value_scores.row(r).allFinite()) {
+      weights.row(r).array() *= value_scores.row(r).array() - delta[r];
+      continue;
+    }
+    for (Index c = 0; c < weights.cols(); ++c) {
+      const Scalar p = weights(r, c);
+      weights(r, c) = p == 0 ? Scalar(0) : p * (value_scores(r, c) - delta[r]);
+    }
+  }
+}
+
 /// Sweep 1 for query rows `[row_begin, row_end)` of head h: writes those rows of dq, and their
-/// lse and D. The accumulator holds \f$\sum_j e^{l_{ij} - \mu_i}(dP_{ij} - D_i) k_j\f$ with the
-/// running maximum \f$\mu_i\f$; at the end \f$dQ_i = \text{scale}\cdot\text{acc}_i/\ell_i\f$.
+/// lse and D. The forward's OnlineSoftmax runs over the logits, with \f$e^{l_{ij} - \mu_i}(dP_{ij}
+/// - D_i)\f$ in place of the weights and \f$k_j\f$ in place of the values: its accumulator holds
+/// \f$\sum_j e^{l_{ij} - \mu_i}(dP_{ij} - D_i) k_j\f$ and its output is \f$dQ_i/\text{scale}\f$.
 template <class Scalar, class Logits>
 void backward_query_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
                          const ConstHeadMap<Scalar>& v, const ConstHeadMap<Scalar>& out,
                          const ConstHeadMap<Scalar>& dout, HeadMap<Scalar>& dq,
                          const AttentionOptions& options, const Logits& logits, Index h,
                          Index row_begin, Index row_end, Scalar* lse, Scalar* delta) {
-  constexpr Scalar kMinusInfinity = -std::numeric_limits<Scalar>::infinity();
   BackwardWorkspace<Scalar>& workspace = backward_workspace<Scalar>();
   const Index rows = row_end - row_begin;
   const Index first_query = options.query_position + row_begin;
@@ -298,9 +320,7 @@ void backward_query_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scala
   for (Index r = 0; r < rows; ++r) {
     delta[row_begin + r] = dout.row(row_begin + r).dot(out.row(row_begin + r));
   }
-  workspace.max.setConstant(rows, kMinusInfinity);
-  workspace.sum.setZero(rows);
-  workspace.accumulator.setZero(rows, q.cols());
+  workspace.softmax.reset(rows, q.cols());
   const Block keys = logits.prepare_rows(h, first_query, rows, workspace);
   if (keys.begin < keys.end) {
     workspace.query.noalias() = q.middleRows(row_begin, rows) * scale;
@@ -316,31 +336,12 @@ void backward_query_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scala
       logits.apply(h, workspace, scores, first_query, c0);
       value_scores.noalias() =
           dout.middleRows(row_begin, rows) * v.middleRows(first_key, cols).transpose();
-      for (Index r = 0; r < rows; ++r) {
-        const Scalar new_max = std::max(workspace.max[r], scores.row(r).maxCoeff());
-        if (new_max == kMinusInfinity) {  // nothing visible yet: exp(-inf - -inf) would be NaN
-          scores.row(r).setZero();
-          continue;
-        }
-        const Scalar rescale = std::exp(workspace.max[r] - new_max);
-        scores.row(r).array() = (scores.row(r).array() - new_max).exp();
-        workspace.sum[r] = workspace.sum[r] * rescale + scores.row(r).sum();
-        workspace.accumulator.row(r) *= rescale;
-        workspace.max[r] = new_max;
-        scores.row(r).array() *= value_scores.row(r).array() - delta[row_begin + r];
-      }
-      workspace.accumulator.noalias() += scores * k.middleRows(first_key, cols);
+      workspace.softmax.exponentiate(scores);
+      score_gradient(scores, value_scores, delta + row_begin);
+      workspace.softmax.accumulate(scores, k.middleRows(first_key, cols));
     }
   }
-  for (Index r = 0; r < rows; ++r) {
-    const bool seen = workspace.sum[r] > 0;
-    if (seen) {
-      dq.row(row_begin + r) = workspace.accumulator.row(r) * (scale / workspace.sum[r]);
-    } else {
-      dq.row(row_begin + r).setZero();
-    }
-    lse[row_begin + r] = seen ? workspace.max[r] + std::log(workspace.sum[r]) : kMinusInfinity;
-  }
+  workspace.softmax.finish(dq.middleRows(row_begin, rows), lse + row_begin, &scale);
 }
 
 /// Sweep 2 for key rows `[col_begin, col_end)` of key/value head g: writes those rows of dk and
@@ -354,6 +355,14 @@ void backward_key_rows(const HeadsView<const Scalar>& q, const HeadsView<const S
                        const std::vector<Scalar>& delta) {
   constexpr Scalar kMinusInfinity = -std::numeric_limits<Scalar>::infinity();
   BackwardWorkspace<Scalar>& workspace = backward_workspace<Scalar>();
+  // An operand row with a non-finite entry adds only where the weight is not 0.
+  const auto add_product = [&](RowMatrix<Scalar>& accumulator,
+                               const Eigen::Map<RowMatrix<Scalar>>& weights, const auto& operand) {
+    find_nonfinite_rows(operand, workspace.nonfinite);
+    detail::add_product(
+        accumulator, weights.transpose(), operand, workspace.nonfinite, workspace.clean, false,
+        [&](Index key, std::size_t i) { return weights(workspace.nonfinite[i], key) != 0; });
+  };
   const Index group = q.heads / k.heads;
   const Index cols = col_end - col_begin;
   const Index first_key = options.key_position + col_begin;
@@ -389,16 +398,14 @@ void backward_key_rows(const HeadsView<const Scalar>& q, const HeadsView<const S
         if (row_lse == kMinusInfinity) {
           scores.row(r).setZero();
         } else {
-          scores.row(r).array() = (scores.row(r).array() - row_lse).exp();
+          masked_exp(scores.row(r).array(), row_lse, workspace.row_scratch);
         }
       }
       const auto dout_rows = dout_head.middleRows(row_begin, rows);
-      workspace.value_accumulator.noalias() += scores.transpose() * dout_rows;
+      add_product(workspace.value_accumulator, scores, dout_rows);
       value_scores.noalias() = dout_rows * v_tile.transpose();
-      for (Index r = 0; r < rows; ++r) {
-        scores.row(r).array() *= value_scores.row(r).array() - head_delta[row_begin + r];
-      }
-      workspace.accumulator.noalias() += scores.transpose() * workspace.query;
+      score_gradient(scores, value_scores, head_delta + row_begin);
+      add_product(workspace.accumulator, scores, workspace.query);
     }
   }
   dk.head(kv_head).middleRows(col_begin, cols) = workspace.accumulator;

@@ -165,8 +165,7 @@ struct FusedWorkspace {
   std::vector<Index> intervals;       // per row: number of non-empty intervals
   std::vector<int> difference;
   std::vector<int> counts;
-  std::vector<MaskedRange> masked;  // count-0 runs of the current chunk
-  std::vector<Scalar> scores;
+  AlignedVector<Scalar> scores;
   std::vector<Scalar> log_count;  // log(c) for c = 0..s, log(0) = -inf
   RowMatrix<Scalar> query;
   OnlineSoftmax<Scalar> softmax;
@@ -220,8 +219,8 @@ Index count_segments(Index* begins, Index* ends, Index intervals, Index union_be
 /// Adds \f$\log c_{ij}\f$ to a tile of logits whose keys are the whole union `[union_begin,
 /// union_begin + cols)`, from the block runs by a two-dimensional difference array: each run adds
 /// 1 on a rectangle of (rows, keys), so O(runs + rows * cols) whatever s. Entries with
-/// \f$c_{ij} = 0\f$ (or after the row's position, when causal) become \f$-\infty\f$ and are listed
-/// in `workspace.masked`.
+/// \f$c_{ij} = 0\f$ (or after the row's position, when causal) become \f$-\infty\f$, whatever
+/// the score was.
 template <class Scalar>
 void add_log_counts_narrow(FusedWorkspace<Scalar>& workspace, Eigen::Map<RowMatrix<Scalar>>& scores,
                            Index union_begin, Index first_position, bool causal) {
@@ -242,7 +241,6 @@ void add_log_counts_narrow(FusedWorkspace<Scalar>& workspace, Eigen::Map<RowMatr
     --at(run.row_end, begin);
     ++at(run.row_end, end);
   }
-  workspace.masked.clear();
   std::vector<int>& counts = workspace.counts;
   counts.assign(static_cast<std::size_t>(cols), 0);
   for (Index r = 0; r < rows; ++r) {
@@ -254,21 +252,14 @@ void add_log_counts_narrow(FusedWorkspace<Scalar>& workspace, Eigen::Map<RowMatr
     }
     const Index limit = causal ? std::min(cols, first_position + r + 1 - union_begin) : cols;
     Scalar* row = scores.row(r).data();
-    Index masked_begin = -1;
     for (Index c = 0; c < cols; ++c) {
       const int count = c < limit ? counts[static_cast<std::size_t>(c)] : 0;
       if (count == 0) {
         row[c] = -std::numeric_limits<Scalar>::infinity();
-        if (masked_begin < 0) masked_begin = c;
-        continue;
-      }
-      row[c] += workspace.log_count[static_cast<std::size_t>(count)];
-      if (masked_begin >= 0) {
-        workspace.masked.push_back(MaskedRange{r, masked_begin, c});
-        masked_begin = -1;
+      } else {
+        row[c] += workspace.log_count[static_cast<std::size_t>(count)];
       }
     }
-    if (masked_begin >= 0) workspace.masked.push_back(MaskedRange{r, masked_begin, cols});
   }
 }
 
@@ -327,7 +318,7 @@ void fused_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
     Eigen::Map<RowMatrix<Scalar>> scores(workspace.scores.data(), rows, cols);
     multiply_transposed(workspace.query, k.middleRows(first_key, cols), scores);
     add_log_counts_narrow(workspace, scores, union_begin, first_position, options.causal);
-    workspace.softmax.update(scores, v.middleRows(first_key, cols), workspace.masked);
+    workspace.softmax.update(scores, v.middleRows(first_key, cols));
     workspace.softmax.finish(out.middleRows(row_begin, rows), nullptr);
     return;
   }
@@ -366,7 +357,6 @@ void fused_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
     const Index first_key = c0 - options.key_position;
     Eigen::Map<RowMatrix<Scalar>> scores(workspace.scores.data(), rows, cols);
     multiply_transposed(workspace.query, k.middleRows(first_key, cols), scores);
-    workspace.masked.clear();
     for (Index r = 0; r < rows; ++r) {
       const Index* start = &workspace.segment_start[static_cast<std::size_t>(r * max_segments)];
       const Scalar* value = &workspace.segment_value[static_cast<std::size_t>(r * max_segments)];
@@ -380,7 +370,6 @@ void fused_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
         if (a < b) {
           if (value[j] == -std::numeric_limits<Scalar>::infinity()) {
             row.segment(a - c0, b - a).setConstant(value[j]);
-            workspace.masked.push_back(MaskedRange{r, a - c0, b - c0});
           } else {
             row.segment(a - c0, b - a).array() += value[j];
           }
@@ -388,7 +377,7 @@ void fused_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
         if (segment_end > c1) break;  // the segment continues in the next chunk
       }
     }
-    workspace.softmax.update(scores, v.middleRows(first_key, cols), workspace.masked);
+    workspace.softmax.update(scores, v.middleRows(first_key, cols));
   }
   workspace.softmax.finish(out.middleRows(row_begin, rows), nullptr);
 }
