@@ -2,7 +2,8 @@
 #define PLSH_ATTENTION_BACKWARD_HPP
 
 /// \file backward.hpp
-/// Gradients of exact ALiBi attention and of Positional LSH attention with respect to q, k, v.
+/// Gradients of exact ALiBi attention, of Positional LSH attention and of fixed blocks with
+/// respect to q, k, v.
 ///
 /// Both forwards are softmax attention with logits \f$l_{ij}\f$: exact ALiBi
 /// \f$l_{ij} = S_{ij} - m|p_i - p_j|\f$, Positional LSH \f$l_{ij} = S_{ij} + \log c_{ij}\f$ with
@@ -504,6 +505,34 @@ void plsh_attention_backward(HeadsView<const detail::NonDeduced<Scalar>> q,
   AttentionOptions resolved = options;
   resolved.scale = detail::resolved_scale(options, q.dim);
   const auto grids = detail::draw_head_grids(slopes, options.samples, options.seed);
+  const detail::PlshLogits<Scalar> logits(
+      slopes, grids, resolved, detail::position_range(q, k, options), q.tokens, k.tokens);
+  detail::attention_backward(q, k, v, out, dout, dq, dk, dv, resolved, logits);
+}
+
+/// Gradients of fixed_block_attention with respect to q, k and v: softmax over the keys of the
+/// query's block of `block_size` positions (causal inside the block when causal), the logits
+/// machinery of plsh_attention_backward with one fixed grid per head and counts 0 or 1.
+///
+/// Arguments as exact_alibi_attention_backward, with `block_size` in place of the slopes.
+/// \throws std::invalid_argument as exact_alibi_attention_backward, and for `block_size < 1`.
+template <class Scalar>
+void fixed_block_attention_backward(
+    HeadsView<const detail::NonDeduced<Scalar>> q, HeadsView<const detail::NonDeduced<Scalar>> k,
+    HeadsView<const detail::NonDeduced<Scalar>> v, HeadsView<const detail::NonDeduced<Scalar>> out,
+    HeadsView<const detail::NonDeduced<Scalar>> dout, HeadsView<Scalar> dq, HeadsView<Scalar> dk,
+    HeadsView<Scalar> dv, Index block_size, const AttentionOptions& options = {}) {
+  const char* function = "fixed_block_attention_backward";
+  detail::validate_backward(function, q, k, v, out, dout, dq, dk, dv, options);
+  detail::require(block_size >= 1, function, "block_size must be at least 1");
+  AttentionOptions resolved = options;
+  resolved.scale = detail::resolved_scale(options, q.dim);
+  const std::vector<std::vector<Grid>> grids(
+      static_cast<std::size_t>(q.heads),
+      std::vector<Grid>{fixed_grid(static_cast<double>(block_size))});
+  // The tile heights of the logits come from a slope: about one block per tile.
+  const std::vector<double> slopes(static_cast<std::size_t>(q.heads),
+                                   1.0 / static_cast<double>(block_size));
   const detail::PlshLogits<Scalar> logits(
       slopes, grids, resolved, detail::position_range(q, k, options), q.tokens, k.tokens);
   detail::attention_backward(q, k, v, out, dout, dq, dk, dv, resolved, logits);
