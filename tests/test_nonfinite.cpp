@@ -169,9 +169,10 @@ TEST_CASE("a NaN among a row's visible logits makes the row NaN, not zero", "[no
   check_nan_logit<double>();
 }
 
-/// Fused and Passes give NaN in the same entries and agree elsewhere.
+/// Fused and Passes give non-finite values in the same entries (NaN in the same entries when
+/// `same_nan`: a non-finite value may come out as NaN or infinity) and agree elsewhere.
 template <class Scalar>
-void check_fused_equals_passes(Problem<Scalar>& problem, bool causal) {
+void check_fused_equals_passes(Problem<Scalar>& problem, bool causal, bool same_nan) {
   const auto kernels = forward_kernels<Scalar>(causal);
   Buffer<Scalar> passes = problem.output();
   Buffer<Scalar> fused = problem.output();
@@ -185,7 +186,7 @@ void check_fused_equals_passes(Problem<Scalar>& problem, bool causal) {
         const double b = static_cast<double>(fused.at(t, h, e));
         INFO("token " << t << " head " << h << " passes " << a << " fused " << b);
         REQUIRE(std::isfinite(a) == std::isfinite(b));
-        REQUIRE(std::isnan(a) == std::isnan(b));
+        if (same_nan) REQUIRE(std::isnan(a) == std::isnan(b));
         if (std::isfinite(a)) {
           REQUIRE(std::abs(a - b) <= 10 * plsh_test::reference_tolerance<Scalar>());
         } else {
@@ -206,7 +207,7 @@ void check_fused_passes_nonfinite() {
              << "qkv"[target] << " row 30");
         Problem<Scalar> problem(shape, 11);
         set_row(target == 0 ? problem.q : target == 1 ? problem.k : problem.v, 30, poison);
-        check_fused_equals_passes(problem, causal);
+        check_fused_equals_passes(problem, causal, target != 2);
       }
     }
   }
