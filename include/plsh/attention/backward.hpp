@@ -23,8 +23,8 @@
 /// \f$8d + 6d_v\f$ flops per visible score (the forward: \f$2d + 2d_v\f$); memory: lse and D,
 /// \f$2Hn_q\f$ scalars, plus one tile workspace per thread. Every output row is written by one
 /// job and every sum runs in a fixed order: the result is identical for any number of threads.
-/// The Positional LSH visible set is the union of the blocks of each row (or of each key tile),
-/// found from the draws as in the fused forward.
+/// The Positional LSH visible set and counts of a tile of rows come from BlockCounts, the fused
+/// forward's own.
 ///
 /// Tested in tests/test_backward.cpp against central finite differences of
 /// exact_alibi_attention and plsh_attention, and against the dense double references
@@ -106,9 +106,7 @@ struct BackwardWorkspace {
   std::vector<Index> nonfinite;         // rows of a product's operand with a non-finite entry
   RowMatrix<Scalar> clean;              // that operand with those rows zeroed
   Eigen::Array<Scalar, 1, Eigen::Dynamic> row_scratch;
-  std::vector<Index> begins;  // [row][draw]: visible key interval of the row in that draw
-  std::vector<Index> ends;
-  std::vector<int> counts;                          // difference array of c_ij over a key tile
+  BlockCounts<Scalar> block_counts;                 // c_ij of the Positional LSH logits
   Eigen::Array<Scalar, 1, Eigen::Dynamic> offsets;  // 0, 1, ..., for apply_linear_bias
 };
 
@@ -178,12 +176,7 @@ class PlshLogits {
         options_(options),
         range_(range),
         query_end_(options.query_position + queries),
-        key_end_(options.key_position + keys) {
-    const std::size_t samples = grids.empty() ? 0 : grids.front().size();
-    log_count_.resize(samples + 1);
-    log_count_[0] = -std::numeric_limits<Scalar>::infinity();
-    for (std::size_t c = 1; c <= samples; ++c) log_count_[c] = std::log(static_cast<Scalar>(c));
-  }
+        key_end_(options.key_position + keys) {}
 
   Index query_tile(Index h) const { return fused_tile_rows(slopes_[static_cast<std::size_t>(h)]); }
 
@@ -195,41 +188,11 @@ class PlshLogits {
     return tile;
   }
 
-  /// Records the visible key interval of every row and draw (as the fused forward) and returns
-  /// their union.
+  /// Prepares the counts of the rows (as the fused forward) and returns the union of their keys.
   Block prepare_rows(Index h, Index first_query, Index rows,
                      BackwardWorkspace<Scalar>& workspace) const {
-    const std::vector<Grid>& grids = grids_[static_cast<std::size_t>(h)];
-    const Index samples = static_cast<Index>(grids.size());
-    const std::size_t cells = static_cast<std::size_t>(rows * samples);
-    if (workspace.begins.size() < cells) {
-      workspace.begins.resize(cells);
-      workspace.ends.resize(cells);
-    }
-    Index union_begin = std::numeric_limits<Index>::max();
-    Index union_end = std::numeric_limits<Index>::min();
-    for (Index t = 0; t < samples; ++t) {
-      Block block{0, 0};
-      for (Index r = 0; r < rows; ++r) {
-        const Index position = first_query + r;
-        if (!block.contains(position)) {
-          block =
-              grid_block(grids[static_cast<std::size_t>(t)], position, range_.first, range_.last);
-        }
-        const Index begin = std::max(block.begin, options_.key_position);
-        const Index end =
-            std::min(options_.causal ? position + 1 : block.end, std::min(block.end, key_end_));
-        const std::size_t cell = static_cast<std::size_t>(r * samples + t);
-        workspace.begins[cell] = begin;
-        workspace.ends[cell] = std::max(begin, end);
-        if (begin < end) {
-          union_begin = std::min(union_begin, begin);
-          union_end = std::max(union_end, end);
-        }
-      }
-    }
-    if (union_begin >= union_end) return Block{options_.key_position, options_.key_position};
-    return Block{union_begin, union_end};
+    return workspace.block_counts.prepare(grids_[static_cast<std::size_t>(h)], range_, first_query,
+                                          rows, options_.key_position, key_end_, options_.causal);
   }
 
   /// Query positions that share a block with a key of `[first_key, first_key + cols)` in some
@@ -247,34 +210,11 @@ class PlshLogits {
     return Block{begin, std::max(begin, end)};
   }
 
-  /// Adds \f$\log c_{ij}\f$ to a tile of scores, from the intervals of the last prepare_rows
-  /// (whose first row must be `first_query`).
-  void apply(Index h, BackwardWorkspace<Scalar>& workspace, Eigen::Map<RowMatrix<Scalar>>& scores,
+  /// Adds \f$\log c_{ij}\f$ to a tile of scores (\f$-\infty\f$ where \f$c_{ij} = 0\f$), from
+  /// the last prepare_rows (whose first row must be `first_query`).
+  void apply(Index, BackwardWorkspace<Scalar>& workspace, Eigen::Map<RowMatrix<Scalar>>& scores,
              Index, Index first_key) const {
-    const Index samples = static_cast<Index>(grids_[static_cast<std::size_t>(h)].size());
-    const Index cols = scores.cols();
-    if (static_cast<Index>(workspace.counts.size()) < cols + 1) {
-      workspace.counts.resize(static_cast<std::size_t>(cols + 1));
-    }
-    for (Index r = 0; r < scores.rows(); ++r) {
-      std::fill(workspace.counts.begin(), workspace.counts.begin() + cols + 1, 0);
-      for (Index t = 0; t < samples; ++t) {
-        const std::size_t cell = static_cast<std::size_t>(r * samples + t);
-        const Index begin = std::max(workspace.begins[cell], first_key) - first_key;
-        const Index end = std::min(workspace.ends[cell], first_key + cols) - first_key;
-        if (begin < end) {
-          ++workspace.counts[static_cast<std::size_t>(begin)];
-          --workspace.counts[static_cast<std::size_t>(end)];
-        }
-      }
-      int count = 0;
-      Scalar* row = scores.row(r).data();
-      for (Index c = 0; c < cols; ++c) {
-        count += workspace.counts[static_cast<std::size_t>(c)];
-        // Assigned, not added: a masked key's score may be NaN.
-        row[c] = count == 0 ? log_count_[0] : row[c] + log_count_[static_cast<std::size_t>(count)];
-      }
-    }
+    workspace.block_counts.add_log_counts(scores, first_key);
   }
 
  private:
@@ -284,7 +224,6 @@ class PlshLogits {
   PositionRange range_;
   Index query_end_;
   Index key_end_;
-  std::vector<Scalar> log_count_;  // log(c) for c = 0..s, log(0) = -inf
 };
 
 /// \f$dS = P\circ(dP - D)\f$ in place of the weights P (rows of a tile), exactly 0 where
