@@ -19,10 +19,11 @@
 ///   \f$o_i = \sum_j c_{ij} e^{S_{ij}} v_j / \sum_j c_{ij} e^{S_{ij}}\f$ over the union of the
 ///   blocks of i, an interval of width about \f$\ln(s)/m\f$: each score is computed once,
 ///   whatever s. Per tile of query rows (height from the slope), one product \f$QK^\top\f$ over
-///   the tile's union, \f$\log c_{ij}\f$ added to the logits (counts from a 2-D difference array
-///   over the draws' blocks, or per-row segments of constant count for wide unions), one online
-///   softmax and one product \f$PV\f$. Cost about \f$(\ln(s)/m + \text{tile})(d + d_v)\f$ per
-///   query and head, plus O(s) per block of the tile.
+///   the tile's union, \f$\log c_{ij}\f$ added to the logits (detail::BlockCounts, shared with
+///   the backward: a 2-D difference array over the draws' blocks, or per-row segments of
+///   constant count for wide unions), one online softmax and one product \f$PV\f$. Cost about
+///   \f$(\ln(s)/m + \text{tile})(d + d_v)\f$ per query and head, plus O(s) per block of the
+///   tile.
 ///
 /// Tested against plsh::reference::mask_attention (dense \f$D^{-1}(e^S\circ\hat K)V\f$ in
 /// double, same grids) in tests/test_plsh_attention.cpp; fused against passes there too.
