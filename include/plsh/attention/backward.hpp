@@ -26,6 +26,10 @@
 /// The Positional LSH visible set and counts of a tile of rows come from BlockCounts, the fused
 /// forward's own.
 ///
+/// Masked keys: the logits are \f$-\infty\f$, their weights exactly 0 (the forward's masked
+/// exp), and every product skips the terms of a zero weight, so a key no query sees gets
+/// \f$dK = dV = 0\f$ and a non-finite k or v of a masked key changes no other gradient.
+///
 /// Tested in tests/test_backward.cpp against central finite differences of
 /// exact_alibi_attention and plsh_attention, and against the dense double references
 /// plsh::reference::alibi_attention_backward and plsh::reference::plsh_attention_backward below.

@@ -14,8 +14,12 @@
 /// one vectorised exp, one product \f$PV\f$: \f$2(d + d_v)\f$ flops per visible score. Key tiles
 /// outside the causal or window range are skipped. Memory: one tile of scores per thread.
 ///
+/// The bias is formed relative to each row's nearest key (apply_linear_bias), so that its float
+/// accuracy does not depend on the absolute positions. Non-finite inputs follow the contract of
+/// online_softmax.hpp.
+///
 /// Tested against plsh::reference::factor_attention (dense, double, factor 1) in
-/// tests/test_regular.cpp.
+/// tests/test_regular.cpp; non-finite inputs and far positions in tests/test_nonfinite.cpp.
 
 #include <Eigen/Core>
 #include <algorithm>
