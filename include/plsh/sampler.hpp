@@ -145,11 +145,6 @@ inline std::vector<std::vector<Grid>> draw_head_grids(const std::vector<double>&
   return grids;
 }
 
-namespace detail {
-/// Former internal name of plsh::draw_head_grids, kept for the kernels that still call it.
-using ::plsh::draw_head_grids;
-}  // namespace detail
-
 }  // namespace plsh
 
 #endif  // PLSH_SAMPLER_HPP

@@ -147,6 +147,11 @@ void mask_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scal
                     const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
                     const std::vector<std::vector<Grid>>& grids,
                     const AttentionOptions& options = {}) {
+  detail::require(static_cast<Index>(grids.size()) == q.heads, "reference::mask_attention",
+                  "grids.size() must equal q.heads");
+  for (const std::vector<Grid>& head_grids : grids) {
+    detail::require_grids(head_grids, "reference::mask_attention");
+  }
   factor_attention(q, k, v, out, options, mean_mask_log_factor(grids));
 }
 
@@ -155,8 +160,9 @@ template <class Scalar>
 void plsh_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
                     const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
                     const std::vector<double>& slopes, const PlshOptions& options = {}) {
-  mask_attention(q, k, v, out, detail::draw_head_grids(slopes, options.samples, options.seed),
-                 options);
+  detail::validate_slopes("reference::plsh_attention", slopes, q.heads);
+  detail::require_samples(options.samples, "reference::plsh_attention", "options.samples");
+  mask_attention(q, k, v, out, draw_head_grids(slopes, options.samples, options.seed), options);
 }
 
 /// Fixed blocks of `block_size`: \f$F_{ij} = 1\f$ when \f$\lfloor p_i/b\rfloor = \lfloor
@@ -264,7 +270,8 @@ void plsh_attention_backward(const HeadsView<const Scalar>& q, const HeadsView<c
                              const HeadsView<Scalar>& dv, const std::vector<double>& slopes,
                              const PlshOptions& options = {}) {
   detail::validate_slopes("reference::plsh_attention_backward", slopes, q.heads);
-  const auto grids = detail::draw_head_grids(slopes, options.samples, options.seed);
+  detail::require_samples(options.samples, "reference::plsh_attention_backward", "options.samples");
+  const auto grids = draw_head_grids(slopes, options.samples, options.seed);
   factor_attention_backward(q, k, v, dout, dq, dk, dv, options, mean_mask_log_factor(grids));
 }
 
