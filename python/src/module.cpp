@@ -99,6 +99,14 @@ Layout layout_of(const py::array& array) {
   }
   if (layout.shape[3] > 1 && layout.stride[3] != 1) layout.usable = false;
   if (reinterpret_cast<std::uintptr_t>(array.data()) % alignof(Scalar) != 0) layout.usable = false;
+  if (array.size() == 0) {
+    // No element is ever read or written: any strides do; packed ones pass every check.
+    layout.usable = true;
+    layout.stride[3] = 1;
+    layout.stride[2] = layout.shape[3];
+    layout.stride[1] = layout.shape[2] * layout.stride[2];
+    layout.stride[0] = layout.shape[1] * layout.stride[1];
+  }
   return layout;
 }
 
