@@ -63,7 +63,7 @@ def _check_inputs(q, k, v):
     _check("v", v, q)
 
 
-def _slopes(slopes, heads):
+def _slopes(slopes):
     if slopes is None:
         return None
     if isinstance(slopes, _torch.Tensor):
@@ -138,7 +138,7 @@ def exact_alibi_attention(q, k, v, slopes=None, *, causal=True, scale=0.0, query
     first query and key rows. Returns ``[B, T, H, D_v]``.
     """
     _check_inputs(q, k, v)
-    return _ExactAlibiFunction.apply(q, k, v, _slopes(slopes, q.shape[-2]), bool(causal),
+    return _ExactAlibiFunction.apply(q, k, v, _slopes(slopes), bool(causal),
                                      float(scale), int(query_position), int(key_position))
 
 
@@ -151,7 +151,7 @@ def plsh_attention(q, k, v, slopes=None, *, causal=True, scale=0.0, query_positi
     element and for the backward pass. Arguments and shapes as :func:`exact_alibi_attention`.
     """
     _check_inputs(q, k, v)
-    return _PlshFunction.apply(q, k, v, _slopes(slopes, q.shape[-2]), bool(causal), float(scale),
+    return _PlshFunction.apply(q, k, v, _slopes(slopes), bool(causal), float(scale),
                                int(query_position), int(key_position), int(samples), int(seed))
 
 
