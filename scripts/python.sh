@@ -9,7 +9,8 @@
 #   scripts/python.sh install   build, then copy the package into the interpreter's site-packages
 #
 # Environment: PLSH_PYTHON (interpreter, default /usr/bin/python3), PLSH_JOBS (build jobs,
-# default 2), PLSH_BUILD_TYPE (default Release). Extra arguments after `test` go to pytest.
+# default 2), PLSH_BUILD_TYPE (default Release), PLSH_PYTHON_SITE (install directory, default the
+# interpreter's sysconfig platlib). Extra arguments after `test` go to pytest.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -53,7 +54,7 @@ case "${command}" in
     PYTHONPATH="${output_dir}" "${python}" -m pytest python/tests -q "$@"
     ;;
   install)
-    site=$("${python}" -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')
+    site=${PLSH_PYTHON_SITE:-$("${python}" -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')}
     mkdir -p "${site}"
     rm -rf "${site}/plsh"
     cp -r "${output_dir}/plsh" "${site}/plsh"

@@ -5,7 +5,6 @@
 
 #include <catch2/catch.hpp>
 #include <cstdint>
-#include <functional>
 #include <limits>
 #include <string>
 #include <vector>
@@ -60,66 +59,33 @@ void for_thread_counts(Body&& body) {
 #endif
 }
 
-/// A forward kernel on one element (HeadsView) and on a batch (BatchedHeadsView).
-template <class Scalar>
-struct ForwardCase {
-  const char* name;
-  std::function<void(HeadsView<const Scalar>, HeadsView<const Scalar>, HeadsView<const Scalar>,
-                     HeadsView<Scalar>)>
-      single;
-  std::function<void(const BatchedHeadsView<const Scalar>&, const BatchedHeadsView<const Scalar>&,
-                     const BatchedHeadsView<const Scalar>&, const BatchedHeadsView<Scalar>&)>
-      batch;
-};
-
-template <class Scalar>
-std::vector<ForwardCase<Scalar>> forward_cases(const std::vector<double>& slopes,
-                                               const plsh::AttentionOptions& options) {
+/// Calls `visit(name, kernel)` for every forward kernel, where `kernel(q, k, v, out)` takes either
+/// HeadsViews (one element) or BatchedHeadsViews (the batched overload).
+template <class Scalar, class Visit>
+void for_each_forward(const std::vector<double>& slopes, const plsh::AttentionOptions& options,
+                      Visit&& visit) {
   plsh::PlshOptions fused;
   static_cast<plsh::AttentionOptions&>(fused) = options;
   fused.samples = 5;
   fused.seed = 3;
   plsh::PlshOptions passes = fused;
   passes.kernel = plsh::Kernel::Passes;
-  using V = HeadsView<const Scalar>;
-  using B = BatchedHeadsView<const Scalar>;
-  return {
-      {"exact_alibi_attention",
-       [=](V q, V k, V v, HeadsView<Scalar> o) {
-         plsh::exact_alibi_attention<Scalar>(q, k, v, o, slopes, options);
-       },
-       [=](const B& q, const B& k, const B& v, const BatchedHeadsView<Scalar>& o) {
-         plsh::exact_alibi_attention<Scalar>(q, k, v, o, slopes, options);
-       }},
-      {"windowed_alibi_attention",
-       [=](V q, V k, V v, HeadsView<Scalar> o) {
-         plsh::windowed_alibi_attention<Scalar>(q, k, v, o, slopes, 1e-3, options);
-       },
-       [=](const B& q, const B& k, const B& v, const BatchedHeadsView<Scalar>& o) {
-         plsh::windowed_alibi_attention<Scalar>(q, k, v, o, slopes, 1e-3, options);
-       }},
-      {"plsh_attention (fused)",
-       [=](V q, V k, V v, HeadsView<Scalar> o) {
-         plsh::plsh_attention<Scalar>(q, k, v, o, slopes, fused);
-       },
-       [=](const B& q, const B& k, const B& v, const BatchedHeadsView<Scalar>& o) {
-         plsh::plsh_attention<Scalar>(q, k, v, o, slopes, fused);
-       }},
-      {"plsh_attention (passes)",
-       [=](V q, V k, V v, HeadsView<Scalar> o) {
-         plsh::plsh_attention<Scalar>(q, k, v, o, slopes, passes);
-       },
-       [=](const B& q, const B& k, const B& v, const BatchedHeadsView<Scalar>& o) {
-         plsh::plsh_attention<Scalar>(q, k, v, o, slopes, passes);
-       }},
-      {"fixed_block_attention",
-       [=](V q, V k, V v, HeadsView<Scalar> o) {
-         plsh::fixed_block_attention<Scalar>(q, k, v, o, 16, options);
-       },
-       [=](const B& q, const B& k, const B& v, const BatchedHeadsView<Scalar>& o) {
-         plsh::fixed_block_attention<Scalar>(q, k, v, o, 16, options);
-       }},
-  };
+  visit("exact_alibi_attention", [&](const auto& q, const auto& k, const auto& v, const auto& o) {
+    plsh::exact_alibi_attention<Scalar>(q, k, v, o, slopes, options);
+  });
+  visit("windowed_alibi_attention",
+        [&](const auto& q, const auto& k, const auto& v, const auto& o) {
+          plsh::windowed_alibi_attention<Scalar>(q, k, v, o, slopes, 1e-3, options);
+        });
+  visit("plsh_attention (fused)", [&](const auto& q, const auto& k, const auto& v, const auto& o) {
+    plsh::plsh_attention<Scalar>(q, k, v, o, slopes, fused);
+  });
+  visit("plsh_attention (passes)", [&](const auto& q, const auto& k, const auto& v, const auto& o) {
+    plsh::plsh_attention<Scalar>(q, k, v, o, slopes, passes);
+  });
+  visit("fixed_block_attention", [&](const auto& q, const auto& k, const auto& v, const auto& o) {
+    plsh::fixed_block_attention<Scalar>(q, k, v, o, 16, options);
+  });
 }
 
 const Shape kShape{70, 70, 4, 2, 8, 6};
@@ -155,22 +121,22 @@ TEMPLATE_TEST_CASE("Batched forward kernels equal the loop over the batch bit fo
       options.query_position = 5;
       options.key_position = 2;
       const Problem<Scalar> problem = batch_problem<Scalar>(kShape, kBatch, layout);
-      for (const auto& kernel : forward_cases<Scalar>(slopes, options)) {
-        INFO(kernel.name << ", " << layout << ", " << plsh_test::describe(options) << ", "
-                         << plsh_test::type_name<Scalar>());
+      for_each_forward<Scalar>(slopes, options, [&](const char* name, const auto& kernel) {
+        INFO(name << ", " << layout << ", " << plsh_test::describe(options) << ", "
+                  << plsh_test::type_name<Scalar>());
         Buffer<Scalar> looped = problem.out;
         const auto q = batched(problem.q.in(), kBatch);
         const auto k = batched(problem.k.in(), kBatch);
         const auto v = batched(problem.v.in(), kBatch);
         const auto looped_out = batched(looped.view, kBatch);
-        for (Index b = 0; b < kBatch; ++b) kernel.single(q[b], k[b], v[b], looped_out[b]);
+        for (Index b = 0; b < kBatch; ++b) kernel(q[b], k[b], v[b], looped_out[b]);
         REQUIRE(plsh_test::all_finite(looped.view));
         for_thread_counts([&] {
           Buffer<Scalar> together = problem.out;
-          kernel.batch(q, k, v, batched(together.view, kBatch));
+          kernel(q, k, v, batched(together.view, kBatch));
           CHECK(together.storage == looped.storage);  // padding included: untouched
         });
-      }
+      });
     }
   }
 }

@@ -75,31 +75,38 @@ def _empty_output(q, v):
     return _torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
 
 
+def _forward(ctx, kernel, q, k, v, slopes, **kwargs):
+    """out = kernel(q, k, v, slopes, **kwargs) into a new tensor; saves what backward needs."""
+    out = _empty_output(q, v)
+    kernel(_array(q), _array(k), _array(v), slopes, out=out.numpy(), **kwargs)
+    ctx.save_for_backward(q, k, v, out)
+    ctx.slopes = slopes
+    ctx.kwargs = kwargs
+    return out
+
+
+def _backward(ctx, kernel, dout):
+    """(dq, dk, dv) from the C++ backward `kernel`, as new contiguous tensors."""
+    q, k, v, out = ctx.saved_tensors
+    dq, dk, dv = (_torch.empty_like(t, memory_format=_torch.contiguous_format)
+                  for t in (q, k, v))
+    kernel(_array(q), _array(k), _array(v), _array(out), _array(dout), ctx.slopes,
+           dq=dq.numpy(), dk=dk.numpy(), dv=dv.numpy(), **ctx.kwargs)
+    return dq, dk, dv
+
+
 class _ExactAlibiFunction(_torch.autograd.Function):
     """Exact ALiBi attention; backward through plsh.exact_alibi_attention_backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, slopes, causal, scale, query_position, key_position):
-        out = _empty_output(q, v)
-        kwargs = dict(causal=causal, scale=scale, query_position=query_position,
-                      key_position=key_position)
-        _plsh.exact_alibi_attention(_array(q), _array(k), _array(v), slopes, out=out.numpy(),
-                                    **kwargs)
-        ctx.save_for_backward(q, k, v, out)
-        ctx.slopes = slopes
-        ctx.kwargs = kwargs
-        return out
+        return _forward(ctx, _plsh.exact_alibi_attention, q, k, v, slopes, causal=causal,
+                        scale=scale, query_position=query_position, key_position=key_position)
 
     @staticmethod
     @_torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        q, k, v, out = ctx.saved_tensors
-        dq, dk, dv = (_torch.empty_like(t, memory_format=_torch.contiguous_format)
-                      for t in (q, k, v))
-        _plsh.exact_alibi_attention_backward(
-            _array(q), _array(k), _array(v), _array(out), _array(dout), ctx.slopes,
-            dq=dq.numpy(), dk=dk.numpy(), dv=dv.numpy(), **ctx.kwargs)
-        return dq, dk, dv, None, None, None, None, None
+        return _backward(ctx, _plsh.exact_alibi_attention_backward, dout) + (None,) * 5
 
 
 class _PlshFunction(_torch.autograd.Function):
@@ -107,25 +114,14 @@ class _PlshFunction(_torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, slopes, causal, scale, query_position, key_position, samples, seed):
-        out = _empty_output(q, v)
-        kwargs = dict(causal=causal, scale=scale, query_position=query_position,
-                      key_position=key_position, samples=samples, seed=seed)
-        _plsh.plsh_attention(_array(q), _array(k), _array(v), slopes, out=out.numpy(), **kwargs)
-        ctx.save_for_backward(q, k, v, out)
-        ctx.slopes = slopes
-        ctx.kwargs = kwargs
-        return out
+        return _forward(ctx, _plsh.plsh_attention, q, k, v, slopes, causal=causal, scale=scale,
+                        query_position=query_position, key_position=key_position,
+                        samples=samples, seed=seed)
 
     @staticmethod
     @_torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        q, k, v, out = ctx.saved_tensors
-        dq, dk, dv = (_torch.empty_like(t, memory_format=_torch.contiguous_format)
-                      for t in (q, k, v))
-        _plsh.plsh_attention_backward(
-            _array(q), _array(k), _array(v), _array(out), _array(dout), ctx.slopes,
-            dq=dq.numpy(), dk=dk.numpy(), dv=dv.numpy(), **ctx.kwargs)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return _backward(ctx, _plsh.plsh_attention_backward, dout) + (None,) * 7
 
 
 def exact_alibi_attention(q, k, v, slopes=None, *, causal=True, scale=0.0, query_position=0,

@@ -247,9 +247,10 @@ std::vector<double> slopes_or_default(const std::optional<std::vector<double>>& 
   return heads >= 1 ? plsh::alibi_slopes(heads) : std::vector<double>{};
 }
 
-plsh::AttentionOptions attention_options(bool causal, double scale, Index query_position,
-                                         Index key_position) {
-  plsh::AttentionOptions options;
+// AttentionOptions or PlshOptions with the attention options set (the rest default).
+template <class Options = plsh::AttentionOptions>
+Options options_of(bool causal, double scale, Index query_position, Index key_position) {
+  Options options;
   options.causal = causal;
   options.scale = scale;
   options.query_position = query_position;
@@ -261,16 +262,6 @@ plsh::Kernel kernel_of(const std::string& kernel) {
   if (kernel == "fused") return plsh::Kernel::Fused;
   if (kernel == "passes") return plsh::Kernel::Passes;
   throw py::value_error("kernel must be \"fused\" or \"passes\" (got \"" + kernel + "\")");
-}
-
-plsh::PlshOptions plsh_options(const plsh::AttentionOptions& attention, Index samples,
-                               std::uint64_t seed, plsh::Kernel kernel) {
-  plsh::PlshOptions options;
-  static_cast<plsh::AttentionOptions&>(options) = attention;
-  options.samples = samples;
-  options.seed = seed;
-  options.kernel = kernel;
-  return options;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -330,7 +321,7 @@ py::array exact_alibi_attention(const py::object& q, const py::object& k, const 
                                 const std::optional<std::vector<double>>& slopes, bool causal,
                                 double scale, Index query_position, Index key_position,
                                 const py::object& out) {
-  const auto options = attention_options(causal, scale, query_position, key_position);
+  const auto options = options_of(causal, scale, query_position, key_position);
   return forward(q, k, v, out, [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov) {
     using Scalar = ScalarOf<decltype(ov)>;
     plsh::exact_alibi_attention<Scalar>(qv, kv, vv, ov, slopes_or_default(slopes, qv.heads),
@@ -343,7 +334,7 @@ py::array windowed_alibi_attention(const py::object& q, const py::object& k, con
                                    double tolerance, bool causal, double scale,
                                    Index query_position, Index key_position,
                                    const py::object& out) {
-  const auto options = attention_options(causal, scale, query_position, key_position);
+  const auto options = options_of(causal, scale, query_position, key_position);
   return forward(q, k, v, out, [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov) {
     using Scalar = ScalarOf<decltype(ov)>;
     plsh::windowed_alibi_attention<Scalar>(qv, kv, vv, ov, slopes_or_default(slopes, qv.heads),
@@ -355,8 +346,10 @@ py::array plsh_attention(const py::object& q, const py::object& k, const py::obj
                          const std::optional<std::vector<double>>& slopes, bool causal,
                          double scale, Index query_position, Index key_position, Index samples,
                          std::uint64_t seed, const std::string& kernel, const py::object& out) {
-  const auto options = plsh_options(attention_options(causal, scale, query_position, key_position),
-                                    samples, seed, kernel_of(kernel));
+  auto options = options_of<plsh::PlshOptions>(causal, scale, query_position, key_position);
+  options.samples = samples;
+  options.seed = seed;
+  options.kernel = kernel_of(kernel);
   return forward(q, k, v, out, [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov) {
     using Scalar = ScalarOf<decltype(ov)>;
     plsh::plsh_attention<Scalar>(qv, kv, vv, ov, slopes_or_default(slopes, qv.heads), options);
@@ -366,7 +359,7 @@ py::array plsh_attention(const py::object& q, const py::object& k, const py::obj
 py::array fixed_block_attention(const py::object& q, const py::object& k, const py::object& v,
                                 Index block_size, bool causal, double scale, Index query_position,
                                 Index key_position, const py::object& out) {
-  const auto options = attention_options(causal, scale, query_position, key_position);
+  const auto options = options_of(causal, scale, query_position, key_position);
   return forward(q, k, v, out, [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov) {
     using Scalar = ScalarOf<decltype(ov)>;
     plsh::fixed_block_attention<Scalar>(qv, kv, vv, ov, block_size, options);
@@ -380,7 +373,7 @@ py::tuple exact_alibi_attention_backward(const py::object& q, const py::object& 
                                          bool causal, double scale, Index query_position,
                                          Index key_position, const py::object& dq,
                                          const py::object& dk, const py::object& dv) {
-  const auto options = attention_options(causal, scale, query_position, key_position);
+  const auto options = options_of(causal, scale, query_position, key_position);
   return backward(q, k, v, out, dout, dq, dk, dv,
                   [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov,
                       const auto& dov, const auto& dqv, const auto& dkv, const auto& dvv) {
@@ -397,8 +390,9 @@ py::tuple plsh_attention_backward(const py::object& q, const py::object& k, cons
                                   double scale, Index query_position, Index key_position,
                                   Index samples, std::uint64_t seed, const py::object& dq,
                                   const py::object& dk, const py::object& dv) {
-  const auto options = plsh_options(attention_options(causal, scale, query_position, key_position),
-                                    samples, seed, plsh::Kernel::Fused);
+  auto options = options_of<plsh::PlshOptions>(causal, scale, query_position, key_position);
+  options.samples = samples;
+  options.seed = seed;
   return backward(q, k, v, out, dout, dq, dk, dv,
                   [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov,
                       const auto& dov, const auto& dqv, const auto& dkv, const auto& dvv) {
@@ -508,8 +502,10 @@ std::unique_ptr<KvCacheBase> make_kv_cache(Index heads, Index kv_heads, Index di
                                            Index key_position, const std::string& kernel,
                                            const py::object& dtype) {
   const py::dtype type = py::dtype::from_args(dtype);
-  auto options = plsh_options(attention_options(true, scale, 0, key_position), samples, seed,
-                              kernel_of(kernel));
+  auto options = options_of<plsh::PlshOptions>(true, scale, 0, key_position);
+  options.samples = samples;
+  options.seed = seed;
+  options.kernel = kernel_of(kernel);
   const std::vector<double> slope_list = slopes_or_default(slopes, heads);
   if (type.kind() == 'f' && type.itemsize() == 4) {
     return std::make_unique<KvCacheOf<float>>(heads, kv_heads, dim, value_dim, slope_list, options);
