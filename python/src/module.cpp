@@ -619,8 +619,14 @@ PYBIND11_MODULE(_plsh, m) {
            "slopes"_a = none, py::kw_only(), "samples"_a = 20, "seed"_a = 0, "scale"_a = 0.0,
            "key_position"_a = 0, "kernel"_a = "fused",
            "dtype"_a = py::module_::import("numpy").attr("float32"))
-      .def("append", &KvCacheBase::append, "k"_a, "v"_a)
-      .def("attend", &KvCacheBase::attend, "q"_a, "out"_a = none)
+      .def("append", &KvCacheBase::append, "k"_a, "v"_a,
+           "Appends the keys and values of positions position .. position + n - 1 (k [n, "
+           "kv_heads, dim], v [n, kv_heads, value_dim]), after forgetting the keys no query at "
+           "`position` or later can reach.")
+      .def("attend", &KvCacheBase::attend, "q"_a, "out"_a = none,
+           "Outputs [n, heads, value_dim] of the queries q [n, heads, dim] at positions "
+           "position - n .. position - 1; n at most the tokens of the last append. Equal (to "
+           "rounding) to those rows of plsh_attention over the whole sequence.")
       .def_property_readonly("position", &KvCacheBase::position)
       .def_property_readonly("resident", &KvCacheBase::resident)
       .def_property_readonly("oldest_position", &KvCacheBase::oldest_position)
