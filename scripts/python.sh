@@ -10,8 +10,9 @@
 #
 # Environment: PLSH_PYTHON (interpreter, default /usr/bin/python3), PLSH_JOBS (build jobs,
 # default 2), PLSH_BUILD_TYPE (default Release), PLSH_PYTHON_SITE (install directory, default the
-# interpreter's sysconfig platlib), PLSH_NATIVE=1 (compile for this machine's vector units,
-# -march=native; the default build is portable). Extra arguments after `test` go to pytest.
+# interpreter's sysconfig platlib), PLSH_NATIVE (default 1: compile for the vector units of the
+# machine that builds it, -march=native, as the module is built where it runs; 0: a portable
+# build, several times slower). Extra arguments after `test` go to pytest.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -46,7 +47,7 @@ fi
 
 cmake -S python -B "${build_dir}" -DCMAKE_BUILD_TYPE="${build_type}" \
   -DPython_EXECUTABLE="${python}" -DPLSH_PYTHON_OUTPUT_DIR="${output_dir}" \
-  -DPLSH_PYTHON_NATIVE="$([[ "${PLSH_NATIVE:-0}" == 1 ]] && echo ON || echo OFF)"
+  -DPLSH_PYTHON_NATIVE="$([[ "${PLSH_NATIVE:-1}" == 1 ]] && echo ON || echo OFF)"
 cmake --build "${build_dir}" -j "${jobs}"
 PYTHONPATH="${output_dir}" "${python}" -c "import plsh, sys; assert 'torch' not in sys.modules"
 echo "plsh: built ${output_dir}/plsh (use PYTHONPATH=${output_dir} ${python})"

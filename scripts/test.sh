@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # Everything CI checks, in order:
-#   format   clang-format --dry-run --Werror over include/ tests/ examples/ bench/
+#   format   clang-format --dry-run --Werror over include/ tests/ examples/ bench/ python/
 #   release  preset "release": build/release (tests, examples, benchmarks, -Werror), ctest
-#   asan     preset "asan": build/asan, RelWithDebInfo with ASan and UBSan, ctest
+#   asan     preset "asan": build/asan, RelWithDebInfo with ASan and UBSan, ctest (the packaging
+#            tests, which build unsanitised consumer projects, run in the release phase only)
+#   python   the Python module for Debian's /usr/bin/python3 in build/python, its pytest suite
+#            (scripts/python.sh test), and the training comparison's quick mode
+#   fuzz     tests/fuzz/run.sh: the libFuzzer target (clang++, ASan, UBSan) on the regression
+#            inputs, then PLSH_FUZZ_SECONDS (default 60) of fuzzing from tests/fuzz/corpus
 #
-#   scripts/test.sh [format|release|asan]...    (no argument: all three)
+#   scripts/test.sh [format|release|asan|python|fuzz]...    (no argument: all five)
 #
 # Environment: PLSH_JOBS (parallel jobs for builds and ctest, default 2),
 # PLSH_TEST_TIMEOUT (seconds per test, default 1500), CLANG_FORMAT (default clang-format).
@@ -16,13 +21,13 @@ source scripts/deps.sh
 
 phases=("$@")
 if ((${#phases[@]} == 0)); then
-  phases=(format release asan)
+  phases=(format release asan python fuzz)
 fi
 for phase in "${phases[@]}"; do
   case "${phase}" in
-    format | release | asan) ;;
+    format | release | asan | python | fuzz) ;;
     *)
-      echo "usage: scripts/test.sh [format|release|asan]..." >&2
+      echo "usage: scripts/test.sh [format|release|asan|python|fuzz]..." >&2
       exit 2
       ;;
   esac
@@ -34,9 +39,11 @@ clang_format="${CLANG_FORMAT:-clang-format}"
 
 extra_packages=()
 for phase in "${phases[@]}"; do
-  if [[ "${phase}" == format ]]; then
-    extra_packages+=(clang-format)
-  fi
+  case "${phase}" in
+    format) extra_packages+=(clang-format) ;;
+    # The training comparison's text: the King James Bible of bible-kjv.
+    python) extra_packages+=(bible-kjv) ;;
+  esac
 done
 plsh_ensure_deps "${extra_packages[@]}"
 
@@ -71,7 +78,7 @@ run_phase() {
 check_format() {
   local -a dirs=()
   local dir
-  for dir in include tests examples bench; do
+  for dir in include tests examples bench python; do
     if [[ -d "${dir}" ]]; then
       dirs+=("${dir}")
     fi
@@ -111,10 +118,17 @@ asan() {
   build_and_test asan
 }
 
+python_phase() {
+  bash scripts/python.sh test
+  PYTHONPATH=build/python /usr/bin/python3 examples/python/compare.py --quick
+}
+
 for phase in "${phases[@]}"; do
   case "${phase}" in
     format) run_phase format check_format ;;
     release) run_phase release release ;;
     asan) run_phase asan asan ;;
+    python) run_phase python python_phase ;;
+    fuzz) run_phase fuzz bash tests/fuzz/run.sh ;;
   esac
 done

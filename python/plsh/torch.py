@@ -75,12 +75,13 @@ def _empty_output(q, v):
     return _torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
 
 
-def _forward(ctx, kernel, q, k, v, slopes, **kwargs):
-    """out = kernel(q, k, v, slopes, **kwargs) into a new tensor; saves what backward needs."""
+def _forward(ctx, kernel, q, k, v, parameter, **kwargs):
+    """out = kernel(q, k, v, parameter, **kwargs) into a new tensor, with `parameter` the slopes
+    (or the block size of fixed blocks); saves what backward needs."""
     out = _empty_output(q, v)
-    kernel(_array(q), _array(k), _array(v), slopes, out=out.numpy(), **kwargs)
+    kernel(_array(q), _array(k), _array(v), parameter, out=out.numpy(), **kwargs)
     ctx.save_for_backward(q, k, v, out)
-    ctx.slopes = slopes
+    ctx.parameter = parameter
     ctx.kwargs = kwargs
     return out
 
@@ -90,7 +91,7 @@ def _backward(ctx, kernel, dout):
     q, k, v, out = ctx.saved_tensors
     dq, dk, dv = (_torch.empty_like(t, memory_format=_torch.contiguous_format)
                   for t in (q, k, v))
-    kernel(_array(q), _array(k), _array(v), _array(out), _array(dout), ctx.slopes,
+    kernel(_array(q), _array(k), _array(v), _array(out), _array(dout), ctx.parameter,
            dq=dq.numpy(), dk=dk.numpy(), dv=dv.numpy(), **ctx.kwargs)
     return dq, dk, dv
 
@@ -124,6 +125,20 @@ class _PlshFunction(_torch.autograd.Function):
         return _backward(ctx, _plsh.plsh_attention_backward, dout) + (None,) * 7
 
 
+class _FixedBlockFunction(_torch.autograd.Function):
+    """Fixed-block attention; backward through plsh.fixed_block_attention_backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, block_size, causal, scale, query_position, key_position):
+        return _forward(ctx, _plsh.fixed_block_attention, q, k, v, block_size, causal=causal,
+                        scale=scale, query_position=query_position, key_position=key_position)
+
+    @staticmethod
+    @_torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        return _backward(ctx, _plsh.fixed_block_attention_backward, dout) + (None,) * 5
+
+
 def exact_alibi_attention(q, k, v, slopes=None, *, causal=True, scale=0.0, query_position=0,
                           key_position=0):
     """Exact ALiBi attention with autograd: softmax(scale q k^T - m_h |i - j|) v per head.
@@ -153,22 +168,15 @@ def plsh_attention(q, k, v, slopes=None, *, causal=True, scale=0.0, query_positi
 
 def fixed_block_attention(q, k, v, block_size, *, causal=True, scale=0.0, query_position=0,
                           key_position=0):
-    """Attention within fixed blocks of ``block_size`` absolute positions (forward only).
+    """Attention within fixed blocks of ``block_size`` absolute positions, with autograd.
 
-    Differentiation needs plsh's fixed_block_attention_backward, which this build lacks: calling
-    this on tensors that require gradients raises NotImplementedError.
+    The paper's fixed-blocks baseline: query i attends to the keys j with
+    ``i // block_size == j // block_size`` (and ``j <= i`` when causal), without bias. Shapes as
+    :func:`exact_alibi_attention`.
     """
     _check_inputs(q, k, v)
-    if _torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise NotImplementedError(
-            "fixed_block_attention has no backward pass in this build of plsh; call it under "
-            "torch.no_grad() or on tensors that do not require gradients")
-    out = _empty_output(q, v)
-    _plsh.fixed_block_attention(_array(q), _array(k), _array(v), int(block_size),
-                                causal=bool(causal), scale=float(scale),
-                                query_position=int(query_position),
-                                key_position=int(key_position), out=out.numpy())
-    return out
+    return _FixedBlockFunction.apply(q, k, v, int(block_size), bool(causal), float(scale),
+                                     int(query_position), int(key_position))
 
 
 class AlibiAttention(_torch.nn.Module):

@@ -403,6 +403,22 @@ py::tuple plsh_attention_backward(const py::object& q, const py::object& k, cons
                   });
 }
 
+py::tuple fixed_block_attention_backward(const py::object& q, const py::object& k,
+                                         const py::object& v, const py::object& out,
+                                         const py::object& dout, Index block_size, bool causal,
+                                         double scale, Index query_position, Index key_position,
+                                         const py::object& dq, const py::object& dk,
+                                         const py::object& dv) {
+  const auto options = options_of(causal, scale, query_position, key_position);
+  return backward(q, k, v, out, dout, dq, dk, dv,
+                  [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov,
+                      const auto& dov, const auto& dqv, const auto& dkv, const auto& dvv) {
+                    using Scalar = ScalarOf<decltype(dqv)>;
+                    plsh::fixed_block_attention_backward<Scalar>(qv, kv, vv, ov, dov, dqv, dkv, dvv,
+                                                                 block_size, options);
+                  });
+}
+
 // ---------------------------------------------------------------------------------------------
 // KvCache
 // ---------------------------------------------------------------------------------------------
@@ -609,6 +625,11 @@ PYBIND11_MODULE(_plsh, m) {
         "query_position"_a = 0, "key_position"_a = 0, "samples"_a = 20, "seed"_a = 0, "dq"_a = none,
         "dk"_a = none, "dv"_a = none,
         "Gradients (dq, dk, dv) of plsh_attention with the same slopes, samples and seed.");
+
+  m.def("fixed_block_attention_backward", &fixed_block_attention_backward, "q"_a, "k"_a, "v"_a,
+        "out"_a, "dout"_a, "block_size"_a, py::kw_only(), "causal"_a = true, "scale"_a = 0.0,
+        "query_position"_a = 0, "key_position"_a = 0, "dq"_a = none, "dk"_a = none, "dv"_a = none,
+        "Gradients (dq, dk, dv) of fixed_block_attention with the same block size.");
 
   py::class_<KvCacheBase>(m, "KvCache",
                           "Key/value cache for incremental causal Positional LSH decoding that "

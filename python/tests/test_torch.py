@@ -161,16 +161,41 @@ def test_no_bias_is_exact_alibi_with_zero_slopes():
     assert_close(out, plain, 1e-12)
 
 
-def test_fixed_block_attention_forward():
-    q, k, v = random_tensors(seed=9, requires_grad=False)
-    out = pt.fixed_block_attention(q, k, v, 8, query_position=3)
-    expected = plsh.fixed_block_attention(*(t.numpy() for t in (q, k, v)), 8, query_position=3)
-    assert np.array_equal(out.numpy(), expected)
-    q.requires_grad_()
-    with pytest.raises(NotImplementedError, match="no backward pass"):
-        pt.fixed_block_attention(q, k, v, 8)
-    with torch.no_grad():
-        assert torch.equal(pt.fixed_block_attention(q, k, v, 8, query_position=3), out)
+def fixed_log_counts(block_size, n_q, n_k, query_position=0, key_position=0):
+    i = query_position + torch.arange(n_q)[:, None]
+    j = key_position + torch.arange(n_k)[None, :]
+    same = (i // block_size == j // block_size).to(torch.float64)
+    return torch.log(same)[None]  # log 1 = 0 inside a block, -inf outside
+
+
+def test_fixed_block_attention_against_dense_pytorch_and_cpp():
+    q, k, v = random_tensors(seed=9)
+    out = pt.fixed_block_attention(q, k, v, 8, **OPTIONS)
+    counts = fixed_log_counts(8, q.shape[1], k.shape[1], 7, 2)
+    reference = dense_alibi(q, k, v, None, log_counts=counts, **OPTIONS)
+    assert_close(out, reference, 1e-12)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(6), dtype=out.dtype)
+    grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    expected = torch.autograd.grad((reference * weights).sum(), (q, k, v))
+    for grad, reference_grad in zip(grads, expected):
+        assert_close(grad, reference_grad, 1e-11)
+    arrays = [t.detach().numpy() for t in (q, k, v)]
+    cpp_out = plsh.fixed_block_attention(*arrays, 8, **OPTIONS)
+    assert np.array_equal(out.detach().numpy(), cpp_out)
+    cpp_grads = plsh.fixed_block_attention_backward(*arrays, cpp_out, weights.numpy(), 8,
+                                                    **OPTIONS)
+    for grad, cpp_grad in zip(grads, cpp_grads):
+        assert np.array_equal(grad.numpy(), cpp_grad)
+
+
+def test_fixed_block_gradcheck_with_grouped_heads_and_offsets():
+    q, k, v = random_tensors(batch=2, n=6, heads=4, kv_heads=2, dim=3, value_dim=2, n_k=8, seed=4)
+
+    def function(q, k, v):
+        return pt.fixed_block_attention(q, k, v, 3, causal=True, scale=0.7, query_position=5,
+                                        key_position=1)
+
+    assert torch.autograd.gradcheck(function, (q, k, v), eps=1e-6, atol=1e-7, rtol=1e-5)
 
 
 def test_errors():

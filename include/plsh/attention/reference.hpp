@@ -189,28 +189,8 @@ void factor_attention_backward(const HeadsView<const Scalar>& q, const HeadsView
                                const HeadsView<Scalar>& dk, const HeadsView<Scalar>& dv,
                                const AttentionOptions& options, LogFactor&& log_factor) {
   const char* function = "reference::factor_attention_backward";
-  // dout has the shape of the forward's output; each gradient has the shape of its input.
-  detail::validate_inputs(function, q, k, v);
-  detail::validate_output_shape(function, dout, q, v);
-  detail::validate_options(function, options);
-  const HeadsView<Scalar> gradients[] = {dq, dk, dv};
-  const HeadsView<const Scalar> likes[] = {q, k, v};
-  const HeadsView<const Scalar> inputs[] = {q, k, v, dout};
-  for (int g = 0; g < 3; ++g) {
-    detail::require_view(gradients[g], function, "gradient");
-    detail::require(gradients[g].tokens == likes[g].tokens &&
-                        gradients[g].heads == likes[g].heads && gradients[g].dim == likes[g].dim,
-                    function, "a gradient's shape differs from its input's");
-    detail::require_injective(gradients[g], function, "gradient");
-    for (const auto& input : inputs) {
-      detail::require(!detail::views_overlap(gradients[g], input), function,
-                      "a gradient overlaps an input");
-    }
-    for (int other = 0; other < g; ++other) {
-      detail::require(!detail::views_overlap(gradients[g], gradients[other]), function,
-                      "gradients overlap");
-    }
-  }
+  // dout stands in for the forward's output in the checks: both are [n_q][H][d_v].
+  detail::validate_backward(function, q, k, v, dout, dout, dq, dk, dv, options);
   const double scale = detail::resolved_scale(options, q.dim);
   const Index group = q.heads / k.heads;
   std::vector<Index> visible;
