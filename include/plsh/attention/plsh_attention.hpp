@@ -134,6 +134,16 @@ void pass_attention(const BatchedHeadsView<const Scalar>& q,
   });
 }
 
+/// pass_attention on one element (a batch of one), as the KV cache's decoding step calls it.
+template <class Scalar, class RegularKernel>
+void pass_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
+                    const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
+                    const std::vector<std::vector<Grid>>& grids, const AttentionOptions& options,
+                    RegularKernel&& kernel) {
+  pass_attention(batch_of_one(q), batch_of_one(k), batch_of_one(v), batch_of_one(out), grids,
+                 options, kernel);
+}
+
 /// Query rows per tile of the fused kernel for a head of slope m: about the mean block radius
 /// \f$1/m\f$, so that a tile's key interval is not much wider than one row's.
 inline Index fused_tile_rows(double slope) {
@@ -467,6 +477,16 @@ void fused_attention(const BatchedHeadsView<const Scalar>& q,
                        v[b].head(tile.head / group), grids[static_cast<std::size_t>(tile.head)],
                        resolved, range, tile.row_begin, tile.row_end, out_head);
   });
+}
+
+/// fused_attention on one element (a batch of one), as the KV cache's decoding step calls it.
+template <class Scalar>
+void fused_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
+                     const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
+                     const std::vector<std::vector<Grid>>& grids, const std::vector<double>& slopes,
+                     const AttentionOptions& options) {
+  fused_attention(batch_of_one(q), batch_of_one(k), batch_of_one(v), batch_of_one(out), grids,
+                  slopes, options);
 }
 
 /// plsh_attention on a batch whose shapes validate_batch has checked: the checks of one element,
