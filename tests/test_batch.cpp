@@ -1,5 +1,6 @@
 // Tests of include/plsh/batch.hpp: BatchedHeadsView, and every batched kernel equal bit for bit to
-// the loop over its batch elements (1 and 2 threads, three layouts), and the batch checks.
+// the loop over its batch elements (1 and 2 threads, three layouts, grouped heads, a batch whose
+// elements alone stay below the parallel threshold), and the batch checks.
 
 #include <plsh/batch.hpp>
 
@@ -88,8 +89,35 @@ void for_each_forward(const std::vector<double>& slopes, const plsh::AttentionOp
   });
 }
 
+/// Calls `visit(name, kernel)` for every backward kernel, where `kernel(q, k, v, out, dout, dq, dk,
+/// dv)` takes either HeadsViews or BatchedHeadsViews.
+template <class Scalar, class Visit>
+void for_each_backward(const std::vector<double>& slopes, const plsh::PlshOptions& options,
+                       Visit&& visit) {
+  visit("exact_alibi_attention_backward", [&](const auto& q, const auto& k, const auto& v,
+                                              const auto& out, const auto& dout, const auto& dq,
+                                              const auto& dk, const auto& dv) {
+    plsh::exact_alibi_attention_backward<Scalar>(q, k, v, out, dout, dq, dk, dv, slopes, options);
+  });
+  visit("plsh_attention_backward",
+        [&](const auto& q, const auto& k, const auto& v, const auto& out, const auto& dout,
+            const auto& dq, const auto& dk, const auto& dv) {
+          plsh::plsh_attention_backward<Scalar>(q, k, v, out, dout, dq, dk, dv, slopes, options);
+        });
+  visit("fixed_block_attention_backward",
+        [&](const auto& q, const auto& k, const auto& v, const auto& out, const auto& dout,
+            const auto& dq, const auto& dk, const auto& dv) {
+          plsh::fixed_block_attention_backward<Scalar>(q, k, v, out, dout, dq, dk, dv, 16, options);
+        });
+}
+
 const Shape kShape{70, 70, 4, 2, 8, 6};
 const Index kBatch = 3;
+
+/// The batch shapes: grouped heads (2 and 4 query heads per key/value head); elements whose work
+/// alone is below the parallel threshold while the batch's is above (the batched call runs on
+/// several threads, the loop on one); and a batch too small to run in parallel at all.
+const Shape kShapes[] = {kShape, {100, 100, 4, 1, 8, 6}, {5, 3, 2, 1, 4, 3}};
 
 }  // namespace
 
@@ -113,30 +141,32 @@ TEST_CASE("BatchedHeadsView: elements, default batch stride, const view", "[batc
 TEMPLATE_TEST_CASE("Batched forward kernels equal the loop over the batch bit for bit", "[batch]",
                    float, double) {
   using Scalar = TestType;
-  const std::vector<double> slopes = plsh::alibi_slopes(kShape.heads);
-  for (const Layout layout : {Layout::Packed, Layout::HeadMajor, Layout::PaddedRows}) {
-    for (const bool causal : {true, false}) {
-      plsh::AttentionOptions options;
-      options.causal = causal;
-      options.query_position = 5;
-      options.key_position = 2;
-      const Problem<Scalar> problem = batch_problem<Scalar>(kShape, kBatch, layout);
-      for_each_forward<Scalar>(slopes, options, [&](const char* name, const auto& kernel) {
-        INFO(name << ", " << layout << ", " << plsh_test::describe(options) << ", "
-                  << plsh_test::type_name<Scalar>());
-        Buffer<Scalar> looped = problem.out;
-        const auto q = batched(problem.q.in(), kBatch);
-        const auto k = batched(problem.k.in(), kBatch);
-        const auto v = batched(problem.v.in(), kBatch);
-        const auto looped_out = batched(looped.view, kBatch);
-        for (Index b = 0; b < kBatch; ++b) kernel(q[b], k[b], v[b], looped_out[b]);
-        REQUIRE(plsh_test::all_finite(looped.view));
-        for_thread_counts([&] {
-          Buffer<Scalar> together = problem.out;
-          kernel(q, k, v, batched(together.view, kBatch));
-          CHECK(together.storage == looped.storage);  // padding included: untouched
+  for (const Shape& shape : kShapes) {
+    const std::vector<double> slopes = plsh::alibi_slopes(shape.heads);
+    for (const Layout layout : {Layout::Packed, Layout::HeadMajor, Layout::PaddedRows}) {
+      for (const bool causal : {true, false}) {
+        plsh::AttentionOptions options;
+        options.causal = causal;
+        options.query_position = 5;
+        options.key_position = 2;
+        const Problem<Scalar> problem = batch_problem<Scalar>(shape, kBatch, layout);
+        for_each_forward<Scalar>(slopes, options, [&](const char* name, const auto& kernel) {
+          INFO(name << ", " << shape << ", " << layout << ", " << plsh_test::describe(options)
+                    << ", " << plsh_test::type_name<Scalar>());
+          Buffer<Scalar> looped = problem.out;
+          const auto q = batched(problem.q.in(), kBatch);
+          const auto k = batched(problem.k.in(), kBatch);
+          const auto v = batched(problem.v.in(), kBatch);
+          const auto looped_out = batched(looped.view, kBatch);
+          for (Index b = 0; b < kBatch; ++b) kernel(q[b], k[b], v[b], looped_out[b]);
+          REQUIRE(plsh_test::all_finite(looped.view));
+          for_thread_counts([&] {
+            Buffer<Scalar> together = problem.out;
+            kernel(q, k, v, batched(together.view, kBatch));
+            CHECK(together.storage == looped.storage);  // padding included: untouched
+          });
         });
-      });
+      }
     }
   }
 }
@@ -144,62 +174,56 @@ TEMPLATE_TEST_CASE("Batched forward kernels equal the loop over the batch bit fo
 TEMPLATE_TEST_CASE("Batched backward kernels equal the loop over the batch bit for bit", "[batch]",
                    float, double) {
   using Scalar = TestType;
-  const std::vector<double> slopes = plsh::alibi_slopes(kShape.heads);
-  for (const Layout layout : {Layout::Packed, Layout::HeadMajor, Layout::PaddedRows}) {
-    plsh::PlshOptions options;
-    options.query_position = 5;
-    options.key_position = 2;
-    options.samples = 5;
-    options.seed = 9;
-    Problem<Scalar> problem = batch_problem<Scalar>(kShape, kBatch, layout);
-    problem.out.fill_random(41);  // any out and dout exercise the same arithmetic
-    Buffer<Scalar> dout = problem.out;
-    dout.fill_random(43);
-    const auto q = batched(problem.q.in(), kBatch);
-    const auto k = batched(problem.k.in(), kBatch);
-    const auto v = batched(problem.v.in(), kBatch);
-    const auto out = batched(problem.out.in(), kBatch);
-    const auto dout_view = batched(dout.in(), kBatch);
-    for (const bool exact : {true, false}) {
-      INFO((exact ? "exact_alibi_attention_backward" : "plsh_attention_backward")
-           << ", " << layout << ", " << plsh_test::type_name<Scalar>());
-      const auto run = [&](Buffer<Scalar>& dq, Buffer<Scalar>& dk, Buffer<Scalar>& dv,
-                           bool together) {
-        const auto dq_view = batched(dq.view, kBatch);
-        const auto dk_view = batched(dk.view, kBatch);
-        const auto dv_view = batched(dv.view, kBatch);
-        if (together && exact) {
-          plsh::exact_alibi_attention_backward<Scalar>(q, k, v, out, dout_view, dq_view, dk_view,
-                                                       dv_view, slopes, options);
-        } else if (together) {
-          plsh::plsh_attention_backward<Scalar>(q, k, v, out, dout_view, dq_view, dk_view, dv_view,
-                                                slopes, options);
-        } else {
-          for (Index b = 0; b < kBatch; ++b) {
-            if (exact) {
-              plsh::exact_alibi_attention_backward<Scalar>(q[b], k[b], v[b], out[b], dout_view[b],
-                                                           dq_view[b], dk_view[b], dv_view[b],
-                                                           slopes, options);
-            } else {
-              plsh::plsh_attention_backward<Scalar>(q[b], k[b], v[b], out[b], dout_view[b],
-                                                    dq_view[b], dk_view[b], dv_view[b], slopes,
-                                                    options);
-            }
-          }
+  for (const Shape& shape : kShapes) {
+    const std::vector<double> slopes = plsh::alibi_slopes(shape.heads);
+    for (const Layout layout : {Layout::Packed, Layout::HeadMajor, Layout::PaddedRows}) {
+      plsh::PlshOptions options;
+      options.query_position = 5;
+      options.key_position = 2;
+      options.samples = 5;
+      options.seed = 9;
+      Problem<Scalar> problem = batch_problem<Scalar>(shape, kBatch, layout);
+      problem.out.fill_random(41);  // any out and dout exercise the same arithmetic
+      Buffer<Scalar> dout = problem.out;
+      dout.fill_random(43);
+      const auto q = batched(problem.q.in(), kBatch);
+      const auto k = batched(problem.k.in(), kBatch);
+      const auto v = batched(problem.v.in(), kBatch);
+      const auto out = batched(problem.out.in(), kBatch);
+      const auto dout_view = batched(dout.in(), kBatch);
+      for_each_backward<Scalar>(slopes, options, [&](const char* name, const auto& kernel) {
+        INFO(name << ", " << shape << ", " << layout << ", " << plsh_test::type_name<Scalar>());
+        Buffer<Scalar> dq = problem.q, dk = problem.k, dv = problem.v;
+        const auto dq_looped = batched(dq.view, kBatch);
+        const auto dk_looped = batched(dk.view, kBatch);
+        const auto dv_looped = batched(dv.view, kBatch);
+        for (Index b = 0; b < kBatch; ++b) {
+          kernel(q[b], k[b], v[b], out[b], dout_view[b], dq_looped[b], dk_looped[b], dv_looped[b]);
         }
-      };
-      Buffer<Scalar> dq = problem.q, dk = problem.k, dv = problem.v;
-      run(dq, dk, dv, false);
-      REQUIRE(plsh_test::all_finite(dq.view));
-      for_thread_counts([&] {
-        Buffer<Scalar> dq_batch = problem.q, dk_batch = problem.k, dv_batch = problem.v;
-        run(dq_batch, dk_batch, dv_batch, true);
-        CHECK(dq_batch.storage == dq.storage);
-        CHECK(dk_batch.storage == dk.storage);
-        CHECK(dv_batch.storage == dv.storage);
+        REQUIRE(plsh_test::all_finite(dq.view));
+        REQUIRE(plsh_test::all_finite(dk.view));
+        for_thread_counts([&] {
+          Buffer<Scalar> dq_batch = problem.q, dk_batch = problem.k, dv_batch = problem.v;
+          kernel(q, k, v, out, dout_view, batched(dq_batch.view, kBatch),
+                 batched(dk_batch.view, kBatch), batched(dv_batch.view, kBatch));
+          CHECK(dq_batch.storage == dq.storage);
+          CHECK(dk_batch.storage == dk.storage);
+          CHECK(dv_batch.storage == dv.storage);
+        });
       });
     }
   }
+}
+
+TEST_CASE("Batched kernels: the threshold shape straddles the parallel threshold", "[batch]") {
+  const Shape& shape = kShapes[1];
+  std::vector<float> storage(static_cast<std::size_t>(shape.n_q * shape.heads * shape.dim));
+  const HeadsView<const float> q{storage.data(), shape.n_q, shape.heads, shape.dim};
+  const HeadsView<const float> k{storage.data(), shape.n_k, shape.kv_heads, shape.dim};
+  const HeadsView<const float> v{storage.data(), shape.n_k, shape.kv_heads, shape.value_dim};
+  const double element_work = plsh::detail::attention_work(q, k, v);
+  CHECK(element_work < plsh::detail::kMinParallelWork);
+  CHECK(static_cast<double>(kBatch) * element_work >= plsh::detail::kMinParallelWork);
 }
 
 TEST_CASE("Batched kernels: a batch of zero elements does nothing", "[batch]") {
@@ -258,7 +282,7 @@ TEST_CASE("Batched kernels: argument checks", "[batch]") {
     REQUIRE_THROWS_WITH(exact(q_alias, k, out_alias), "exact_alibi_attention: out overlaps q");
 
     const auto dout = batched(problem.out.in(), 2);
-    Buffer<float> dq = problem.q, dv = problem.v;
+    Buffer<float> dq = problem.q, dk = problem.k, dv = problem.v;
     const auto dq_view = batched(dq.view, 2);
     const auto dv_view = batched(dv.view, 2);
     // dk placed on dq's memory (dk has fewer heads, so it fits).
@@ -270,6 +294,15 @@ TEST_CASE("Batched kernels: argument checks", "[batch]") {
     REQUIRE_THROWS_WITH(plsh::plsh_attention_backward<float>(q, k, v, dout, dout, dq_view, dk_on_dq,
                                                              dv_view, slopes),
                         "plsh_attention_backward: dk overlaps dq");
+    REQUIRE_THROWS_AS(plsh::fixed_block_attention_backward<float>(q, k, v, dout, dout, dq_view,
+                                                                  dk_on_dq, dv_view, 16),
+                      std::invalid_argument);
+    REQUIRE_THROWS_WITH(plsh::fixed_block_attention_backward<float>(q, k, v, dout, dout, dq_view,
+                                                                    dk_on_dq, dv_view, 16),
+                        "fixed_block_attention_backward: dk overlaps dq");
+    REQUIRE_THROWS_WITH(plsh::fixed_block_attention_backward<float>(
+                            q, k, v, dout, dout, dq_view, batched(dk.view, 2), dv_view, 0),
+                        "fixed_block_attention_backward: block_size must be at least 1");
   }
   SECTION("element shapes are checked by the unbatched kernel") {
     const BatchedHeadsView<const float> narrow(

@@ -2,101 +2,50 @@
 #define PLSH_BATCH_HPP
 
 /// \file batch.hpp
-/// BatchedHeadsView, a strided view of a `[batch][tokens][heads][dim]` tensor, and the attention
-/// kernels over a batch.
+/// The attention kernels over a batch of BatchedHeadsView (batched_heads_view.hpp), a strided
+/// `[batch][tokens][heads][dim]` tensor, FlashAttention's layout.
 ///
 /// Every batched kernel checks the batch once (the same batch size everywhere, no element address
-/// overflowing, outputs not overlapping each other or an input) and then runs the unbatched kernel
-/// on batch elements 0, 1, ..., in order; each of those is parallel over (head, tile) and gives the
-/// same result for any number of threads, so a batched call equals the loop over its elements bit
-/// for bit. Cost: the sum of the elements' costs.
+/// overflowing, outputs not overlapping each other or an input), then the shapes and options of
+/// one element, and runs the kernel's job list over all the elements in one parallel region:
+/// jobs (batch element, head, query tile) for the tiled forwards and backward sweep 1, (batch
+/// element, head) for the Positional LSH passes, (batch element, key/value head, key tile) for
+/// backward sweep 2. The draws of Positional LSH are made once per call and shared by the
+/// elements. An unbatched call is the same code with a batch of one, every job computes what it
+/// computes there, and every output row is written by one job, so a batched call equals the loop
+/// over its elements bit for bit, for any number of threads. Cost: the sum of the elements' costs
+/// (one draw of the grids, one parallel region); work estimate for the parallel threshold:
+/// batch times one element's.
 ///
 /// Tested in tests/test_batch.cpp against the loop over the batch (1 and 2 threads, strided and
-/// packed layouts) and for every argument check.
+/// packed layouts, grouped heads, a batch too small to run in parallel) and for every argument
+/// check.
 
 #include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "attention/alibi_attention.hpp"
 #include "attention/backward.hpp"
 #include "attention/options.hpp"
 #include "attention/plsh_attention.hpp"
+#include "batched_heads_view.hpp"
 #include "detail/check.hpp"
-#include "detail/parallel.hpp"
 #include "detail/validate.hpp"
 #include "tensor.hpp"
 
 namespace plsh {
-
-/// A non-owning view of a batch of token-major tensors, `[batch][tokens][heads][dim]` (the layout
-/// FlashAttention trains on): element (b, t, h, e) is
-/// `data[b * batch_stride + t * token_stride + h * head_stride + e]`, and batch element b is the
-/// HeadsView `view[b]`.
-///
-/// Built from the view of batch element 0, the batch size and the distance between elements:
-/// \code
-/// std::vector<float> q(batch * n * heads * dim);   // packed [batch][n][heads][dim]
-/// plsh::BatchedHeadsView<const float> view(batch, {q.data(), n, heads, dim});
-/// // batch_stride = n * heads * dim; view[b] is the HeadsView of element b
-/// \endcode
-/// A `BatchedHeadsView<T>` converts to a `BatchedHeadsView<const T>`.
-template <class Scalar>
-struct BatchedHeadsView {
-  Scalar* data;
-  Index batch;
-  Index tokens;
-  Index heads;
-  Index dim;
-  Index batch_stride;
-  Index token_stride;
-  Index head_stride;
-
-  /// `batch` elements, element b starting `b * batch_stride` elements after `first.data`, each
-  /// laid out like `first`.
-  BatchedHeadsView(Index batch, const HeadsView<Scalar>& first, Index batch_stride)
-      : data(first.data),
-        batch(batch),
-        tokens(first.tokens),
-        heads(first.heads),
-        dim(first.dim),
-        batch_stride(batch_stride),
-        token_stride(first.token_stride),
-        head_stride(first.head_stride) {}
-
-  /// As above with consecutive elements: `batch_stride = max(tokens * token_stride, heads *
-  /// head_stride)`, which is `tokens * heads * dim` for packed elements (token-major or
-  /// head-major).
-  BatchedHeadsView(Index batch, const HeadsView<Scalar>& first)
-      : BatchedHeadsView(
-            batch, first,
-            std::max(first.tokens * first.token_stride, first.heads * first.head_stride)) {}
-
-  /// Batch element `b` (not checked against `batch`).
-  HeadsView<Scalar> operator[](Index b) const {
-    return HeadsView<Scalar>{
-        data + b * batch_stride, tokens, heads, dim, token_stride, head_stride};
-  }
-
-  template <class T = Scalar,
-            class = std::enable_if_t<std::is_same<T, Scalar>::value && !std::is_const<T>::value>>
-  operator BatchedHeadsView<const T>() const {  // NOLINT(google-explicit-constructor)
-    return BatchedHeadsView<const T>(batch, HeadsView<const T>(operator[](0)), batch_stride);
-  }
-};
 
 namespace detail {
 
 /// One past the last element a batched view can touch, as an offset from `data`; throws when the
 /// offset of some element does not fit in an Index.
 template <class Scalar>
-Index batched_extent(const BatchedHeadsView<Scalar>& view, const char* function,
-                     const std::string& name) {
-  require(view.batch >= 0, function, name + ".batch must be non-negative");
-  require(view.batch_stride >= 0, function, name + ".batch_stride must be non-negative");
+Index batched_extent(const BatchedHeadsView<Scalar>& view, const char* function, const char* name) {
+  require(view.batch >= 0, function, name, ".batch must be non-negative");
+  require(view.batch_stride >= 0, function, name, ".batch_stride must be non-negative");
   const HeadsView<Scalar> first = view[0];
   require_view(first, function, name);
   if (view.batch == 0 || view.tokens == 0) return 0;
@@ -107,8 +56,8 @@ Index batched_extent(const BatchedHeadsView<Scalar>& view, const char* function,
                                            {1, view.dim}};
   Index extent = 0;
   for (const auto& term : terms) {
-    require(term.second == 0 || term.first <= (kMax - extent) / term.second, function,
-            name + " strides overflow the index type");
+    require(term.second == 0 || term.first <= (kMax - extent) / term.second, function, name,
+            " strides overflow the index type");
     extent += term.first * term.second;
   }
   return extent;
@@ -120,7 +69,7 @@ Index batched_extent(const BatchedHeadsView<Scalar>& view, const char* function,
 /// smaller ones.
 template <class Scalar>
 void require_batched_injective(const BatchedHeadsView<Scalar>& view, const char* function,
-                               const std::string& name) {
+                               const char* name) {
   std::vector<std::pair<Index, Index>> axes;  // (stride, size)
   const std::pair<Index, Index> all[] = {{view.batch_stride, view.batch},
                                          {view.token_stride, view.tokens},
@@ -132,7 +81,7 @@ void require_batched_injective(const BatchedHeadsView<Scalar>& view, const char*
   std::sort(axes.begin(), axes.end());
   Index spanned = 0;  // largest offset reachable through the smaller axes
   for (const auto& axis : axes) {
-    require(axis.first > spanned, function, name + " strides make elements overlap");
+    require(axis.first > spanned, function, name, " strides make elements overlap");
     spanned += (axis.second - 1) * axis.first;
   }
 }
@@ -150,7 +99,7 @@ bool batched_overlap(const BatchedHeadsView<A>& a, Index extent_a, const Batched
 
 /// The checks of a batched call: every view well formed and free of index overflow, the same
 /// batch size everywhere, each output injective and overlapping neither an input nor another
-/// output. Shapes within a batch element are checked by the unbatched kernel.
+/// output. The shapes and options of an element are checked by the kernel, on element 0.
 template <class Scalar, std::size_t Inputs, std::size_t Outputs>
 void validate_batch(const char* function, const BatchedHeadsView<const Scalar> (&inputs)[Inputs],
                     const char* const (&input_names)[Inputs],
@@ -159,32 +108,34 @@ void validate_batch(const char* function, const BatchedHeadsView<const Scalar> (
   Index input_extents[Inputs];
   for (std::size_t i = 0; i < Inputs; ++i) {
     input_extents[i] = batched_extent(inputs[i], function, input_names[i]);
-    require(inputs[i].batch == inputs[0].batch, function,
-            std::string(input_names[i]) + ".batch (" + std::to_string(inputs[i].batch) +
-                ") must equal " + input_names[0] + ".batch (" + std::to_string(inputs[0].batch) +
-                ")");
+    require(inputs[i].batch == inputs[0].batch, function, [&] {
+      return std::string(input_names[i]) + ".batch (" + std::to_string(inputs[i].batch) +
+             ") must equal " + input_names[0] + ".batch (" + std::to_string(inputs[0].batch) + ")";
+    });
   }
   Index output_extents[Outputs];
   for (std::size_t o = 0; o < Outputs; ++o) {
     output_extents[o] = batched_extent(outputs[o], function, output_names[o]);
-    require(outputs[o].batch == inputs[0].batch, function,
-            std::string(output_names[o]) + ".batch (" + std::to_string(outputs[o].batch) +
-                ") must equal " + input_names[0] + ".batch (" + std::to_string(inputs[0].batch) +
-                ")");
+    require(outputs[o].batch == inputs[0].batch, function, [&] {
+      return std::string(output_names[o]) + ".batch (" + std::to_string(outputs[o].batch) +
+             ") must equal " + input_names[0] + ".batch (" + std::to_string(inputs[0].batch) + ")";
+    });
     require_batched_injective(outputs[o], function, output_names[o]);
     for (std::size_t i = 0; i < Inputs; ++i) {
       require(!batched_overlap(outputs[o], output_extents[o], inputs[i], input_extents[i]),
-              function, std::string(output_names[o]) + " overlaps " + input_names[i]);
+              function,
+              [&] { return std::string(output_names[o]) + " overlaps " + input_names[i]; });
     }
     for (std::size_t other = 0; other < o; ++other) {
       require(
           !batched_overlap(outputs[o], output_extents[o], outputs[other], output_extents[other]),
-          function, std::string(output_names[o]) + " overlaps " + output_names[other]);
+          function,
+          [&] { return std::string(output_names[o]) + " overlaps " + output_names[other]; });
     }
   }
 }
 
-/// validate_batch for a forward kernel (q, k, v -> out), then `run(b)` for every element.
+/// validate_batch for a forward kernel (q, k, v -> out), then `run()` unless the batch is empty.
 template <class Scalar, class Run>
 void run_forward_batch(const char* function, const BatchedHeadsView<const Scalar>& q,
                        const BatchedHeadsView<const Scalar>& k,
@@ -195,11 +146,11 @@ void run_forward_batch(const char* function, const BatchedHeadsView<const Scalar
   const BatchedHeadsView<Scalar> outputs[] = {out};
   const char* const output_names[] = {"out"};
   validate_batch(function, inputs, input_names, outputs, output_names);
-  for (Index b = 0; b < q.batch; ++b) run(b);
+  if (q.batch > 0) run();
 }
 
-/// validate_batch for a backward kernel (q, k, v, out, dout -> dq, dk, dv), then `run(b)` for
-/// every element.
+/// validate_batch for a backward kernel (q, k, v, out, dout -> dq, dk, dv), then `run()` unless
+/// the batch is empty.
 template <class Scalar, class Run>
 void run_backward_batch(const char* function, const BatchedHeadsView<const Scalar>& q,
                         const BatchedHeadsView<const Scalar>& k,
@@ -213,7 +164,7 @@ void run_backward_batch(const char* function, const BatchedHeadsView<const Scala
   const BatchedHeadsView<Scalar> outputs[] = {dq, dk, dv};
   const char* const output_names[] = {"dq", "dk", "dv"};
   validate_batch(function, inputs, input_names, outputs, output_names);
-  for (Index b = 0; b < q.batch; ++b) run(b);
+  if (q.batch > 0) run();
 }
 
 }  // namespace detail
@@ -228,8 +179,8 @@ void exact_alibi_attention(const BatchedHeadsView<const detail::NonDeduced<Scala
                            const BatchedHeadsView<const detail::NonDeduced<Scalar>>& v,
                            const BatchedHeadsView<Scalar>& out, const std::vector<double>& slopes,
                            const AttentionOptions& options = {}) {
-  detail::run_forward_batch<Scalar>("exact_alibi_attention", q, k, v, out, [&](Index b) {
-    exact_alibi_attention<Scalar>(q[b], k[b], v[b], out[b], slopes, options);
+  detail::run_forward_batch<Scalar>("exact_alibi_attention", q, k, v, out, [&] {
+    detail::batched_exact_alibi_attention<Scalar>(q, k, v, out, slopes, options);
   });
 }
 
@@ -241,8 +192,8 @@ void windowed_alibi_attention(const BatchedHeadsView<const detail::NonDeduced<Sc
                               const BatchedHeadsView<Scalar>& out,
                               const std::vector<double>& slopes, double tolerance = 1e-6,
                               const AttentionOptions& options = {}) {
-  detail::run_forward_batch<Scalar>("windowed_alibi_attention", q, k, v, out, [&](Index b) {
-    windowed_alibi_attention<Scalar>(q[b], k[b], v[b], out[b], slopes, tolerance, options);
+  detail::run_forward_batch<Scalar>("windowed_alibi_attention", q, k, v, out, [&] {
+    detail::batched_windowed_alibi_attention<Scalar>(q, k, v, out, slopes, tolerance, options);
   });
 }
 
@@ -254,8 +205,8 @@ void plsh_attention(const BatchedHeadsView<const detail::NonDeduced<Scalar>>& q,
                     const BatchedHeadsView<const detail::NonDeduced<Scalar>>& v,
                     const BatchedHeadsView<Scalar>& out, const std::vector<double>& slopes,
                     const PlshOptions& options = {}) {
-  detail::run_forward_batch<Scalar>("plsh_attention", q, k, v, out, [&](Index b) {
-    plsh_attention<Scalar>(q[b], k[b], v[b], out[b], slopes, options);
+  detail::run_forward_batch<Scalar>("plsh_attention", q, k, v, out, [&] {
+    detail::batched_plsh_attention<Scalar>(q, k, v, out, slopes, options);
   });
 }
 
@@ -266,8 +217,8 @@ void fixed_block_attention(const BatchedHeadsView<const detail::NonDeduced<Scala
                            const BatchedHeadsView<const detail::NonDeduced<Scalar>>& v,
                            const BatchedHeadsView<Scalar>& out, Index block_size,
                            const AttentionOptions& options = {}) {
-  detail::run_forward_batch<Scalar>("fixed_block_attention", q, k, v, out, [&](Index b) {
-    fixed_block_attention<Scalar>(q[b], k[b], v[b], out[b], block_size, options);
+  detail::run_forward_batch<Scalar>("fixed_block_attention", q, k, v, out, [&] {
+    detail::batched_fixed_block_attention<Scalar>(q, k, v, out, block_size, options);
   });
 }
 
@@ -284,11 +235,11 @@ void exact_alibi_attention_backward(const BatchedHeadsView<const detail::NonDedu
                                     const BatchedHeadsView<Scalar>& dv,
                                     const std::vector<double>& slopes,
                                     const AttentionOptions& options = {}) {
-  detail::run_backward_batch<Scalar>(
-      "exact_alibi_attention_backward", q, k, v, out, dout, dq, dk, dv, [&](Index b) {
-        exact_alibi_attention_backward<Scalar>(q[b], k[b], v[b], out[b], dout[b], dq[b], dk[b],
-                                               dv[b], slopes, options);
-      });
+  detail::run_backward_batch<Scalar>("exact_alibi_attention_backward", q, k, v, out, dout, dq, dk,
+                                     dv, [&] {
+                                       detail::batched_exact_alibi_attention_backward<Scalar>(
+                                           q, k, v, out, dout, dq, dk, dv, slopes, options);
+                                     });
 }
 
 /// plsh_attention_backward on every batch element (shapes as the batched
@@ -302,11 +253,30 @@ void plsh_attention_backward(const BatchedHeadsView<const detail::NonDeduced<Sca
                              const BatchedHeadsView<Scalar>& dq, const BatchedHeadsView<Scalar>& dk,
                              const BatchedHeadsView<Scalar>& dv, const std::vector<double>& slopes,
                              const PlshOptions& options = {}) {
-  detail::run_backward_batch<Scalar>(
-      "plsh_attention_backward", q, k, v, out, dout, dq, dk, dv, [&](Index b) {
-        plsh_attention_backward<Scalar>(q[b], k[b], v[b], out[b], dout[b], dq[b], dk[b], dv[b],
-                                        slopes, options);
-      });
+  detail::run_backward_batch<Scalar>("plsh_attention_backward", q, k, v, out, dout, dq, dk, dv,
+                                     [&] {
+                                       detail::batched_plsh_attention_backward<Scalar>(
+                                           q, k, v, out, dout, dq, dk, dv, slopes, options);
+                                     });
+}
+
+/// fixed_block_attention_backward on every batch element (shapes as the batched
+/// exact_alibi_attention_backward).
+template <class Scalar>
+void fixed_block_attention_backward(const BatchedHeadsView<const detail::NonDeduced<Scalar>>& q,
+                                    const BatchedHeadsView<const detail::NonDeduced<Scalar>>& k,
+                                    const BatchedHeadsView<const detail::NonDeduced<Scalar>>& v,
+                                    const BatchedHeadsView<const detail::NonDeduced<Scalar>>& out,
+                                    const BatchedHeadsView<const detail::NonDeduced<Scalar>>& dout,
+                                    const BatchedHeadsView<Scalar>& dq,
+                                    const BatchedHeadsView<Scalar>& dk,
+                                    const BatchedHeadsView<Scalar>& dv, Index block_size,
+                                    const AttentionOptions& options = {}) {
+  detail::run_backward_batch<Scalar>("fixed_block_attention_backward", q, k, v, out, dout, dq, dk,
+                                     dv, [&] {
+                                       detail::batched_fixed_block_attention_backward<Scalar>(
+                                           q, k, v, out, dout, dq, dk, dv, block_size, options);
+                                     });
 }
 
 }  // namespace plsh

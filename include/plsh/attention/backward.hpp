@@ -16,13 +16,15 @@
 /// Query heads of a group (H a multiple of H_kv) add their dK, dV into their shared head.
 ///
 /// Cost: FlashAttention-style recomputation, nothing \f$n\times n\f$. Sweep 1, parallel over
-/// (head, query tile): the logits of the visible keys, a running log-sum-exp and dQ in one pass
-/// (dQ's accumulator is rescaled on a new row maximum, like the forward's output). Sweep 2,
-/// parallel over (key/value head, key tile): the logits again, P from the stored lse, dV and dK,
-/// with the query heads of the group and their query tiles visited in a fixed order. About
-/// \f$8d + 6d_v\f$ flops per visible score (the forward: \f$2d + 2d_v\f$); memory: lse and D,
-/// \f$2Hn_q\f$ scalars, plus one tile workspace per thread. Every output row is written by one
-/// job and every sum runs in a fixed order: the result is identical for any number of threads.
+/// (batch element, head, query tile): the logits of the visible keys, a running log-sum-exp and
+/// dQ in one pass (dQ's accumulator is rescaled on a new row maximum, like the forward's output).
+/// Sweep 2, parallel over (batch element, key/value head, key tile): the logits again, P from the
+/// stored lse, dV and dK, with the query heads of the group and their query tiles visited in a
+/// fixed order. Each sweep is one OpenMP region for the whole batch (batch.hpp; an unbatched call
+/// is a batch of one), and the draws are made once per call. About \f$8d + 6d_v\f$ flops per
+/// visible score (the forward: \f$2d + 2d_v\f$); memory: lse and D, \f$2BHn_q\f$ scalars, plus
+/// one tile workspace per thread. Every output row is written by one job and every sum runs in a
+/// fixed order: the result is identical for any number of threads.
 /// The Positional LSH visible set and counts of a tile of rows come from BlockCounts, the fused
 /// forward's own.
 ///
@@ -42,6 +44,7 @@
 #include <string>
 #include <vector>
 
+#include "../batched_heads_view.hpp"
 #include "../detail/check.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validate.hpp"
@@ -245,15 +248,15 @@ void backward_query_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scala
   workspace.softmax.finish(dq.middleRows(row_begin, rows), lse + row_begin, &scale);
 }
 
-/// Sweep 2 for key rows `[col_begin, col_end)` of key/value head g: writes those rows of dk and
-/// dv, summing over the query heads of the group in order, and their query tiles in order.
+/// Sweep 2 for key rows `[col_begin, col_end)` of key/value head g of one batch element: writes
+/// those rows of dk and dv, summing over the query heads of the group in order, and their query
+/// tiles in order; `lse` and `delta` are the element's, `[H][n_q]`.
 template <class Scalar, class Logits>
 void backward_key_rows(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
                        const HeadsView<const Scalar>& v, const HeadsView<const Scalar>& dout,
                        const HeadsView<Scalar>& dk, const HeadsView<Scalar>& dv,
                        const AttentionOptions& options, const Logits& logits, Index kv_head,
-                       Index col_begin, Index col_end, const std::vector<Scalar>& lse,
-                       const std::vector<Scalar>& delta) {
+                       Index col_begin, Index col_end, const Scalar* lse, const Scalar* delta) {
   constexpr Scalar kMinusInfinity = -std::numeric_limits<Scalar>::infinity();
   BackwardWorkspace<Scalar>& workspace = backward_workspace<Scalar>();
   // An operand row with a non-finite entry adds only where the weight is not 0.
@@ -277,8 +280,8 @@ void backward_key_rows(const HeadsView<const Scalar>& q, const HeadsView<const S
   for (Index h = kv_head * group; h < (kv_head + 1) * group; ++h) {
     const ConstHeadMap<Scalar> q_head = q.head(h);
     const ConstHeadMap<Scalar> dout_head = dout.head(h);
-    const Scalar* head_lse = lse.data() + h * q.tokens;
-    const Scalar* head_delta = delta.data() + h * q.tokens;
+    const Scalar* head_lse = lse + h * q.tokens;
+    const Scalar* head_delta = delta + h * q.tokens;
     const Block queries = logits.queries_of_keys(h, first_key, cols);
     const Index tile = logits.query_tile(h);
     for (Index p0 = queries.begin; p0 < queries.end; p0 += tile) {
@@ -313,33 +316,44 @@ void backward_key_rows(const HeadsView<const Scalar>& q, const HeadsView<const S
   dv.head(kv_head).middleRows(col_begin, cols) = workspace.value_accumulator;
 }
 
-/// Both sweeps. `options.scale` must be resolved.
+/// Both sweeps over a batch, each one parallel region over the jobs of every batch element:
+/// sweep 1 over (element, head, query tile), sweep 2 over (element, key/value head, key tile).
+/// `options.scale` must be resolved; the logits are shared by the elements.
 template <class Scalar, class Logits>
-void attention_backward(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
-                        const HeadsView<const Scalar>& v, const HeadsView<const Scalar>& out,
-                        const HeadsView<const Scalar>& dout, const HeadsView<Scalar>& dq,
-                        const HeadsView<Scalar>& dk, const HeadsView<Scalar>& dv,
-                        const AttentionOptions& options, const Logits& logits) {
+void attention_backward(const BatchedHeadsView<const Scalar>& q,
+                        const BatchedHeadsView<const Scalar>& k,
+                        const BatchedHeadsView<const Scalar>& v,
+                        const BatchedHeadsView<const Scalar>& out,
+                        const BatchedHeadsView<const Scalar>& dout,
+                        const BatchedHeadsView<Scalar>& dq, const BatchedHeadsView<Scalar>& dk,
+                        const BatchedHeadsView<Scalar>& dv, const AttentionOptions& options,
+                        const Logits& logits) {
+  if (q.batch == 0) return;
   const Index group = q.heads / k.heads;
-  std::vector<Scalar> lse(static_cast<std::size_t>(q.heads * q.tokens));
+  const Index element_rows = q.heads * q.tokens;  // lse and D of one element, [H][n_q]
+  std::vector<Scalar> lse(static_cast<std::size_t>(q.batch * element_rows));
   std::vector<Scalar> delta(lse.size());
+  const double work = static_cast<double>(q.batch) * attention_work(q[0], k[0], v[0]);
   struct Tile {
     Index head, begin, end;
   };
-  std::vector<Tile> tiles;
+  std::vector<Tile> tiles;  // of one batch element
   for (Index h = 0; h < q.heads; ++h) {
     const Index height = logits.query_tile(h);
     for (Index r0 = 0; r0 < q.tokens; r0 += height) {
       tiles.push_back(Tile{h, r0, std::min(q.tokens, r0 + height)});
     }
   }
-  parallel_for(static_cast<Index>(tiles.size()), attention_work(q, k, v), [&](Index job) {
-    const Tile& tile = tiles[static_cast<std::size_t>(job)];
-    HeadMap<Scalar> dq_head = dq.head(tile.head);
-    backward_query_rows<Scalar>(
-        q.head(tile.head), k.head(tile.head / group), v.head(tile.head / group),
-        out.head(tile.head), dout.head(tile.head), dq_head, options, logits, tile.head, tile.begin,
-        tile.end, lse.data() + tile.head * q.tokens, delta.data() + tile.head * q.tokens);
+  Index element_jobs = static_cast<Index>(tiles.size());
+  parallel_for(q.batch * element_jobs, work, [&](Index job) {
+    const Index b = job / element_jobs;
+    const Tile& tile = tiles[static_cast<std::size_t>(job % element_jobs)];
+    HeadMap<Scalar> dq_head = dq[b].head(tile.head);
+    const Index rows = b * element_rows + tile.head * q.tokens;
+    backward_query_rows<Scalar>(q[b].head(tile.head), k[b].head(tile.head / group),
+                                v[b].head(tile.head / group), out[b].head(tile.head),
+                                dout[b].head(tile.head), dq_head, options, logits, tile.head,
+                                tile.begin, tile.end, lse.data() + rows, delta.data() + rows);
   });
   tiles.clear();
   for (Index g = 0; g < k.heads; ++g) {
@@ -348,11 +362,88 @@ void attention_backward(const HeadsView<const Scalar>& q, const HeadsView<const 
       tiles.push_back(Tile{g, c0, std::min(k.tokens, c0 + width)});
     }
   }
-  parallel_for(static_cast<Index>(tiles.size()), attention_work(q, k, v), [&](Index job) {
-    const Tile& tile = tiles[static_cast<std::size_t>(job)];
-    backward_key_rows<Scalar>(q, k, v, dout, dk, dv, options, logits, tile.head, tile.begin,
-                              tile.end, lse, delta);
+  element_jobs = static_cast<Index>(tiles.size());
+  parallel_for(q.batch * element_jobs, work, [&](Index job) {
+    const Index b = job / element_jobs;
+    const Tile& tile = tiles[static_cast<std::size_t>(job % element_jobs)];
+    backward_key_rows<Scalar>(q[b], k[b], v[b], dout[b], dk[b], dv[b], options, logits, tile.head,
+                              tile.begin, tile.end, lse.data() + b * element_rows,
+                              delta.data() + b * element_rows);
   });
+}
+
+/// exact_alibi_attention_backward on a batch whose shapes validate_batch has checked: the checks
+/// of one element, then both sweeps.
+template <class Scalar>
+void batched_exact_alibi_attention_backward(
+    const BatchedHeadsView<const Scalar>& q, const BatchedHeadsView<const Scalar>& k,
+    const BatchedHeadsView<const Scalar>& v, const BatchedHeadsView<const Scalar>& out,
+    const BatchedHeadsView<const Scalar>& dout, const BatchedHeadsView<Scalar>& dq,
+    const BatchedHeadsView<Scalar>& dk, const BatchedHeadsView<Scalar>& dv,
+    const std::vector<double>& slopes, const AttentionOptions& options) {
+  const char* function = "exact_alibi_attention_backward";
+  validate_backward(function, q[0], k[0], v[0], out[0], dout[0], dq[0], dk[0], dv[0], options);
+  validate_slopes(function, slopes, q.heads);
+  AttentionOptions resolved = options;
+  resolved.scale = resolved_scale(options, q.dim);
+  const AlibiLogits<Scalar> logits(slopes, resolved, q.tokens, k.tokens);
+  attention_backward(q, k, v, out, dout, dq, dk, dv, resolved, logits);
+}
+
+/// Both sweeps with the Positional LSH logits of `grids` (one list of draws per head); the tile
+/// heights come from `slopes`.
+template <class Scalar>
+void block_counts_backward(const BatchedHeadsView<const Scalar>& q,
+                           const BatchedHeadsView<const Scalar>& k,
+                           const BatchedHeadsView<const Scalar>& v,
+                           const BatchedHeadsView<const Scalar>& out,
+                           const BatchedHeadsView<const Scalar>& dout,
+                           const BatchedHeadsView<Scalar>& dq, const BatchedHeadsView<Scalar>& dk,
+                           const BatchedHeadsView<Scalar>& dv, const std::vector<double>& slopes,
+                           const std::vector<std::vector<Grid>>& grids,
+                           const AttentionOptions& options) {
+  AttentionOptions resolved = options;
+  resolved.scale = resolved_scale(options, q.dim);
+  const PlshLogits<Scalar> logits(slopes, grids, resolved, position_range(q, k, options), q.tokens,
+                                  k.tokens);
+  attention_backward(q, k, v, out, dout, dq, dk, dv, resolved, logits);
+}
+
+/// plsh_attention_backward on a checked batch: the checks of one element, the draws (once,
+/// shared by the elements), then both sweeps.
+template <class Scalar>
+void batched_plsh_attention_backward(
+    const BatchedHeadsView<const Scalar>& q, const BatchedHeadsView<const Scalar>& k,
+    const BatchedHeadsView<const Scalar>& v, const BatchedHeadsView<const Scalar>& out,
+    const BatchedHeadsView<const Scalar>& dout, const BatchedHeadsView<Scalar>& dq,
+    const BatchedHeadsView<Scalar>& dk, const BatchedHeadsView<Scalar>& dv,
+    const std::vector<double>& slopes, const PlshOptions& options) {
+  const char* function = "plsh_attention_backward";
+  validate_backward(function, q[0], k[0], v[0], out[0], dout[0], dq[0], dk[0], dv[0], options);
+  validate_slopes(function, slopes, q.heads);
+  const auto grids = draw_head_grids(slopes, options.samples, options.seed);
+  block_counts_backward(q, k, v, out, dout, dq, dk, dv, slopes, grids, options);
+}
+
+/// fixed_block_attention_backward on a checked batch: the checks of one element, then both
+/// sweeps with one fixed grid per head.
+template <class Scalar>
+void batched_fixed_block_attention_backward(
+    const BatchedHeadsView<const Scalar>& q, const BatchedHeadsView<const Scalar>& k,
+    const BatchedHeadsView<const Scalar>& v, const BatchedHeadsView<const Scalar>& out,
+    const BatchedHeadsView<const Scalar>& dout, const BatchedHeadsView<Scalar>& dq,
+    const BatchedHeadsView<Scalar>& dk, const BatchedHeadsView<Scalar>& dv, Index block_size,
+    const AttentionOptions& options) {
+  const char* function = "fixed_block_attention_backward";
+  validate_backward(function, q[0], k[0], v[0], out[0], dout[0], dq[0], dk[0], dv[0], options);
+  require(block_size >= 1, function, "block_size must be at least 1");
+  const std::vector<std::vector<Grid>> grids(
+      static_cast<std::size_t>(q.heads),
+      std::vector<Grid>{fixed_grid(static_cast<double>(block_size))});
+  // The tile heights of the logits come from a slope: about one block per tile.
+  const std::vector<double> slopes(static_cast<std::size_t>(q.heads),
+                                   1.0 / static_cast<double>(block_size));
+  block_counts_backward(q, k, v, out, dout, dq, dk, dv, slopes, grids, options);
 }
 
 }  // namespace detail
@@ -375,13 +466,10 @@ void exact_alibi_attention_backward(
     HeadsView<const detail::NonDeduced<Scalar>> v, HeadsView<const detail::NonDeduced<Scalar>> out,
     HeadsView<const detail::NonDeduced<Scalar>> dout, HeadsView<Scalar> dq, HeadsView<Scalar> dk,
     HeadsView<Scalar> dv, const std::vector<double>& slopes, const AttentionOptions& options = {}) {
-  const char* function = "exact_alibi_attention_backward";
-  detail::validate_backward(function, q, k, v, out, dout, dq, dk, dv, options);
-  detail::validate_slopes(function, slopes, q.heads);
-  AttentionOptions resolved = options;
-  resolved.scale = detail::resolved_scale(options, q.dim);
-  const detail::AlibiLogits<Scalar> logits(slopes, resolved, q.tokens, k.tokens);
-  detail::attention_backward(q, k, v, out, dout, dq, dk, dv, resolved, logits);
+  detail::batched_exact_alibi_attention_backward<Scalar>(
+      detail::batch_of_one(q), detail::batch_of_one(k), detail::batch_of_one(v),
+      detail::batch_of_one(out), detail::batch_of_one(dout), detail::batch_of_one(dq),
+      detail::batch_of_one(dk), detail::batch_of_one(dv), slopes, options);
 }
 
 /// Gradients of plsh_attention with respect to q, k and v: the function of the fused kernel,
@@ -398,15 +486,10 @@ void plsh_attention_backward(HeadsView<const detail::NonDeduced<Scalar>> q,
                              HeadsView<const detail::NonDeduced<Scalar>> dout, HeadsView<Scalar> dq,
                              HeadsView<Scalar> dk, HeadsView<Scalar> dv,
                              const std::vector<double>& slopes, const PlshOptions& options = {}) {
-  const char* function = "plsh_attention_backward";
-  detail::validate_backward(function, q, k, v, out, dout, dq, dk, dv, options);
-  detail::validate_slopes(function, slopes, q.heads);
-  AttentionOptions resolved = options;
-  resolved.scale = detail::resolved_scale(options, q.dim);
-  const auto grids = draw_head_grids(slopes, options.samples, options.seed);
-  const detail::PlshLogits<Scalar> logits(
-      slopes, grids, resolved, detail::position_range(q, k, options), q.tokens, k.tokens);
-  detail::attention_backward(q, k, v, out, dout, dq, dk, dv, resolved, logits);
+  detail::batched_plsh_attention_backward<Scalar>(
+      detail::batch_of_one(q), detail::batch_of_one(k), detail::batch_of_one(v),
+      detail::batch_of_one(out), detail::batch_of_one(dout), detail::batch_of_one(dq),
+      detail::batch_of_one(dk), detail::batch_of_one(dv), slopes, options);
 }
 
 /// Gradients of fixed_block_attention with respect to q, k and v: softmax over the keys of the
@@ -421,20 +504,10 @@ void fixed_block_attention_backward(
     HeadsView<const detail::NonDeduced<Scalar>> v, HeadsView<const detail::NonDeduced<Scalar>> out,
     HeadsView<const detail::NonDeduced<Scalar>> dout, HeadsView<Scalar> dq, HeadsView<Scalar> dk,
     HeadsView<Scalar> dv, Index block_size, const AttentionOptions& options = {}) {
-  const char* function = "fixed_block_attention_backward";
-  detail::validate_backward(function, q, k, v, out, dout, dq, dk, dv, options);
-  detail::require(block_size >= 1, function, "block_size must be at least 1");
-  AttentionOptions resolved = options;
-  resolved.scale = detail::resolved_scale(options, q.dim);
-  const std::vector<std::vector<Grid>> grids(
-      static_cast<std::size_t>(q.heads),
-      std::vector<Grid>{fixed_grid(static_cast<double>(block_size))});
-  // The tile heights of the logits come from a slope: about one block per tile.
-  const std::vector<double> slopes(static_cast<std::size_t>(q.heads),
-                                   1.0 / static_cast<double>(block_size));
-  const detail::PlshLogits<Scalar> logits(
-      slopes, grids, resolved, detail::position_range(q, k, options), q.tokens, k.tokens);
-  detail::attention_backward(q, k, v, out, dout, dq, dk, dv, resolved, logits);
+  detail::batched_fixed_block_attention_backward<Scalar>(
+      detail::batch_of_one(q), detail::batch_of_one(k), detail::batch_of_one(v),
+      detail::batch_of_one(out), detail::batch_of_one(dout), detail::batch_of_one(dq),
+      detail::batch_of_one(dk), detail::batch_of_one(dv), block_size, options);
 }
 
 }  // namespace plsh

@@ -25,6 +25,11 @@
 ///   \f$(\ln(s)/m + \text{tile})(d + d_v)\f$ per query and head, plus O(s) per block of the
 ///   tile.
 ///
+/// Parallelism: one OpenMP region per call, over (batch element, head, query tile) for the fused
+/// kernel and (batch element, head) for the passes; the draws are made once per call and shared
+/// by the batch elements (the batched overloads of batch.hpp; an unbatched call is a batch of
+/// one). Every job writes its own rows: the result is identical for any number of threads.
+///
 /// Tested against plsh::reference::mask_attention (dense \f$D^{-1}(e^S\circ\hat K)V\f$ in
 /// double, same grids) in tests/test_plsh_attention.cpp; fused against passes there too.
 
@@ -33,6 +38,7 @@
 #include <limits>
 #include <vector>
 
+#include "../batched_heads_view.hpp"
 #include "../detail/check.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validate.hpp"
@@ -60,33 +66,37 @@ struct PositionRange {
   Index last;
 };
 
-template <class Scalar>
-PositionRange position_range(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
-                             const AttentionOptions& options) {
+template <class View>
+PositionRange position_range(const View& q, const View& k, const AttentionOptions& options) {
   return PositionRange{
       std::min(options.query_position, options.key_position),
       std::max(options.query_position + q.tokens, options.key_position + k.tokens)};
 }
 
-/// The pass kernel: per head, per grid, per block, `kernel` on the block's queries and keys,
-/// merged into `out` by log-sum-exp. `grids[h]` are the partitions of head h. Parallel over heads.
+/// The pass kernel: per batch element and head, per grid, per block, `kernel` on the block's
+/// queries and keys, merged into `out` by log-sum-exp. `grids[h]` are the partitions of head h,
+/// shared by the batch elements. Parallel over (batch element, head) in one parallel region.
 template <class Scalar, class RegularKernel>
-void pass_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
-                    const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
+void pass_attention(const BatchedHeadsView<const Scalar>& q,
+                    const BatchedHeadsView<const Scalar>& k,
+                    const BatchedHeadsView<const Scalar>& v, const BatchedHeadsView<Scalar>& out,
                     const std::vector<std::vector<Grid>>& grids, const AttentionOptions& options,
                     RegularKernel&& kernel) {
-  if (q.tokens == 0) return;
+  if (q.batch == 0 || q.tokens == 0) return;
   AttentionOptions resolved = options;
   resolved.scale = resolved_scale(options, q.dim);
   const Index group = q.heads / k.heads;
   const PositionRange range = position_range(q, k, options);
   const Index query_end = options.query_position + q.tokens;
   const Index key_end = options.key_position + k.tokens;
-  parallel_for(q.heads, attention_work(q, k, v), [&](Index h) {
-    const ConstHeadMap<Scalar> q_head = q.head(h);
-    const ConstHeadMap<Scalar> k_head = k.head(h / group);
-    const ConstHeadMap<Scalar> v_head = v.head(h / group);
-    HeadMap<Scalar> out_head = out.head(h);
+  const double work = static_cast<double>(q.batch) * attention_work(q[0], k[0], v[0]);
+  parallel_for(q.batch * q.heads, work, [&](Index job) {
+    const Index b = job / q.heads;
+    const Index h = job % q.heads;
+    const ConstHeadMap<Scalar> q_head = q[b].head(h);
+    const ConstHeadMap<Scalar> k_head = k[b].head(h / group);
+    const ConstHeadMap<Scalar> v_head = v[b].head(h / group);
+    HeadMap<Scalar> out_head = out[b].head(h);
     out_head.setZero();
     Eigen::Matrix<Scalar, Eigen::Dynamic, 1> lse =
         Eigen::Matrix<Scalar, Eigen::Dynamic, 1>::Constant(
@@ -122,6 +132,16 @@ void pass_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scal
       }
     }
   });
+}
+
+/// pass_attention on one element (a batch of one), as the KV cache's decoding step calls it.
+template <class Scalar, class RegularKernel>
+void pass_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
+                    const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
+                    const std::vector<std::vector<Grid>>& grids, const AttentionOptions& options,
+                    RegularKernel&& kernel) {
+  pass_attention(batch_of_one(q), batch_of_one(k), batch_of_one(v), batch_of_one(out), grids,
+                 options, kernel);
 }
 
 /// Query rows per tile of the fused kernel for a head of slope m: about the mean block radius
@@ -424,13 +444,15 @@ void fused_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
   workspace.softmax.finish(out.middleRows(row_begin, rows), nullptr);
 }
 
-/// The fused kernel: parallel over (head, query tile), tile height from the head's slope.
+/// The fused kernel: parallel over (batch element, head, query tile) in one parallel region, tile
+/// height from the head's slope; the grids are shared by the batch elements.
 template <class Scalar>
-void fused_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
-                     const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
+void fused_attention(const BatchedHeadsView<const Scalar>& q,
+                     const BatchedHeadsView<const Scalar>& k,
+                     const BatchedHeadsView<const Scalar>& v, const BatchedHeadsView<Scalar>& out,
                      const std::vector<std::vector<Grid>>& grids, const std::vector<double>& slopes,
                      const AttentionOptions& options) {
-  if (q.tokens == 0) return;
+  if (q.batch == 0 || q.tokens == 0) return;
   AttentionOptions resolved = options;
   resolved.scale = resolved_scale(options, q.dim);
   const Index group = q.heads / k.heads;
@@ -438,20 +460,71 @@ void fused_attention(const HeadsView<const Scalar>& q, const HeadsView<const Sca
   struct Tile {
     Index head, row_begin, row_end;
   };
-  std::vector<Tile> tiles;
+  std::vector<Tile> tiles;  // of one batch element
   for (Index h = 0; h < q.heads; ++h) {
     const Index height = fused_tile_rows(slopes[static_cast<std::size_t>(h)]);
     for (Index r0 = 0; r0 < q.tokens; r0 += height) {
       tiles.push_back(Tile{h, r0, std::min(q.tokens, r0 + height)});
     }
   }
-  parallel_for(static_cast<Index>(tiles.size()), attention_work(q, k, v), [&](Index job) {
-    const Tile& tile = tiles[static_cast<std::size_t>(job)];
-    HeadMap<Scalar> out_head = out.head(tile.head);
-    fused_rows<Scalar>(q.head(tile.head), k.head(tile.head / group), v.head(tile.head / group),
-                       grids[static_cast<std::size_t>(tile.head)], resolved, range, tile.row_begin,
-                       tile.row_end, out_head);
+  const Index element_jobs = static_cast<Index>(tiles.size());
+  const double work = static_cast<double>(q.batch) * attention_work(q[0], k[0], v[0]);
+  parallel_for(q.batch * element_jobs, work, [&](Index job) {
+    const Index b = job / element_jobs;
+    const Tile& tile = tiles[static_cast<std::size_t>(job % element_jobs)];
+    HeadMap<Scalar> out_head = out[b].head(tile.head);
+    fused_rows<Scalar>(q[b].head(tile.head), k[b].head(tile.head / group),
+                       v[b].head(tile.head / group), grids[static_cast<std::size_t>(tile.head)],
+                       resolved, range, tile.row_begin, tile.row_end, out_head);
   });
+}
+
+/// fused_attention on one element (a batch of one), as the KV cache's decoding step calls it.
+template <class Scalar>
+void fused_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
+                     const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
+                     const std::vector<std::vector<Grid>>& grids, const std::vector<double>& slopes,
+                     const AttentionOptions& options) {
+  fused_attention(batch_of_one(q), batch_of_one(k), batch_of_one(v), batch_of_one(out), grids,
+                  slopes, options);
+}
+
+/// plsh_attention on a batch whose shapes validate_batch has checked: the checks of one element,
+/// the draws (once, shared by the elements), then the fused or pass kernel, or the pass kernel
+/// with `kernel` when one is given.
+template <class Scalar, class... RegularKernel>
+void batched_plsh_attention(const BatchedHeadsView<const Scalar>& q,
+                            const BatchedHeadsView<const Scalar>& k,
+                            const BatchedHeadsView<const Scalar>& v,
+                            const BatchedHeadsView<Scalar>& out, const std::vector<double>& slopes,
+                            const PlshOptions& options, RegularKernel&&... kernel) {
+  static_assert(sizeof...(RegularKernel) <= 1, "at most one regular kernel");
+  validate_plsh("plsh_attention", q[0], k[0], v[0], out[0], slopes, options);
+  const auto grids = draw_head_grids(slopes, options.samples, options.seed);
+  if constexpr (sizeof...(RegularKernel) == 1) {
+    pass_attention(q, k, v, out, grids, options, kernel...);
+  } else if (options.kernel == Kernel::Passes) {
+    pass_attention(q, k, v, out, grids, options, RegularAttention{});
+  } else {
+    fused_attention(q, k, v, out, grids, slopes, options);
+  }
+}
+
+/// fixed_block_attention on a checked batch: the checks of one element, then one pass of the
+/// pass kernel with `fixed_grid(block_size)` for every head.
+template <class Scalar>
+void batched_fixed_block_attention(const BatchedHeadsView<const Scalar>& q,
+                                   const BatchedHeadsView<const Scalar>& k,
+                                   const BatchedHeadsView<const Scalar>& v,
+                                   const BatchedHeadsView<Scalar>& out, Index block_size,
+                                   const AttentionOptions& options) {
+  const char* function = "fixed_block_attention";
+  validate_attention(function, q[0], k[0], v[0], out[0], options);
+  require(block_size >= 1, function, "block_size must be at least 1");
+  const std::vector<std::vector<Grid>> grids(
+      static_cast<std::size_t>(q.heads),
+      std::vector<Grid>{fixed_grid(static_cast<double>(block_size))});
+  pass_attention(q, k, v, out, grids, options, RegularAttention{});
 }
 
 }  // namespace detail
@@ -481,14 +554,9 @@ void plsh_attention(HeadsView<const detail::NonDeduced<Scalar>> q,
                     HeadsView<const detail::NonDeduced<Scalar>> k,
                     HeadsView<const detail::NonDeduced<Scalar>> v, HeadsView<Scalar> out,
                     const std::vector<double>& slopes, const PlshOptions& options = {}) {
-  const char* function = "plsh_attention";
-  detail::validate_plsh(function, q, k, v, out, slopes, options);
-  const auto grids = draw_head_grids(slopes, options.samples, options.seed);
-  if (options.kernel == Kernel::Passes) {
-    detail::pass_attention(q, k, v, out, grids, options, RegularAttention{});
-  } else {
-    detail::fused_attention(q, k, v, out, grids, slopes, options);
-  }
+  detail::batched_plsh_attention<Scalar>(detail::batch_of_one(q), detail::batch_of_one(k),
+                                         detail::batch_of_one(v), detail::batch_of_one(out), slopes,
+                                         options);
 }
 
 /// Positional LSH with a user-supplied regular attention kernel: always the pass kernel
@@ -499,17 +567,16 @@ void plsh_attention(HeadsView<const detail::NonDeduced<Scalar>> q,
 /// and key rows, `HeadMap<Scalar>` out (`rows x d_v`) and `LseMap<Scalar>` lse (`rows`). The
 /// kernel must write normalised rows and their log-sum-exp (\f$-\infty\f$ and zeros for a row
 /// with no visible key), like RegularAttention. With OpenMP it is called from several threads
-/// at once (one head per thread).
+/// at once (one job per head and batch element).
 template <class Scalar, class RegularKernel>
 void plsh_attention(HeadsView<const detail::NonDeduced<Scalar>> q,
                     HeadsView<const detail::NonDeduced<Scalar>> k,
                     HeadsView<const detail::NonDeduced<Scalar>> v, HeadsView<Scalar> out,
                     const std::vector<double>& slopes, const PlshOptions& options,
                     RegularKernel&& kernel) {
-  const char* function = "plsh_attention";
-  detail::validate_plsh(function, q, k, v, out, slopes, options);
-  const auto grids = draw_head_grids(slopes, options.samples, options.seed);
-  detail::pass_attention(q, k, v, out, grids, options, kernel);
+  detail::batched_plsh_attention<Scalar>(detail::batch_of_one(q), detail::batch_of_one(k),
+                                         detail::batch_of_one(v), detail::batch_of_one(out), slopes,
+                                         options, kernel);
 }
 
 /// The fixed-blocks baseline of the paper: every head attends (regularly) within deterministic
@@ -521,13 +588,9 @@ void fixed_block_attention(HeadsView<const detail::NonDeduced<Scalar>> q,
                            HeadsView<const detail::NonDeduced<Scalar>> k,
                            HeadsView<const detail::NonDeduced<Scalar>> v, HeadsView<Scalar> out,
                            Index block_size, const AttentionOptions& options = {}) {
-  const char* function = "fixed_block_attention";
-  detail::validate_attention(function, q, k, v, out, options);
-  detail::require(block_size >= 1, function, "block_size must be at least 1");
-  const std::vector<std::vector<Grid>> grids(
-      static_cast<std::size_t>(q.heads),
-      std::vector<Grid>{fixed_grid(static_cast<double>(block_size))});
-  detail::pass_attention(q, k, v, out, grids, options, RegularAttention{});
+  detail::batched_fixed_block_attention<Scalar>(detail::batch_of_one(q), detail::batch_of_one(k),
+                                                detail::batch_of_one(v), detail::batch_of_one(out),
+                                                block_size, options);
 }
 
 }  // namespace plsh
