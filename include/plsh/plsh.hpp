@@ -12,6 +12,7 @@
 #include "attention/plsh_attention.hpp"
 #include "attention/reference.hpp"
 #include "attention/regular.hpp"
+#include "batch.hpp"
 #include "kv_cache.hpp"
 #include "limits.hpp"
 #include "metrics.hpp"
