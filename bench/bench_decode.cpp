@@ -26,6 +26,8 @@
 
 #include <plsh/plsh.hpp>
 
+#include "../tests/fill.hpp"
+
 namespace {
 
 using plsh::Index;
@@ -40,12 +42,8 @@ constexpr Index kPrefillChunk = 1024;
 const std::vector<Index> kContexts = {1024, 4096, 65536};
 
 std::vector<float> uniform_tokens(Index tokens, std::uint64_t seed) {
-  std::vector<float> values(static_cast<std::size_t>(tokens * kDecodeHeads * kDecodeDim));
-  const plsh::detail::CounterRandom random(seed);
-  for (std::size_t i = 0; i < values.size(); ++i) {
-    values[i] = static_cast<float>(2 * random.unit(i, 0) - 1);
-  }
-  return values;
+  return plsh_test::uniform_values<float>(
+      static_cast<std::size_t>(tokens * kDecodeHeads * kDecodeDim), seed);
 }
 
 /// A pool of `kPoolTokens` tokens of q, k and v.

@@ -28,6 +28,8 @@
 
 #include <plsh/plsh.hpp>
 
+#include "../tests/fill.hpp"
+
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
@@ -48,14 +50,9 @@ struct Tensors {
   std::vector<Scalar> q, k, v;
 };
 
-/// Element i of a tensor seeded `seed` is range (2 U(i) - 1).
+/// Element i of a tensor seeded `seed` is range (2 U(i) - 1) (the tests' fill, tests/fill.hpp).
 std::vector<float> uniform(std::size_t size, std::uint64_t seed, double range) {
-  const plsh::detail::CounterRandom random(seed);
-  std::vector<float> values(size);
-  for (std::size_t i = 0; i < size; ++i) {
-    values[i] = static_cast<float>(range * (2 * random.unit(i, 0) - 1));
-  }
-  return values;
+  return plsh_test::uniform_values<float>(size, seed, range);
 }
 
 struct Method {

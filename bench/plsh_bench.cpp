@@ -35,6 +35,8 @@
 
 #include <plsh/plsh.hpp>
 
+#include "../tests/fill.hpp"
+
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
@@ -60,13 +62,8 @@ const std::vector<Index> kFusedLengths = {1024, 4096, 8192, 16384, 65536};
 const std::vector<Index> kSamples = {5, 20, 100};
 
 /// Fills `values` with uniform numbers in [-1, 1]: element i is 2 U(i) - 1 from a generator
-/// seeded with `seed`.
-void fill_uniform(std::vector<float>& values, std::uint64_t seed) {
-  const plsh::detail::CounterRandom random(seed);
-  for (std::size_t i = 0; i < values.size(); ++i) {
-    values[i] = static_cast<float>(2 * random.unit(i, 0) - 1);
-  }
-}
+/// seeded with `seed` (the tests' fill, tests/fill.hpp).
+using plsh_test::fill_uniform;
 
 /// q, k, v and out of one sequence length, [n][heads][dim], packed.
 struct Problem {
@@ -146,34 +143,22 @@ double pass_entries(Index n, const std::vector<std::vector<plsh::Grid>>& head_gr
   return entries;
 }
 
-/// The fused kernel (detail::fused_attention / fused_rows, self-attention at position 0): per
-/// head, query tiles of detail::fused_tile_rows(slope) rows; each tile computes its rows against
-/// the union of the visible parts [block.begin, min(position + 1, block.end)) of the blocks that
-/// hold its rows, over all draws.
+/// The fused kernel (detail::fused_attention / fused_rows, causal self-attention at position 0):
+/// per head, query tiles of detail::fused_tile_rows(slope) rows; each tile computes its rows
+/// against the union of its blocks over all draws, found by the kernel's own
+/// detail::tile_block_runs.
 double fused_entries(Index n, const std::vector<double>& slopes,
                      const std::vector<std::vector<plsh::Grid>>& head_grids) {
   double entries = 0;
+  std::vector<plsh::detail::BlockRun> runs;
   for (std::size_t h = 0; h < slopes.size(); ++h) {
     const Index height = plsh::detail::fused_tile_rows(slopes[h]);
     for (Index row_begin = 0; row_begin < n; row_begin += height) {
-      const Index row_end = std::min(n, row_begin + height);
-      Index union_begin = n;
-      Index union_end = 0;
-      for (const plsh::Grid& grid : head_grids[h]) {
-        plsh::Block block{0, 0};
-        for (Index position = row_begin; position < row_end; ++position) {
-          if (!block.contains(position)) block = plsh::grid_block(grid, position, 0, n);
-          const Index end = std::min(position + 1, block.end);
-          if (block.begin < end) {
-            union_begin = std::min(union_begin, block.begin);
-            union_end = std::max(union_end, end);
-          }
-        }
-      }
-      if (union_begin < union_end) {
-        entries +=
-            static_cast<double>(row_end - row_begin) * static_cast<double>(union_end - union_begin);
-      }
+      const Index rows = std::min(n, row_begin + height) - row_begin;
+      runs.clear();
+      const plsh::Block keys = plsh::detail::tile_block_runs(
+          head_grids[h], plsh::detail::PositionRange{0, n}, row_begin, rows, 0, n, true, runs);
+      entries += static_cast<double>(rows) * static_cast<double>(keys.size());
     }
   }
   return entries;
@@ -189,7 +174,7 @@ double count_entries(const std::string& family, Index n, Index samples) {
                                slopes.size(), {plsh::fixed_grid(kFixedBlockSize)}));
   }
   const plsh::PlshOptions defaults;
-  const auto grids = plsh::detail::draw_head_grids(slopes, samples, defaults.seed);
+  const auto grids = plsh::draw_head_grids(slopes, samples, defaults.seed);
   if (family == "passes") return pass_entries(n, grids);
   return fused_entries(n, slopes, grids);  // "fused", "fused_threads"
 }

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <random>
 #include <vector>
 
 namespace {
@@ -59,13 +60,14 @@ struct PlainAttention {
 
 int main() {
   const plsh::Index n = 512, heads = 4, dim = 32;
-  const plsh::detail::CounterRandom random(7);
+  std::mt19937_64 engine(7);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
   std::vector<float> q(n * heads * dim), k(q.size()), v(q.size()), mine(q.size()),
       builtin(q.size());
   for (std::size_t i = 0; i < q.size(); ++i) {
-    q[i] = float(2 * random.unit(i, 0) - 1);
-    k[i] = float(2 * random.unit(i, 1) - 1);
-    v[i] = float(2 * random.unit(i, 2) - 1);
+    q[i] = uniform(engine);
+    k[i] = uniform(engine);
+    v[i] = uniform(engine);
   }
   const plsh::HeadsView<const float> q_view{q.data(), n, heads, dim};
   const plsh::HeadsView<const float> k_view{k.data(), n, heads, dim};

@@ -1,16 +1,18 @@
 // Decoding with a bounded key/value cache.
 //
-// Generates 20000 tokens one at a time with plsh::KvCache: 8 query heads on 2 key/value heads
-// (grouped-query attention), the standard ALiBi slopes, head dim 64, s = 20 partitions per head.
-// Each step appends the new token's key and value and attends its query. The toy "model" feeds
-// the previous output back into the next token's q, k, v (plus fresh random numbers from plsh's
-// generator), so every step depends on the last.
+// Generates 20000 tokens (or as many as the first argument says) one at a time with plsh::KvCache:
+// 8 query heads on 2 key/value heads (grouped-query attention), the standard ALiBi slopes, head dim
+// 64, s = 20 partitions per head. Each step appends the new token's key and value and attends its
+// query. The toy "model" feeds the previous output back into the next token's q, k, v (plus fresh
+// uniform random numbers), so every step depends on the last.
 //
 // Every 1000 tokens it prints how many tokens the cache still stores: the partitions live on
 // absolute positions, so keys that no later query can share a block with are evicted, and the
-// resident size stays bounded (about the largest block of the flattest head) however long the
-// sequence grows. At the end it checks the last output against plsh_attention over the whole
-// sequence, which the cache reproduces row for row.
+// resident size stays bounded however long the sequence grows: a block of pitch delta holds at
+// most ceil(delta) positions, so, one token at a time, the cache never stores more than the
+// largest ceil(pitch) over heads and draws (a block of the flattest head). The program prints
+// that bound and fails if the cache exceeds it. At the end it checks the last output against
+// plsh_attention over the whole sequence, which the cache reproduces row for row.
 //
 // Build it against an installed plsh with
 //   find_package(plsh CONFIG REQUIRED)
@@ -23,11 +25,18 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <random>
 #include <vector>
 
-int main() {
+int main(int argc, char** argv) {
   using plsh::Index;
-  const Index tokens = 20000, heads = 8, kv_heads = 2, dim = 64;
+  const Index tokens = argc > 1 ? std::atol(argv[1]) : 20000;
+  const Index heads = 8, kv_heads = 2, dim = 64;
+  if (tokens < 1) {
+    std::fprintf(stderr, "usage: decode [tokens >= 1]\n");
+    return 2;
+  }
   const std::vector<double> slopes = plsh::alibi_slopes(heads);
   plsh::PlshOptions options;  // causal, s = 20, seed 0, fused kernel
   plsh::KvCache<float> cache(heads, kv_heads, dim, dim, slopes, options);
@@ -38,11 +47,21 @@ int main() {
   std::vector<float> all_k(static_cast<std::size_t>(tokens * kv_heads * dim));
   std::vector<float> all_v(all_k.size());
   std::vector<float> out(static_cast<std::size_t>(heads * dim), 0.0f);
-  const plsh::detail::CounterRandom random(2024);
-  const auto noise = [&](Index t, Index i, std::uint64_t lane) {
-    return static_cast<float>(
-        2 * random.unit(static_cast<std::uint64_t>(t * heads * dim + i), lane) - 1);
-  };
+  std::mt19937_64 engine(2024);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+
+  // The resident bound: the largest block of the draws, max over h, t of ceil(pitch_{h,t}), with
+  // the draws plsh_attention and the cache use (head h, draw t: RandomBinning(slopes[h],
+  // head_seed(seed, h))(t)).
+  Index bound = 0;
+  for (Index h = 0; h < heads; ++h) {
+    const plsh::RandomBinning sampler(slopes[static_cast<std::size_t>(h)],
+                                      plsh::head_seed(options.seed, h));
+    for (Index t = 0; t < options.samples; ++t) {
+      const double pitch = sampler(static_cast<std::uint64_t>(t)).pitch;
+      bound = std::max(bound, static_cast<Index>(std::ceil(pitch)));
+    }
+  }
 
   std::printf("%8s %10s %14s %12s\n", "position", "resident", "max resident", "us/token");
   Index max_resident = 0;
@@ -53,12 +72,12 @@ int main() {
     float* v = &all_v[static_cast<std::size_t>(t * kv_heads * dim)];
     // The new token: fresh noise plus half of the previous output (head h feeds head h, and
     // key/value head g takes the output of its first query head).
-    for (Index i = 0; i < heads * dim; ++i) q[i] = 2.0f * noise(t, i, 0) + 0.5f * out[i];
+    for (Index i = 0; i < heads * dim; ++i) q[i] = 2.0f * uniform(engine) + 0.5f * out[i];
     for (Index i = 0; i < kv_heads * dim; ++i) {
       const float previous =
           out[static_cast<std::size_t>((i / dim) * (heads / kv_heads) * dim + i % dim)];
-      k[i] = noise(t, i, 1) + 0.5f * previous;
-      v[i] = noise(t, i, 2) + 0.5f * previous;
+      k[i] = uniform(engine) + 0.5f * previous;
+      v[i] = uniform(engine) + 0.5f * previous;
     }
     cache.append({k, 1, kv_heads, dim}, {v, 1, kv_heads, dim});
     cache.attend({q, 1, heads, dim}, {out.data(), 1, heads, dim});
@@ -89,7 +108,9 @@ int main() {
   std::printf("\n%lld tokens decoded; the cache stores %lld of them (at most %lld at any time).\n",
               static_cast<long long>(cache.position()), static_cast<long long>(cache.resident()),
               static_cast<long long>(max_resident));
+  std::printf("bound: the largest block of the draws, max ceil(pitch) = %lld tokens\n",
+              static_cast<long long>(bound));
   std::printf("last output vs plsh_attention over the whole sequence: max |difference| = %.2e\n",
               difference);
-  return 0;
+  return max_resident <= bound && difference < 1e-4 ? 0 : 1;
 }

@@ -20,7 +20,7 @@ plsh_ensure_deps() {
   local package
 
   if ! plsh_have_command cmake; then
-    echo "plsh: cmake (3.16 or newer) is not installed" >&2
+    echo "plsh: cmake (3.21 or newer) is not installed" >&2
     missing+=(cmake)
   fi
   if [[ -n "${CXX:-}" ]]; then

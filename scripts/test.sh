@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything CI checks, in order:
 #   format   clang-format --dry-run --Werror over include/ tests/ examples/ bench/
-#   release  Release build in build/release (tests, examples, benchmarks, -Werror), ctest
-#   asan     RelWithDebInfo build in build/asan with ASan and UBSan, ctest
+#   release  preset "release": build/release (tests, examples, benchmarks, -Werror), ctest
+#   asan     preset "asan": build/asan, RelWithDebInfo with ASan and UBSan, ctest
 #
 #   scripts/test.sh [format|release|asan]...    (no argument: all three)
 #
@@ -93,26 +93,22 @@ check_format() {
   fi
 }
 
+# The build directories, cache variables and test environments are those of CMakePresets.json
+# (presets "release" and "asan"): this script adds only -Werror, the job count and the timeout.
 build_and_test() {
-  local build_dir=$1
+  local preset=$1
   shift
-  cmake -S . -B "${build_dir}" "$@"
-  cmake --build "${build_dir}" -j "${jobs}"
-  ctest --test-dir "${build_dir}" --output-on-failure -j "${jobs}" --timeout "${test_timeout}"
+  cmake --preset "${preset}" "$@"
+  cmake --build --preset "${preset}" -j "${jobs}"
+  ctest --preset "${preset}" -j "${jobs}" --timeout "${test_timeout}"
 }
 
 release() {
-  build_and_test build/release -DCMAKE_BUILD_TYPE=Release \
-    -DPLSH_BUILD_TESTS=ON -DPLSH_BUILD_EXAMPLES=ON -DPLSH_BUILD_BENCHMARKS=ON \
-    -DPLSH_SANITIZE=OFF -DPLSH_WERROR=ON
+  build_and_test release -DPLSH_WERROR=ON
 }
 
 asan() {
-  local -x ASAN_OPTIONS=detect_leaks=1
-  local -x UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
-  build_and_test build/asan -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-    -DPLSH_BUILD_TESTS=ON -DPLSH_BUILD_EXAMPLES=ON -DPLSH_BUILD_BENCHMARKS=OFF \
-    -DPLSH_SANITIZE=ON
+  build_and_test asan
 }
 
 for phase in "${phases[@]}"; do

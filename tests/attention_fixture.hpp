@@ -1,5 +1,5 @@
 // Shared fixture of the attention tests: owning [tokens][heads][dim] buffers filled from
-// plsh::detail::CounterRandom, problems of a given shape and layout, and error measures.
+// plsh::detail::CounterRandom (fill.hpp), problems of a given shape and layout, and error measures.
 
 #ifndef PLSH_TESTS_ATTENTION_FIXTURE_HPP
 #define PLSH_TESTS_ATTENTION_FIXTURE_HPP
@@ -16,6 +16,8 @@
 #include <plsh/attention/options.hpp>
 #include <plsh/detail/random.hpp>
 #include <plsh/tensor.hpp>
+
+#include "fill.hpp"
 
 namespace plsh_test {
 
@@ -94,7 +96,7 @@ struct Buffer {
         for (Index e = 0; e < view.dim; ++e) at(t, h, e) = value;
   }
 
-  /// Element (t, h, e) = amplitude * (2U - 1), U = CounterRandom(seed).unit(flat index, 0):
+  /// Element (t, h, e) = uniform_value(CounterRandom(seed), flat index, amplitude) (fill.hpp):
   /// the same values whatever the layout.
   void fill_random(std::uint64_t seed, double amplitude = 1.0) {
     const plsh::detail::CounterRandom random(seed);
@@ -102,7 +104,7 @@ struct Buffer {
       for (Index h = 0; h < view.heads; ++h)
         for (Index e = 0; e < view.dim; ++e) {
           const auto flat = static_cast<std::uint64_t>((t * view.heads + h) * view.dim + e);
-          at(t, h, e) = static_cast<Scalar>(amplitude * (2.0 * random.unit(flat, 0) - 1.0));
+          at(t, h, e) = static_cast<Scalar>(uniform_value(random, flat, amplitude));
         }
   }
 
@@ -146,21 +148,22 @@ inline std::string describe(const plsh::AttentionOptions& options) {
 }
 
 /// Inputs and an output buffer of one problem. Queries carry `query_amplitude` so that the logits
-/// scale * q.k spread over a few units and the softmax is far from uniform.
+/// scale * q.k spread over a few units and the softmax is far from uniform; keys carry
+/// `key_amplitude`, values 1.
 template <class Scalar>
 struct Problem {
   Shape shape;
   Buffer<Scalar> q, k, v, out;
 
   Problem(const Shape& problem_shape, std::uint64_t seed, Layout layout = Layout::Packed,
-          double query_amplitude = 3.0)
+          double query_amplitude = 3.0, double key_amplitude = 1.0)
       : shape(problem_shape),
         q(shape.n_q, shape.heads, shape.dim, layout),
         k(shape.n_k, shape.kv_heads, shape.dim, layout),
         v(shape.n_k, shape.kv_heads, shape.value_dim, layout),
         out(shape.n_q, shape.heads, shape.value_dim, layout) {
     q.fill_random(plsh::detail::mix64(seed * 4 + 0), query_amplitude);
-    k.fill_random(plsh::detail::mix64(seed * 4 + 1));
+    k.fill_random(plsh::detail::mix64(seed * 4 + 1), key_amplitude);
     v.fill_random(plsh::detail::mix64(seed * 4 + 2));
   }
 

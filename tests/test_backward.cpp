@@ -24,51 +24,54 @@
 #include <plsh/attention/alibi_attention.hpp>
 #include <plsh/attention/backward.hpp>
 #include <plsh/attention/plsh_attention.hpp>
+#include <plsh/attention/reference.hpp>
 #include <plsh/detail/random.hpp>
+
+#include "attention_fixture.hpp"
 
 namespace {
 
 using plsh::HeadsView;
 using plsh::Index;
 
-struct Shape {
-  Index queries, keys, heads, kv_heads, dim, value_dim;
-};
+using plsh_test::Buffer;
+using plsh_test::Shape;
 
-/// Inputs, output and gradients of one attention problem, packed `[tokens][heads][dim]`.
+/// The attention fixture's problem (q, k uniform in [-amplitude, amplitude], v in [-1, 1], out),
+/// packed `[tokens][heads][dim]`, with the output gradient dout in [-1, 1] and the gradients dq,
+/// dk, dv.
 template <class Scalar>
-struct Problem {
-  Shape shape;
-  std::vector<Scalar> q, k, v, out, dout, dq, dk, dv;
+struct Problem : plsh_test::Problem<Scalar> {
+  using Base = plsh_test::Problem<Scalar>;
+  using Base::k;
+  using Base::out;
+  using Base::q;
+  using Base::shape;
+  using Base::v;
+  Buffer<Scalar> dout, dq, dk, dv;
 
-  /// q and k uniform in [-amplitude, amplitude], v and dout in [-1, 1], from CounterRandom.
-  Problem(const Shape& s, std::uint64_t seed, double amplitude) : shape(s) {
-    const plsh::detail::CounterRandom random(seed);
-    const auto fill = [&](std::vector<Scalar>& values, Index count, std::uint64_t lane,
-                          double size) {
-      values.resize(static_cast<std::size_t>(count));
-      for (Index i = 0; i < count; ++i) {
-        values[static_cast<std::size_t>(i)] =
-            static_cast<Scalar>(size * (2 * random.unit(static_cast<std::uint64_t>(i), lane) - 1));
-      }
-    };
-    fill(q, s.queries * s.heads * s.dim, 0, amplitude);
-    fill(k, s.keys * s.kv_heads * s.dim, 1, amplitude);
-    fill(v, s.keys * s.kv_heads * s.value_dim, 2, 1.0);
-    fill(dout, s.queries * s.heads * s.value_dim, 3, 1.0);
+  Problem(const Shape& s, std::uint64_t seed, double amplitude)
+      : Base(s, seed, plsh_test::Layout::Packed, amplitude, amplitude),
+        dout(this->output()),
+        dq(s.n_q, s.heads, s.dim),
+        dk(s.n_k, s.kv_heads, s.dim),
+        dv(s.n_k, s.kv_heads, s.value_dim) {
+    dout.fill_random(plsh::detail::mix64(seed * 4 + 3));
+    out.fill(Scalar(0));
     // Gradients start as garbage: the backward must overwrite, not accumulate.
-    out.assign(dout.size(), Scalar(0));
-    dq.assign(q.size(), Scalar(7));
-    dk.assign(k.size(), Scalar(7));
-    dv.assign(v.size(), Scalar(7));
+    dq.fill(Scalar(7));
+    dk.fill(Scalar(7));
+    dv.fill(Scalar(7));
   }
 
   /// The same values in another scalar type.
   template <class Other>
   Problem<Other> cast() const {
     Problem<Other> other(shape, 0, 1.0);
-    const auto convert = [](const std::vector<Scalar>& from, std::vector<Other>& to) {
-      to.assign(from.begin(), from.end());
+    const auto convert = [](const Buffer<Scalar>& from, Buffer<Other>& to) {
+      for (std::size_t i = 0; i < from.storage.size(); ++i) {
+        to.storage[i] = static_cast<Other>(from.storage[i]);
+      }
     };
     convert(q, other.q);
     convert(k, other.k);
@@ -78,27 +81,15 @@ struct Problem {
     return other;
   }
 
-  HeadsView<const Scalar> q_view() const {
-    return {q.data(), shape.queries, shape.heads, shape.dim};
-  }
-  HeadsView<const Scalar> k_view() const {
-    return {k.data(), shape.keys, shape.kv_heads, shape.dim};
-  }
-  HeadsView<const Scalar> v_view() const {
-    return {v.data(), shape.keys, shape.kv_heads, shape.value_dim};
-  }
-  HeadsView<const Scalar> out_view() const {
-    return {out.data(), shape.queries, shape.heads, shape.value_dim};
-  }
-  HeadsView<Scalar> out_mutable() {
-    return {out.data(), shape.queries, shape.heads, shape.value_dim};
-  }
-  HeadsView<const Scalar> dout_view() const {
-    return {dout.data(), shape.queries, shape.heads, shape.value_dim};
-  }
-  HeadsView<Scalar> dq_view() { return {dq.data(), shape.queries, shape.heads, shape.dim}; }
-  HeadsView<Scalar> dk_view() { return {dk.data(), shape.keys, shape.kv_heads, shape.dim}; }
-  HeadsView<Scalar> dv_view() { return {dv.data(), shape.keys, shape.kv_heads, shape.value_dim}; }
+  HeadsView<const Scalar> q_view() const { return q.in(); }
+  HeadsView<const Scalar> k_view() const { return k.in(); }
+  HeadsView<const Scalar> v_view() const { return v.in(); }
+  HeadsView<const Scalar> out_view() const { return out.in(); }
+  HeadsView<Scalar> out_mutable() { return out.view; }
+  HeadsView<const Scalar> dout_view() const { return dout.in(); }
+  HeadsView<Scalar> dq_view() { return dq.view; }
+  HeadsView<Scalar> dk_view() { return dk.view; }
+  HeadsView<Scalar> dv_view() { return dv.view; }
 };
 
 enum class Method { Exact, Plsh };
@@ -173,14 +164,15 @@ double relative_error(const std::vector<A>& actual, const std::vector<B>& expect
 double loss(const Case& c, Problem<double>& p, const std::vector<double>& slopes) {
   forward(c, p, slopes);
   double sum = 0;
-  for (std::size_t i = 0; i < p.out.size(); ++i) sum += p.dout[i] * p.out[i];
+  for (std::size_t i = 0; i < p.out.storage.size(); ++i)
+    sum += p.dout.storage[i] * p.out.storage[i];
   return sum;
 }
 
 /// Central differences (L(x + h) - L(x - h)) / 2h of every element of `values`.
-std::vector<double> finite_differences(const Case& c, Problem<double>& p,
-                                       std::vector<double>& values,
+std::vector<double> finite_differences(const Case& c, Problem<double>& p, Buffer<double>& buffer,
                                        const std::vector<double>& slopes, double step) {
+  std::vector<double>& values = buffer.storage;
   std::vector<double> gradient(values.size());
   for (std::size_t i = 0; i < values.size(); ++i) {
     const double original = values[i];
@@ -231,9 +223,9 @@ TEST_CASE("backward equals central finite differences of the forward", "[backwar
     const std::vector<double> dq = finite_differences(c, probe, probe.q, slopes, step);
     const std::vector<double> dk = finite_differences(c, probe, probe.k, slopes, step);
     const std::vector<double> dv = finite_differences(c, probe, probe.v, slopes, step);
-    const double error_q = relative_error(p.dq, dq);
-    const double error_k = relative_error(p.dk, dk);
-    const double error_v = relative_error(p.dv, dv);
+    const double error_q = relative_error(p.dq.storage, dq);
+    const double error_k = relative_error(p.dk.storage, dk);
+    const double error_v = relative_error(p.dv.storage, dv);
     INFO(c.name << ": max relative error dq " << error_q << ", dk " << error_k << ", dv " << error_v
                 << " (step " << step << ")");
     CHECK(error_q <= 1e-6);
@@ -265,9 +257,9 @@ TEST_CASE("backward equals the dense reference in double and in float", "[backwa
     {
       // Double: the kernel and the reference sum the same O(n) terms in different orders; each
       // gradient is a sum of ~170 products of order 1, so rounding stays within ~1e-13.
-      const double error_q = relative_error(p.dq, expected.dq);
-      const double error_k = relative_error(p.dk, expected.dk);
-      const double error_v = relative_error(p.dv, expected.dv);
+      const double error_q = relative_error(p.dq.storage, expected.dq.storage);
+      const double error_k = relative_error(p.dk.storage, expected.dk.storage);
+      const double error_v = relative_error(p.dv.storage, expected.dv.storage);
       INFO(c.name << " (double): relative error dq " << error_q << ", dk " << error_k << ", dv "
                   << error_v);
       CHECK(error_q <= 1e-11);
@@ -285,9 +277,9 @@ TEST_CASE("backward equals the dense reference in double and in float", "[backwa
       backward(c, f, slopes);
       Problem<double> from_float = f.template cast<double>();
       reference_backward(c, from_float, slopes);
-      const double error_q = relative_error(f.dq, from_float.dq);
-      const double error_k = relative_error(f.dk, from_float.dk);
-      const double error_v = relative_error(f.dv, from_float.dv);
+      const double error_q = relative_error(f.dq.storage, from_float.dq.storage);
+      const double error_k = relative_error(f.dk.storage, from_float.dk.storage);
+      const double error_v = relative_error(f.dv.storage, from_float.dv.storage);
       INFO(c.name << " (float): relative error dq " << error_q << ", dk " << error_k << ", dv "
                   << error_v);
       CHECK(error_q <= 3e-5);
@@ -306,16 +298,16 @@ TEST_CASE("backward with strided views equals the packed result", "[backward]") 
   forward(c, p, slopes);
   backward(c, p, slopes);
   // q head-major: element (t, h, e) at h * (40 * 6) + t * 6 + e.
-  std::vector<double> q_head_major(p.q.size());
+  std::vector<double> q_head_major(p.q.storage.size());
   for (Index t = 0; t < 40; ++t) {
     for (Index h = 0; h < 2; ++h) {
       for (Index e = 0; e < 6; ++e) {
         q_head_major[static_cast<std::size_t>(h * 240 + t * 6 + e)] =
-            p.q[static_cast<std::size_t>(t * 12 + h * 6 + e)];
+            p.q.storage[static_cast<std::size_t>(t * 12 + h * 6 + e)];
       }
     }
   }
-  std::vector<double> dq_head_major(p.q.size(), 7);
+  std::vector<double> dq_head_major(p.q.storage.size(), 7);
   std::vector<double> dk_padded(40 * 9, 7);  // token stride 9 for 6 elements
   std::vector<double> dv_padded(40 * 5, 7);  // token stride 5 for 4 elements
   plsh::plsh_attention_backward<double>(
@@ -328,14 +320,14 @@ TEST_CASE("backward with strided views equals the packed result", "[backward]") 
     for (Index e = 0; e < 6; ++e) {
       for (Index h = 0; h < 2; ++h) {
         CHECK(dq_head_major[static_cast<std::size_t>(h * 240 + t * 6 + e)] ==
-              p.dq[static_cast<std::size_t>(t * 12 + h * 6 + e)]);
+              p.dq.storage[static_cast<std::size_t>(t * 12 + h * 6 + e)]);
       }
       CHECK(dk_padded[static_cast<std::size_t>(t * 9 + e)] ==
-            p.dk[static_cast<std::size_t>(t * 6 + e)]);
+            p.dk.storage[static_cast<std::size_t>(t * 6 + e)]);
     }
     for (Index e = 0; e < 4; ++e) {
       CHECK(dv_padded[static_cast<std::size_t>(t * 5 + e)] ==
-            p.dv[static_cast<std::size_t>(t * 4 + e)]);
+            p.dv.storage[static_cast<std::size_t>(t * 4 + e)]);
     }
     CHECK(dk_padded[static_cast<std::size_t>(t * 9 + 7)] == 7);  // padding untouched
   }
@@ -362,8 +354,8 @@ TEST_CASE("Positional LSH gradients approach the exact ALiBi gradients as s grow
     for (const double value : x) sum += value * value;
     return sum;
   };
-  const double reference_norm =
-      std::sqrt(norm(reference.dq) + norm(reference.dk) + norm(reference.dv));
+  const double reference_norm = std::sqrt(norm(reference.dq.storage) + norm(reference.dk.storage) +
+                                          norm(reference.dv.storage));
   const std::vector<Index> sample_counts = {16, 256, 4096};
   const int seeds = 8;
   std::vector<double> mean_errors;
@@ -376,9 +368,12 @@ TEST_CASE("Positional LSH gradients approach the exact ALiBi gradients as s grow
       forward(c, p, slopes);
       backward(c, p, slopes);
       std::vector<double> difference;
-      for (std::size_t i = 0; i < p.dq.size(); ++i) difference.push_back(p.dq[i] - reference.dq[i]);
-      for (std::size_t i = 0; i < p.dk.size(); ++i) difference.push_back(p.dk[i] - reference.dk[i]);
-      for (std::size_t i = 0; i < p.dv.size(); ++i) difference.push_back(p.dv[i] - reference.dv[i]);
+      for (std::size_t i = 0; i < p.dq.storage.size(); ++i)
+        difference.push_back(p.dq.storage[i] - reference.dq.storage[i]);
+      for (std::size_t i = 0; i < p.dk.storage.size(); ++i)
+        difference.push_back(p.dk.storage[i] - reference.dk.storage[i]);
+      for (std::size_t i = 0; i < p.dv.storage.size(); ++i)
+        difference.push_back(p.dv.storage[i] - reference.dv.storage[i]);
       total += std::sqrt(norm(difference)) / reference_norm;
     }
     mean_errors.push_back(total / seeds);
@@ -413,9 +408,12 @@ TEST_CASE("backward results do not depend on the number of threads", "[backward]
     backward(c, two, slopes);
 #endif
     INFO("dq, dk, dv of 1 and 2 threads must be identical bit for bit");
-    CHECK(std::memcmp(one.dq.data(), two.dq.data(), one.dq.size() * sizeof(float)) == 0);
-    CHECK(std::memcmp(one.dk.data(), two.dk.data(), one.dk.size() * sizeof(float)) == 0);
-    CHECK(std::memcmp(one.dv.data(), two.dv.data(), one.dv.size() * sizeof(float)) == 0);
+    CHECK(std::memcmp(one.dq.storage.data(), two.dq.storage.data(),
+                      one.dq.storage.size() * sizeof(float)) == 0);
+    CHECK(std::memcmp(one.dk.storage.data(), two.dk.storage.data(),
+                      one.dk.storage.size() * sizeof(float)) == 0);
+    CHECK(std::memcmp(one.dv.storage.data(), two.dv.storage.data(),
+                      one.dv.storage.size() * sizeof(float)) == 0);
   }
 }
 
@@ -426,12 +424,12 @@ TEST_CASE("backward of empty query or key spans", "[backward]") {
     INFO(c.name << ": no queries gives zero dk and dv; no keys gives zero dq");
     Problem<double> no_queries(Shape{0, 5, 1, 1, 3, 2}, 1, 1.0);
     backward(c, no_queries, slopes);
-    for (const double x : no_queries.dk) CHECK(x == 0);
-    for (const double x : no_queries.dv) CHECK(x == 0);
+    for (const double x : no_queries.dk.storage) CHECK(x == 0);
+    for (const double x : no_queries.dv.storage) CHECK(x == 0);
     Problem<double> no_keys(Shape{5, 0, 1, 1, 3, 2}, 1, 1.0);
     forward(c, no_keys, slopes);
     backward(c, no_keys, slopes);
-    for (const double x : no_keys.dq) CHECK(x == 0);
+    for (const double x : no_keys.dq.storage) CHECK(x == 0);
   }
 }
 
@@ -507,13 +505,13 @@ TEST_CASE("backward rejects bad arguments", "[backward][validation]") {
   add("dq strides make rows overlap", [](Arguments& a) { a.dq.token_stride = 1; });
   add("dk strides make rows overlap", [](Arguments& a) { a.dk.token_stride = 2; });
   add("dv strides make rows overlap", [](Arguments& a) { a.dv.token_stride = 1; });
-  add("dq overlaps q", [&](Arguments& a) { a.dq.data = p.q.data(); });
-  add("dk overlaps k", [&](Arguments& a) { a.dk.data = p.k.data(); });
-  add("dv overlaps v", [&](Arguments& a) { a.dv.data = p.v.data(); });
-  add("dq overlaps out", [&](Arguments& a) { a.dq.data = p.out.data(); });
-  add("dk overlaps dout", [&](Arguments& a) { a.dk.data = p.dout.data() + 3; });
-  add("dv overlaps dq", [&](Arguments& a) { a.dv.data = p.dq.data() + 10; });
-  add("dk overlaps dq", [&](Arguments& a) { a.dk.data = p.dq.data(); });
+  add("dq overlaps q", [&](Arguments& a) { a.dq.data = p.q.storage.data(); });
+  add("dk overlaps k", [&](Arguments& a) { a.dk.data = p.k.storage.data(); });
+  add("dv overlaps v", [&](Arguments& a) { a.dv.data = p.v.storage.data(); });
+  add("dq overlaps out", [&](Arguments& a) { a.dq.data = p.out.storage.data(); });
+  add("dk overlaps dout", [&](Arguments& a) { a.dk.data = p.dout.storage.data() + 3; });
+  add("dv overlaps dq", [&](Arguments& a) { a.dv.data = p.dq.storage.data() + 10; });
+  add("dk overlaps dq", [&](Arguments& a) { a.dk.data = p.dq.storage.data(); });
   add("options.query_position", [](Arguments& a) { a.options.query_position = -1; });
   add("options.key_position", [](Arguments& a) { a.options.key_position = -3; });
   add("options.scale",
@@ -541,7 +539,7 @@ TEST_CASE("backward rejects bad arguments", "[backward][validation]") {
   INFO("the dense reference validates like the kernels");
   REQUIRE_THROWS_AS(plsh::reference::plsh_attention_backward<double>(
                         good.q, good.k, good.v, good.dout, good.dq, good.dk,
-                        Out{p.q.data(), 6, 1, 3}, slopes, {}),
+                        Out{p.q.storage.data(), 6, 1, 3}, slopes, {}),
                     std::invalid_argument);
   REQUIRE_THROWS_AS(plsh::reference::alibi_attention_backward<double>(
                         good.q, good.k, good.v, good.dout, good.dq, good.dk, good.dv, {0.1}, {}),

@@ -19,44 +19,37 @@
 
 #include <plsh/alibi.hpp>
 #include <plsh/attention/plsh_attention.hpp>
-#include <plsh/detail/random.hpp>
 #include <plsh/kv_cache.hpp>
 #include <plsh/partition.hpp>
 #include <plsh/sampler.hpp>
+
+#include "attention_fixture.hpp"
 
 namespace {
 
 using plsh::HeadsView;
 using plsh::Index;
 
-/// Queries, keys and values of a whole sequence, packed, uniform in [-1, 1] from CounterRandom.
-struct Sequence {
+/// Queries, keys and values of a whole sequence: the attention fixture's problem, packed, every
+/// input uniform in [-1, 1].
+struct Sequence : plsh_test::Problem<float> {
   Index tokens, heads, kv_heads, dim, value_dim;
-  std::vector<float> q, k, v;
 
   Sequence(Index n, Index h, Index h_kv, Index d, Index d_v, std::uint64_t seed)
-      : tokens(n), heads(h), kv_heads(h_kv), dim(d), value_dim(d_v) {
-    const plsh::detail::CounterRandom random(seed);
-    const auto fill = [&](std::vector<float>& values, Index count, std::uint64_t lane) {
-      values.resize(static_cast<std::size_t>(count));
-      for (Index i = 0; i < count; ++i) {
-        values[static_cast<std::size_t>(i)] =
-            static_cast<float>(2 * random.unit(static_cast<std::uint64_t>(i), lane) - 1);
-      }
-    };
-    fill(q, n * h * d, 0);
-    fill(k, n * h_kv * d, 1);
-    fill(v, n * h_kv * d_v, 2);
-  }
+      : plsh_test::Problem<float>(plsh_test::Shape{n, n, h, h_kv, d, d_v}, seed,
+                                  plsh_test::Layout::Packed, 1.0),
+        tokens(n),
+        heads(h),
+        kv_heads(h_kv),
+        dim(d),
+        value_dim(d_v) {}
 
   HeadsView<const float> queries(Index begin, Index count) const {
-    return HeadsView<const float>{q.data(), tokens, heads, dim}.slice(begin, count);
+    return q.in().slice(begin, count);
   }
-  HeadsView<const float> keys(Index begin, Index count) const {
-    return HeadsView<const float>{k.data(), tokens, kv_heads, dim}.slice(begin, count);
-  }
+  HeadsView<const float> keys(Index begin, Index count) const { return k.in().slice(begin, count); }
   HeadsView<const float> values(Index begin, Index count) const {
-    return HeadsView<const float>{v.data(), tokens, kv_heads, value_dim}.slice(begin, count);
+    return v.in().slice(begin, count);
   }
 };
 

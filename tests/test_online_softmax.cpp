@@ -381,3 +381,64 @@ TEST_CASE("online_softmax_merge: an empty partial is the identity, merging is as
     }
   }
 }
+
+TEST_CASE("OnlineSoftmax follows the non-finite contract", "[online_softmax][nonfinite]") {
+  const auto check = [](auto scalar_tag) {
+    using Scalar = decltype(scalar_tag);
+    constexpr Scalar kInf = std::numeric_limits<Scalar>::infinity();
+    constexpr Scalar kNaN = std::numeric_limits<Scalar>::quiet_NaN();
+    constexpr Index kKeys = 40;
+    Matrix<Scalar> scores = Matrix<Scalar>::Zero(5, kKeys);
+    scores.row(0).setConstant(-kInf);
+    scores(0, 3) = kNaN;   // NaN hidden among masked logits: max(-inf, NaN) must not drop it
+    scores(1, 7) = kInf;   // +inf logit
+    scores(2, 9) = -kInf;  // visible -inf logit on the NaN value row: weighs 0, adds nothing
+    scores(3, 9) = -kInf;
+    scores(3, 10) = -1000;             // visible, weight underflows to 0, value row is infinite
+    scores.row(4).setConstant(-kInf);  // no visible key
+    Matrix<Scalar> values = Matrix<Scalar>::Ones(kKeys, 2);
+    values.row(9).setConstant(kNaN);
+    values.row(10).setConstant(kInf);
+    plsh::OnlineSoftmax<Scalar> softmax;
+    softmax.reset(5, 2);
+    Matrix<Scalar> tile = scores;
+    // Row 2 sees key 10 with logit 0: its infinite value shows; row 3 sees it with -1000.
+    tile(2, 10) = -kInf;
+    softmax.update(tile, values);
+    Matrix<Scalar> out(5, 2);
+    Vector<Scalar> lse(5);
+    softmax.finish(out, lse.data());
+    INFO((sizeof(Scalar) == 4 ? "float" : "double"));
+    CHECK(std::isnan(out(0, 0)));
+    CHECK(std::isnan(lse[0]));
+    CHECK(std::isnan(out(1, 0)));
+    CHECK(std::isnan(lse[1]));
+    CHECK(out(2, 0) == Scalar(1));  // every other visible value is 1
+    CHECK(out(2, 1) == Scalar(1));
+    CHECK(std::isfinite(lse[2]));
+    CHECK_FALSE(std::isfinite(out(3, 0)));
+    CHECK(out(4, 0) == Scalar(0));
+    CHECK(lse[4] == -kInf);
+  };
+  check(double{});
+  check(float{});
+}
+
+TEST_CASE("online_softmax_merge: a NaN partial makes the row NaN, an empty one is dropped",
+          "[online_softmax][nonfinite]") {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  Matrix<double> out = Matrix<double>::Constant(3, 2, 0.5);
+  Vector<double> lse(3);
+  lse << 0.0, -kInfinity, 1.0;
+  Matrix<double> out_b(3, 2);
+  out_b << nan, nan, nan, nan, 0.25, 0.25;
+  Vector<double> lse_b(3);
+  lse_b << nan, nan, -kInfinity;
+  plsh::online_softmax_merge(out, lse, out_b, lse_b);
+  CHECK(std::isnan(out(0, 0)));
+  CHECK(std::isnan(lse[0]));
+  CHECK(std::isnan(out(1, 1)));
+  CHECK(std::isnan(lse[1]));
+  CHECK(out(2, 0) == 0.5);
+  CHECK(lse[2] == 1.0);
+}

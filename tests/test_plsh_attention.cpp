@@ -141,7 +141,7 @@ TEST_CASE("slope 0 is plain attention for any number of samples", "[plsh]") {
       Buffer<Scalar> expected = problem.output();
       plsh::reference::factor_attention(problem.q.in(), problem.k.in(), problem.v.in(),
                                         expected.view, base,
-                                        [](Index, Index, Index) { return 1.0; });
+                                        [](Index, Index, Index) { return 0.0; });
       for (const Index samples : {1, 3, 20}) {
         for (const plsh::Kernel kernel : {plsh::Kernel::Passes, plsh::Kernel::Fused}) {
           INFO(type_name<Scalar>() << ", " << plsh_test::describe(base) << ", s = " << samples
@@ -518,7 +518,7 @@ TEST_CASE("fixed_block_attention matches the block-diagonal reference", "[plsh][
             INFO("one block holding every position: plain attention");
             plsh::reference::factor_attention(problem.q.in(), problem.k.in(), problem.v.in(),
                                               expected.view, options,
-                                              [](Index, Index, Index) { return 1.0; });
+                                              [](Index, Index, Index) { return 0.0; });
             CHECK(plsh_test::max_abs_difference(problem.out.in(), expected.in()) <=
                   plsh_test::reference_tolerance<Scalar>());
           }
@@ -605,4 +605,96 @@ TEST_CASE("plsh_attention rejects samples < 1, fixed_block_attention a block siz
       run_plsh(problem, problem.out, slopes, plsh_options({}, 1, 0, plsh::Kernel::Fused)));
   CHECK_NOTHROW(plsh::fixed_block_attention<double>(problem.q.in(), problem.k.in(), problem.v.in(),
                                                     problem.out.view, 1));
+}
+
+TEST_CASE("count_segments equals a brute-force count, narrow rows and wide rows",
+          "[plsh][counts]") {
+  const Index samples = 6;
+  std::vector<double> log_count(static_cast<std::size_t>(samples + 1));
+  log_count[0] = -std::numeric_limits<double>::infinity();
+  for (Index c = 1; c <= samples; ++c) log_count[static_cast<std::size_t>(c)] = std::log(double(c));
+  // Narrow: the intervals span 14 keys <= 4 * 6 (difference array). Wide: 1000 keys (sort).
+  const std::vector<std::vector<plsh::Block>> rows{
+      {{3, 9}, {5, 12}, {3, 4}, {10, 17}, {5, 9}, {12, 13}},
+      {{100, 400}, {350, 1100}, {700, 701}, {100, 1100}, {900, 1000}},
+      {{7, 8}},
+  };
+  for (const auto& row : rows) {
+    const Index intervals = static_cast<Index>(row.size());
+    std::vector<Index> begins, ends;
+    for (const plsh::Block& block : row) {
+      begins.push_back(block.begin);
+      ends.push_back(block.end);
+    }
+    const Index union_begin = *std::min_element(begins.begin(), begins.end()) - 2;
+    const Index last = *std::max_element(ends.begin(), ends.end()) + 2;
+    const bool narrow = last - 2 - (union_begin + 2) <= 4 * intervals;
+    INFO((narrow ? "narrow" : "wide") << " row of " << intervals << " intervals");
+    std::vector<Index> start(static_cast<std::size_t>(2 * samples + 1));
+    std::vector<double> value(start.size());
+    std::vector<int> difference;
+    const Index segments =
+        plsh::detail::count_segments(begins.data(), ends.data(), intervals, union_begin, log_count,
+                                     difference, start.data(), value.data());
+    REQUIRE(segments >= 1);
+    CHECK(start[0] == union_begin);
+    for (Index j = union_begin; j < last; ++j) {
+      int count = 0;
+      for (const plsh::Block& block : row) count += block.contains(j) ? 1 : 0;
+      Index k = 0;
+      while (k + 1 < segments && start[static_cast<std::size_t>(k + 1)] <= j) ++k;
+      INFO("key " << j << " count " << count);
+      CHECK(value[static_cast<std::size_t>(k)] == log_count[static_cast<std::size_t>(count)]);
+    }
+  }
+}
+
+TEST_CASE("BlockCounts adds log c_ij on every chunk, for narrow and wide unions",
+          "[plsh][counts]") {
+  const Index samples = 9;
+  // Steep slope: unions of a few keys (difference array over the runs). Shallow: unions far
+  // wider than kFusedKeyTile (per-row segments).
+  for (const double slope : {0.3, 0.004}) {
+    for (const bool causal : {true, false}) {
+      const std::vector<plsh::Grid> grids = plsh::RandomBinning(slope, 7).draw(samples);
+      const Index key_begin = 5;
+      const Index key_end = 1500;
+      const plsh::detail::PositionRange range{0, 1600};
+      const Index first = 700;
+      const Index rows = 16;
+      plsh::detail::BlockCounts<double> counts;
+      const plsh::Block keys =
+          counts.prepare(grids, range, first, rows, key_begin, key_end, causal);
+      const bool wide = keys.size() > plsh::detail::kFusedKeyTile;
+      INFO("slope " << slope << (causal ? " causal" : " bidirectional") << " union [" << keys.begin
+                    << ", " << keys.end << ")");
+      CHECK(wide == (slope < 0.01));
+      // Chunks as the backward's key tiles make them: starting before the union, 100 wide.
+      std::vector<double> storage(static_cast<std::size_t>(rows * 100));
+      Index seen = 0;
+      for (Index c0 = keys.begin - 30; c0 < keys.end + 30; c0 += 100) {
+        Eigen::Map<plsh::RowMatrix<double>> scores(storage.data(), rows, 100);
+        scores.setZero();
+        counts.add_log_counts(scores, c0);
+        for (Index r = 0; r < rows; ++r) {
+          const Index i = first + r;
+          for (Index c = 0; c < 100; ++c) {
+            const Index j = c0 + c;
+            int count = 0;
+            if (j >= key_begin && j < key_end && (!causal || j <= i)) {
+              for (const plsh::Grid& grid : grids) {
+                count += plsh::grid_block(grid, i, range.first, range.last).contains(j) ? 1 : 0;
+              }
+            }
+            const double expected =
+                count == 0 ? -std::numeric_limits<double>::infinity() : std::log(double(count));
+            INFO("row " << r << " key " << j);
+            REQUIRE(scores(r, c) == expected);
+            seen += count > 0 ? 1 : 0;
+          }
+        }
+      }
+      CHECK(seen > 0);
+    }
+  }
 }

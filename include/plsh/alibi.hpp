@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "detail/check.hpp"
+#include "limits.hpp"
 
 namespace plsh {
 
@@ -21,10 +22,11 @@ using Index = Eigen::Index;
 /// \f$c = 2^{\lfloor\log_2 H\rfloor}\f$, the \f$c\f$ slopes of \f$c\f$ heads followed by the
 /// slopes at indices 0, 2, 4, ... of the \f$2c\f$ list until \f$H\f$ slopes are reached.
 ///
-/// \param num_heads number of heads, at least 1.
-/// \throws std::invalid_argument if `num_heads < 1`.
+/// \param num_heads number of heads, 1 to kMaxHeads.
+/// \throws std::invalid_argument if `num_heads` lies outside [1, kMaxHeads].
 inline std::vector<double> alibi_slopes(Index num_heads) {
-  detail::require(num_heads >= 1, "alibi_slopes", "num_heads must be at least 1");
+  detail::require(num_heads >= 1 && num_heads <= kMaxHeads, "alibi_slopes",
+                  "num_heads must lie in [1, kMaxHeads = 2^20]");
   // Mirrors the reference: start = 2^(-2^-(log2(n) - 3)), slope i = start * start^i.
   const auto power_of_two_slopes = [](Index n) {
     const double start = std::pow(2.0, -std::pow(2.0, -(std::log2(static_cast<double>(n)) - 3)));
@@ -49,11 +51,13 @@ inline std::vector<double> alibi_slopes(Index num_heads) {
 /// of bandwidth \f$1/m\f$. Dense, for tests and metrics.
 ///
 /// \tparam Scalar element type.
-/// \param n number of positions, at least 0.
+/// \param n number of positions, 0 to kMaxPosition.
 /// \param slope \f$m \ge 0\f$, finite.
+/// \throws std::invalid_argument for `n` outside [0, kMaxPosition] or a bad slope.
 template <class Scalar = double>
 Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic> laplacian_kernel(Index n, double slope) {
-  detail::require(n >= 0, "laplacian_kernel", "n must be non-negative");
+  detail::require(n >= 0 && n <= kMaxPosition, "laplacian_kernel",
+                  "n must lie in [0, kMaxPosition]");
   detail::require_slope(slope, "laplacian_kernel");
   Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic> kernel(n, n);
   for (Index j = 0; j < n; ++j) {

@@ -30,11 +30,12 @@
 #include <utility>
 #include <vector>
 
-#include "attention/options.hpp"
 #include "attention/plsh_attention.hpp"
 #include "attention/regular.hpp"
 #include "detail/check.hpp"
 #include "detail/validate.hpp"
+#include "limits.hpp"
+#include "options.hpp"
 #include "partition.hpp"
 #include "sampler.hpp"
 #include "tensor.hpp"
@@ -70,7 +71,8 @@ class KvCache {
   /// absolute position of the first appended token, `query_position` is ignored (queries are at
   /// the newest positions); samples, seed and kernel as plsh_attention.
   /// \throws std::invalid_argument for non-positive sizes, H not a multiple of kv_heads, a bad
-  /// slope, `samples < 1`, `causal == false`, a negative key_position or a non-finite scale.
+  /// slope, `samples` outside [1, kMaxSamples], `causal == false`, a key_position outside
+  /// [0, kMaxPosition], or a scale that is not finite and non-zero in Scalar.
   KvCache(Index heads, Index kv_heads, Index dim, Index value_dim, std::vector<double> slopes,
           PlshOptions options = {})
       : heads_(heads),
@@ -85,14 +87,14 @@ class KvCache {
     detail::require(heads % kv_heads == 0, function, "heads must be a multiple of kv_heads");
     detail::require(dim >= 1, function, "dim must be at least 1");
     detail::require(value_dim >= 1, function, "value_dim must be at least 1");
-    detail::validate_slopes(function, slopes_, heads);
-    detail::require(options.samples >= 1, function, "options.samples must be at least 1");
+    detail::validate_slopes(function, slopes_, heads, "heads");
+    detail::require_samples(options.samples, function, "options.samples");
     detail::require(options.causal, function,
                     "options.causal must be true (a cache serves causal decoding)");
-    detail::require(options.key_position >= 0, function,
-                    "options.key_position must be non-negative");
-    detail::require(std::isfinite(options.scale), function, "options.scale must be finite");
-    grids_ = detail::draw_head_grids(slopes_, options.samples, options.seed);
+    detail::require(options.key_position >= 0 && options.key_position <= kMaxPosition, function,
+                    "options.key_position must lie in [0, kMaxPosition = 2^53]");
+    detail::validate_scale<Scalar>(function, options, dim);
+    grids_ = draw_head_grids(slopes_, options.samples, options.seed);
     position_ = options.key_position;
     oldest_ = options.key_position;
     // No block is known yet: the first append looks up every (head, draw).
@@ -102,7 +104,8 @@ class KvCache {
   /// Appends the keys and values of positions `position() .. position() + k.tokens - 1`, after
   /// evicting the keys that no query at `position()` or later can reach.
   /// \param k `[n][kv_heads][dim]`, \param v `[n][kv_heads][value_dim]`; n = 0 does nothing.
-  /// \throws std::invalid_argument when the shapes disagree with the cache.
+  /// \throws std::invalid_argument when the shapes disagree with the cache, or when the positions
+  /// would pass kMaxPosition.
   void append(HeadsView<const Scalar> k, HeadsView<const Scalar> v) {
     const char* function = "KvCache::append";
     detail::require_view(k, function, "k");
@@ -112,6 +115,8 @@ class KvCache {
     detail::require(v.heads == kv_heads_, function, "v.heads must equal the cache's kv_heads");
     detail::require(v.dim == value_dim_, function, "v.dim must equal the cache's value_dim");
     detail::require(v.tokens == k.tokens, function, "v.tokens must equal k.tokens");
+    detail::require(k.tokens <= kMaxPosition - position_, function,
+                    "position() + k.tokens must not exceed kMaxPosition = 2^53");
     if (k.tokens == 0) return;
     evict(reachable_from(position_));
     reserve(k.tokens);
@@ -140,10 +145,11 @@ class KvCache {
     detail::require_view(out, function, "out");
     detail::require(q.heads == heads_, function, "q.heads must equal the cache's heads");
     detail::require(q.dim == dim_, function, "q.dim must equal the cache's dim");
-    detail::require(q.tokens <= last_append_, function,
-                    "q.tokens (" + std::to_string(q.tokens) +
-                        ") must not exceed the tokens of the last append (" +
-                        std::to_string(last_append_) + ")");
+    detail::require(q.tokens <= last_append_, function, [&] {
+      return "q.tokens (" + std::to_string(q.tokens) +
+             ") must not exceed the tokens of the last append (" + std::to_string(last_append_) +
+             ")";
+    });
     detail::require(out.tokens == q.tokens, function, "out.tokens must equal q.tokens");
     detail::require(out.heads == heads_, function, "out.heads must equal the cache's heads");
     detail::require(out.dim == value_dim_, function, "out.dim must equal the cache's value_dim");
@@ -191,11 +197,9 @@ class KvCache {
   const PlshOptions& options() const { return options_; }
 
  private:
-  /// The partitions are cut to `[key_position, kFar)`: no position ever reaches kFar.
-  static constexpr Index kFar = std::numeric_limits<Index>::max() / 4;
-
   /// \f$E(p) = \min_{h,t} b_{h,t}(p)\f$. Blocks are cached per (head, draw): p only grows, so
-  /// each block is looked up once, when p enters it.
+  /// each block is looked up once, when p enters it. The partitions are cut to
+  /// `[key_position, kMaxPosition)`, which holds every position append accepts.
   Index reachable_from(Index position) {
     Index start = position;
     const Index samples = options_.samples;
@@ -204,7 +208,7 @@ class KvCache {
         Block& block = blocks_[static_cast<std::size_t>(h * samples + t)];
         if (!block.contains(position)) {
           block = grid_block(grids_[static_cast<std::size_t>(h)][static_cast<std::size_t>(t)],
-                             position, options_.key_position, kFar);
+                             position, options_.key_position, kMaxPosition);
         }
         start = std::min(start, block.begin);
       }

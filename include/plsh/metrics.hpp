@@ -21,9 +21,13 @@ struct MaskError {
 
 /// Spectral and max-abs norms of `mean_mask(n, grids) - laplacian_kernel(n, slope)`.
 /// Dense: O(n^2) memory and O(n^3) time (a symmetric eigenvalue solve), for tests and studies.
-/// \throws std::invalid_argument if `n < 1`, `grids` is empty, or the slope is invalid.
+/// \throws std::invalid_argument if `n` lies outside [1, kMaxPosition], the slope is invalid, or
+/// `grids` is empty or holds an invalid grid (the message names mask_error).
 inline MaskError mask_error(Index n, double slope, const std::vector<Grid>& grids) {
-  detail::require(n >= 1, "mask_error", "n must be at least 1");
+  const char* function = "mask_error";
+  detail::require(n >= 1 && n <= kMaxPosition, function, "n must lie in [1, kMaxPosition]");
+  detail::require_slope(slope, function);
+  detail::require_grids(grids, function);
   const Eigen::MatrixXd error = mean_mask<double>(n, grids) - laplacian_kernel<double>(n, slope);
   const Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd> solver(error, Eigen::EigenvaluesOnly);
   return MaskError{solver.eigenvalues().cwiseAbs().maxCoeff(), error.cwiseAbs().maxCoeff()};

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "detail/check.hpp"
+#include "limits.hpp"
 #include "sampler.hpp"
 
 namespace plsh {
@@ -31,45 +32,116 @@ inline bool operator!=(const Block& a, const Block& b) { return !(a == b); }
 
 namespace detail {
 
-/// \f$\lfloor (p - \text{shift}) / \text{pitch} \rfloor\f$: monotone in `p`, so every bin is a run
-/// of consecutive integers.
+/// \f$\lfloor (p - \text{shift}) / \text{pitch} \rfloor\f$: monotone in `p` (every step is
+/// correctly rounded and monotone), so every bin is a run of consecutive integers. Exact in `p` for
+/// \f$|p| \le\f$ kMaxPosition.
 inline double bin_index(const Grid& grid, Index position) {
   return std::floor((static_cast<double>(position) - grid.shift) / grid.pitch);
 }
 
-/// Whether positions `i` and `j` fall in the same bin of `grid`.
+/// Whether positions `i` and `j` fall in the same bin of `grid`, a grid accepted by
+/// detail::require_grid (callers check it).
 inline bool same_bin(const Grid& grid, Index i, Index j) {
   if (std::isinf(grid.pitch)) return true;
   if (grid.pitch <= 1) return i == j;
   return bin_index(grid, i) == bin_index(grid, j);
 }
 
+/// Positions `[first, last)` of a partition: `-kMaxPosition <= first <= last <= kMaxPosition`.
+inline void require_position_range(Index first, Index last, const char* function) {
+  require(first <= last, function, "first must not exceed last");
+  require(first >= -kMaxPosition && last <= kMaxPosition, function,
+          "positions must lie in [-kMaxPosition, kMaxPosition] (kMaxPosition = 2^53)");
+}
+
+/// A non-empty list of grids accepted by require_grid.
+inline void require_grids(const std::vector<Grid>& grids, const char* function) {
+  require(!grids.empty(), function, "grids must not be empty");
+  for (const Grid& grid : grids) require_grid(grid, function, "every grid's");
+}
+
+/// The smallest `p` in `[low, high]` with `holds(p)`, for a predicate monotone in `p` (false, then
+/// true) that holds at `high`. Starts at `hint` and doubles its steps, then bisects: O(log(1 +
+/// |answer - hint|)) evaluations, at most about 110 over positions bounded by kMaxPosition.
+template <class Predicate>
+Index first_true(Index low, Index high, Index hint, Predicate&& holds) {
+  hint = std::min(std::max(hint, low), high);
+  Index lo = low;  // the answer lies in [lo, hi] and holds(hi)
+  Index hi = high;
+  if (holds(hint)) {
+    hi = hint;
+    for (Index step = 1; hi > low; step *= 2) {
+      const Index probe = hint - low > step ? hint - step : low;
+      if (!holds(probe)) {
+        lo = probe + 1;
+        break;
+      }
+      hi = probe;
+    }
+  } else {
+    lo = hint + 1;
+    for (Index step = 1; lo < high; step *= 2) {
+      const Index probe = high - hint > step ? hint + step : high;
+      if (holds(probe)) {
+        hi = probe;
+        break;
+      }
+      lo = probe + 1;
+    }
+  }
+  while (lo < hi) {
+    const Index middle = lo + (hi - lo) / 2;
+    if (holds(middle)) {
+      hi = middle;
+    } else {
+      lo = middle + 1;
+    }
+  }
+  return lo;
+}
+
+/// \f$\lceil x \rceil\f$ clamped to `[low, high]` in double before the conversion (NaN gives
+/// `low`), so the cast is always defined.
+inline Index clamped_ceil(double x, Index low, Index high) {
+  const double c = std::ceil(x);
+  if (!(c > static_cast<double>(low))) return low;
+  if (c >= static_cast<double>(high)) return high;
+  return static_cast<Index>(c);
+}
+
 }  // namespace detail
 
-/// The block of the partition of `[first, last)` that holds `position`, in O(1): the integers of
-/// `[first, last)` that share the bin of `position`. Requires `first <= position < last`.
+/// The block of the partition of `[first, last)` that holds `position`: the integers of
+/// `[first, last)` that share the bin of `position`. Requires `first <= position < last` and
+/// \f$|\text{first}|, |\text{last}| \le\f$ kMaxPosition.
 ///
-/// The bin edges \f$\lceil \text{shift} + k\,\text{pitch} \rceil\f$ are only candidates: they are
-/// corrected against detail::bin_index so that rounding can never split or merge blocks
-/// differently from the bin test itself.
+/// O(1) for every grid: the bin edges \f$\lceil \text{shift} + k\,\text{pitch} \rceil\f$ are
+/// only hints, from which a doubling search over detail::bin_index finds the true edges, so that
+/// rounding can never split or merge blocks differently from the bin test itself, and a grid
+/// whose edges cannot be computed accurately (a huge pitch or shift) still costs at most about a
+/// hundred bin evaluations.
+/// \throws std::invalid_argument for a grid with a non-positive or NaN pitch or a non-finite
+/// shift, or positions out of range.
 inline Block grid_block(const Grid& grid, Index position, Index first, Index last) {
-  detail::require(first <= position && position < last, "grid_block",
+  const char* function = "grid_block";
+  detail::require_grid(grid, function);
+  detail::require_position_range(first, last, function);
+  detail::require(first <= position && position < last, function,
                   "position must lie in [first, last)");
   if (std::isinf(grid.pitch)) return Block{first, last};
   // A bin no longer than 1 holds at most one integer; (p - shift) / pitch could overflow.
   if (grid.pitch <= 1) return Block{position, position + 1};
   const auto bin = [&](Index p) { return detail::bin_index(grid, p); };
   const double k = bin(position);
-  const auto clamp = [](double value, Index low, Index high) {
-    return static_cast<Index>(
-        std::min(std::max(value, static_cast<double>(low)), static_cast<double>(high)));
-  };
-  Index begin = clamp(std::ceil(grid.shift + k * grid.pitch), first, position);
-  while (begin > first && bin(begin - 1) == k) --begin;
-  while (bin(begin) < k) ++begin;
-  Index end = clamp(std::ceil(grid.shift + (k + 1) * grid.pitch), position + 1, last);
-  while (end > position + 1 && bin(end - 1) > k) --end;
-  while (end < last && bin(end) == k) ++end;
+  // Bin k is the run of positions p with bin(p) == k: from the first p with bin(p) >= k to the
+  // first p with bin(p) > k (or last).
+  const Index begin = detail::first_true(
+      first, position, detail::clamped_ceil(grid.shift + k * grid.pitch, first, position),
+      [&](Index p) { return bin(p) >= k; });
+  const Index end = detail::first_true(
+      position + 1, last,
+      detail::clamped_ceil(grid.shift + (k + 1) * grid.pitch, position + 1, last),
+      [&](Index p) { return p == last || bin(p) > k; });
   return Block{begin, end};
 }
 
@@ -80,12 +152,11 @@ inline Block grid_block(const Grid& grid, Index position, Index first, Index las
 /// Memory O(number of blocks); `block_of` is O(log blocks); iteration yields Block values.
 class BlockPartition {
  public:
-  /// \throws std::invalid_argument if `first > last`, or the grid has a non-positive pitch or a
-  /// non-finite shift.
+  /// \throws std::invalid_argument if `first > last`, a position lies beyond kMaxPosition in
+  /// absolute value, or the grid has a non-positive or NaN pitch or a non-finite shift.
   BlockPartition(const Grid& grid, Index first, Index last) : grid_(grid) {
-    detail::require(first <= last, "BlockPartition", "first must not exceed last");
-    detail::require(grid.pitch > 0, "BlockPartition", "grid pitch must be positive");
-    detail::require(std::isfinite(grid.shift), "BlockPartition", "grid shift must be finite");
+    detail::require_grid(grid, "BlockPartition");
+    detail::require_position_range(first, last, "BlockPartition");
     for (Index p = first; p < last; p = grid_block(grid, p, first, last).end) bounds_.push_back(p);
     bounds_.push_back(last);
   }
@@ -166,12 +237,13 @@ Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic> dense_mask(const BlockPart
 
 /// \f$\hat K = \frac1s \sum_t M_t\f$: the mean of the masks of `grids` on positions 0..n-1, an
 /// unbiased estimate of the Laplacian kernel when the grids come from RandomBinning.
-/// \throws std::invalid_argument if `n < 0` or `grids` is empty.
+/// \throws std::invalid_argument if `n` lies outside [0, kMaxPosition], `grids` is empty or holds
+/// an invalid grid.
 template <class Scalar = double>
 Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic> mean_mask(Index n,
                                                                 const std::vector<Grid>& grids) {
-  detail::require(n >= 0, "mean_mask", "n must be non-negative");
-  detail::require(!grids.empty(), "mean_mask", "grids must not be empty");
+  detail::require(n >= 0 && n <= kMaxPosition, "mean_mask", "n must lie in [0, kMaxPosition]");
+  detail::require_grids(grids, "mean_mask");
   Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic> mean =
       Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>::Zero(n, n);
   const Scalar weight = Scalar(1) / static_cast<Scalar>(grids.size());

@@ -13,6 +13,7 @@
 
 #include "detail/check.hpp"
 #include "detail/random.hpp"
+#include "limits.hpp"
 
 namespace plsh {
 
@@ -25,6 +26,24 @@ struct Grid {
   double pitch;
   double shift;
 };
+
+namespace detail {
+
+/// A grid that partitions the line: pitch positive (infinite allowed, NaN rejected), shift finite.
+inline void require_grid(const Grid& grid, const char* function, const char* name = "grid") {
+  require(grid.pitch > 0, function, name, " pitch must be positive");
+  require(std::isfinite(grid.shift), function, name, " shift must be finite");
+}
+
+/// A number of draws per head of the multi-head kernels: 1 to kMaxSamples.
+inline void require_samples(Index samples, const char* function, const char* name = "samples") {
+  require(samples >= 1 && samples <= kMaxSamples, function, [&] {
+    return std::string(name) + " must lie in [1, kMaxSamples = " + std::to_string(kMaxSamples) +
+           "] (got " + std::to_string(samples) + ")";
+  });
+}
+
+}  // namespace detail
 
 /// Draws grids whose bins co-locate two points \f$x, y\f$ with probability
 /// \f$e^{-m|x-y|}\f$, the ALiBi factor of slope \f$m\f$.
@@ -55,15 +74,21 @@ class RandomBinning {
     if (slope_ == 0) return Grid{std::numeric_limits<double>::infinity(), 0.0};
     const double exponentials =
         -std::log(random_.unit(index, 0)) - std::log(random_.unit(index, 1));
-    const double pitch = exponentials / slope_;
+    double pitch = exponentials / slope_;
+    // A huge slope can underflow the pitch to 0; any pitch <= 1 gives the same blocks (one
+    // position each), and the grid stays valid.
+    if (!(pitch > 0)) pitch = std::numeric_limits<double>::denorm_min();
     double shift = random_.unit(index, 2) * pitch;
     if (!(shift < pitch)) shift = 0;  // rounding of u * pitch up to pitch: the same bins.
     return Grid{pitch, shift};
   }
 
-  /// Draws `first, first + 1, ..., first + count - 1`.
+  /// Draws `first, first + 1, ..., first + count - 1` (indices modulo \f$2^{64}\f$).
+  /// \throws std::invalid_argument if `count` is negative or more than a vector can hold.
   std::vector<Grid> draw(Index count, std::uint64_t first = 0) const {
     detail::require(count >= 0, "RandomBinning::draw", "count must be non-negative");
+    detail::require(static_cast<std::uint64_t>(count) <= std::vector<Grid>().max_size(),
+                    "RandomBinning::draw", "count exceeds the largest vector of grids");
     std::vector<Grid> grids;
     grids.reserve(static_cast<std::size_t>(count));
     for (Index t = 0; t < count; ++t)
@@ -95,6 +120,29 @@ inline Grid fixed_grid(double block_size, double shift = 0) {
 /// `RandomBinning(slopes[h], head_seed(seed, h))(t)`.
 constexpr std::uint64_t head_seed(std::uint64_t seed, Index head) {
   return detail::mix64(seed ^ detail::mix64(static_cast<std::uint64_t>(head)));
+}
+
+/// The grids of a multi-head kernel: `grids[h][t]` is
+/// `RandomBinning(slopes[h], head_seed(seed, h))(t)`, for heads `h < slopes.size()` and draws
+/// `t < samples`. plsh_attention, its backward and KvCache partition head h with exactly these
+/// grids, so a caller can reproduce or inspect their blocks.
+///
+/// \param slopes one per head, finite and non-negative. \param samples draws per head,
+/// 1 to kMaxSamples. \param seed as PlshOptions::seed.
+/// \throws std::invalid_argument for a bad slope or `samples` outside [1, kMaxSamples].
+inline std::vector<std::vector<Grid>> draw_head_grids(const std::vector<double>& slopes,
+                                                      Index samples, std::uint64_t seed = 0) {
+  const char* function = "draw_head_grids";
+  detail::require_samples(samples, function);
+  for (std::size_t h = 0; h < slopes.size(); ++h) {
+    detail::require_slope(slopes[h], function, "slopes", static_cast<std::int64_t>(h));
+  }
+  std::vector<std::vector<Grid>> grids;
+  grids.reserve(slopes.size());
+  for (std::size_t h = 0; h < slopes.size(); ++h) {
+    grids.push_back(RandomBinning(slopes[h], head_seed(seed, static_cast<Index>(h))).draw(samples));
+  }
+  return grids;
 }
 
 }  // namespace plsh

@@ -5,6 +5,7 @@
 /// HeadsView: a strided, non-owning view of a `[tokens][heads][dim]` tensor.
 
 #include <Eigen/Core>
+#include <limits>
 #include <type_traits>
 
 namespace plsh {
@@ -32,6 +33,14 @@ template <class Scalar>
 struct HeadMapOf<const Scalar> {
   using type = ConstHeadMap<Scalar>;
 };
+
+/// `heads * dim`, the token stride of a packed view; the largest Index when the product overflows
+/// (such a view is then rejected by the kernels' checks instead of wrapping around).
+constexpr Index packed_token_stride(Index heads, Index dim) {
+  return (heads > 0 && dim > 0 && heads > std::numeric_limits<Index>::max() / dim)
+             ? std::numeric_limits<Index>::max()
+             : heads * dim;
+}
 }  // namespace detail
 
 /// A non-owning view of a token-major tensor, like FlashAttention's `[tokens][heads][dim]`:
@@ -43,6 +52,9 @@ struct HeadMapOf<const Scalar> {
 /// plsh::HeadsView<const float> view{q.data(), n, heads, dim};  // head_stride = dim,
 ///                                                              // token_stride = heads * dim
 /// \endcode
+/// Sizes and strides are checked by every function that takes a view: sizes positive (tokens may
+/// be 0), strides non-negative, the offset of the last element representable, and for outputs
+/// distinct (token, head) rows not sharing an element.
 /// A `HeadsView<T>` converts to a `HeadsView<const T>`.
 template <class Scalar>
 struct HeadsView {
@@ -50,7 +62,7 @@ struct HeadsView {
   Index tokens;
   Index heads;
   Index dim;
-  Index token_stride = heads * dim;
+  Index token_stride = detail::packed_token_stride(heads, dim);
   Index head_stride = dim;
 
   /// Head `h` as a `tokens x dim` row-major Eigen map.

@@ -10,7 +10,8 @@
 /// Memory: O(tile) per thread, nothing n x n. Parallel over (head, query tile) with OpenMP.
 ///
 /// Tested against plsh::reference::alibi_attention (dense, double) in
-/// tests/test_alibi_attention.cpp.
+/// tests/test_alibi_attention.cpp; non-finite inputs (the contract of online_softmax.hpp) and
+/// float accuracy at far absolute positions in tests/test_nonfinite.cpp.
 
 #include <cmath>
 #include <limits>

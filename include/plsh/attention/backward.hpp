@@ -2,7 +2,8 @@
 #define PLSH_ATTENTION_BACKWARD_HPP
 
 /// \file backward.hpp
-/// Gradients of exact ALiBi attention and of Positional LSH attention with respect to q, k, v.
+/// Gradients of exact ALiBi attention, of Positional LSH attention and of fixed blocks with
+/// respect to q, k, v.
 ///
 /// Both forwards are softmax attention with logits \f$l_{ij}\f$: exact ALiBi
 /// \f$l_{ij} = S_{ij} - m|p_i - p_j|\f$, Positional LSH \f$l_{ij} = S_{ij} + \log c_{ij}\f$ with
@@ -22,12 +23,17 @@
 /// \f$8d + 6d_v\f$ flops per visible score (the forward: \f$2d + 2d_v\f$); memory: lse and D,
 /// \f$2Hn_q\f$ scalars, plus one tile workspace per thread. Every output row is written by one
 /// job and every sum runs in a fixed order: the result is identical for any number of threads.
-/// The Positional LSH visible set is the union of the blocks of each row (or of each key tile),
-/// found from the draws as in the fused forward.
+/// The Positional LSH visible set and counts of a tile of rows come from BlockCounts, the fused
+/// forward's own.
+///
+/// Masked keys: the logits are \f$-\infty\f$, their weights exactly 0 (the forward's masked
+/// exp), and every product skips the terms of a zero weight, so a key no query sees gets
+/// \f$dK = dV = 0\f$ and a non-finite k or v of a masked key changes no other gradient.
 ///
 /// Tested in tests/test_backward.cpp against central finite differences of
 /// exact_alibi_attention and plsh_attention, and against the dense double references
-/// plsh::reference::alibi_attention_backward and plsh::reference::plsh_attention_backward below.
+/// plsh::reference::alibi_attention_backward and plsh::reference::plsh_attention_backward
+/// (reference.hpp).
 
 #include <Eigen/Core>
 #include <algorithm>
@@ -44,68 +50,24 @@
 #include "../tensor.hpp"
 #include "options.hpp"
 #include "plsh_attention.hpp"
-#include "reference.hpp"
 #include "regular.hpp"
 
 namespace plsh {
 namespace detail {
 
-/// Checks of the backward entry points: q, k, v, out as the forward; dout like out, dq like q,
-/// dk like k, dv like v; no gradient view overlapping an input or another gradient.
-template <class Scalar>
-void validate_backward(const char* function, const HeadsView<const Scalar>& q,
-                       const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
-                       const HeadsView<const Scalar>& out, const HeadsView<const Scalar>& dout,
-                       const HeadsView<Scalar>& dq, const HeadsView<Scalar>& dk,
-                       const HeadsView<Scalar>& dv, const AttentionOptions& options) {
-  validate_inputs(function, q, k, v);
-  validate_output_shape(function, out, q, v);
-  require_view(dout, function, "dout");
-  require_view(dq, function, "dq");
-  require_view(dk, function, "dk");
-  require_view(dv, function, "dv");
-  const auto require_shape = [&](const auto& view, const std::string& name, const auto& like,
-                                 const std::string& like_name) {
-    require(view.tokens == like.tokens, function,
-            name + ".tokens must equal " + like_name + ".tokens");
-    require(view.heads == like.heads, function, name + ".heads must equal " + like_name + ".heads");
-    require(view.dim == like.dim, function, name + ".dim must equal " + like_name + ".dim");
-  };
-  require_shape(dout, "dout", out, "out");
-  require_shape(dq, "dq", q, "q");
-  require_shape(dk, "dk", k, "k");
-  require_shape(dv, "dv", v, "v");
-  const HeadsView<Scalar> gradients[] = {dq, dk, dv};
-  const char* gradient_names[] = {"dq", "dk", "dv"};
-  const HeadsView<const Scalar> inputs[] = {q, k, v, out, dout};
-  const char* input_names[] = {"q", "k", "v", "out", "dout"};
-  for (int g = 0; g < 3; ++g) {
-    require_injective(gradients[g], function, gradient_names[g]);
-    for (int i = 0; i < 5; ++i) {
-      require(!views_overlap(gradients[g], inputs[i]), function,
-              std::string(gradient_names[g]) + " overlaps " + input_names[i]);
-    }
-    for (int other = 0; other < g; ++other) {
-      require(!views_overlap(gradients[g], gradients[other]), function,
-              std::string(gradient_names[g]) + " overlaps " + gradient_names[other]);
-    }
-  }
-  validate_options(function, options);
-}
-
 /// Per-thread scratch of the backward sweeps.
 template <class Scalar>
 struct BackwardWorkspace {
   RowMatrix<Scalar> query;              // scaled query rows of a tile
-  std::vector<Scalar> scores;           // logits, then weights or P, then dS
-  std::vector<Scalar> value_scores;     // dP = dO v^T
-  RowMatrix<Scalar> accumulator;        // dQ of a query tile, or dK of a key tile
+  AlignedVector<Scalar> scores;         // logits, then weights or P, then dS
+  AlignedVector<Scalar> value_scores;   // dP = dO v^T
+  OnlineSoftmax<Scalar> softmax;        // sweep 1: running lse, dQ as its accumulator
+  RowMatrix<Scalar> accumulator;        // dK of a key tile
   RowMatrix<Scalar> value_accumulator;  // dV of a key tile
-  Eigen::Matrix<Scalar, Eigen::Dynamic, 1> max;
-  Eigen::Matrix<Scalar, Eigen::Dynamic, 1> sum;
-  std::vector<Index> begins;  // [row][draw]: visible key interval of the row in that draw
-  std::vector<Index> ends;
-  std::vector<int> counts;                          // difference array of c_ij over a key tile
+  std::vector<Index> nonfinite;         // rows of a product's operand with a non-finite entry
+  RowMatrix<Scalar> clean;              // that operand with those rows zeroed
+  Eigen::Array<Scalar, 1, Eigen::Dynamic> row_scratch;
+  BlockCounts<Scalar> block_counts;                 // c_ij of the Positional LSH logits
   Eigen::Array<Scalar, 1, Eigen::Dynamic> offsets;  // 0, 1, ..., for apply_linear_bias
 };
 
@@ -149,8 +111,10 @@ class AlibiLogits {
       workspace.offsets =
           Eigen::Array<Scalar, 1, Eigen::Dynamic>::LinSpaced(kKeyTile, 0, kKeyTile - 1);
     }
+    // The same key span as the forward (attend_rows): the logits carry the same row shift.
+    const KeySpan span{first_query - options_.key_position, first_query - (key_end_ - 1)};
     apply_linear_bias(scores, first_query - first_key, options_.causal,
-                      LinearBias{slopes_[static_cast<std::size_t>(h)], kNoWindow},
+                      LinearBias{slopes_[static_cast<std::size_t>(h)], kNoWindow}, span,
                       workspace.offsets);
   }
 
@@ -173,12 +137,7 @@ class PlshLogits {
         options_(options),
         range_(range),
         query_end_(options.query_position + queries),
-        key_end_(options.key_position + keys) {
-    const std::size_t samples = grids.empty() ? 0 : grids.front().size();
-    log_count_.resize(samples + 1);
-    log_count_[0] = -std::numeric_limits<Scalar>::infinity();
-    for (std::size_t c = 1; c <= samples; ++c) log_count_[c] = std::log(static_cast<Scalar>(c));
-  }
+        key_end_(options.key_position + keys) {}
 
   Index query_tile(Index h) const { return fused_tile_rows(slopes_[static_cast<std::size_t>(h)]); }
 
@@ -190,41 +149,11 @@ class PlshLogits {
     return tile;
   }
 
-  /// Records the visible key interval of every row and draw (as the fused forward) and returns
-  /// their union.
+  /// Prepares the counts of the rows (as the fused forward) and returns the union of their keys.
   Block prepare_rows(Index h, Index first_query, Index rows,
                      BackwardWorkspace<Scalar>& workspace) const {
-    const std::vector<Grid>& grids = grids_[static_cast<std::size_t>(h)];
-    const Index samples = static_cast<Index>(grids.size());
-    const std::size_t cells = static_cast<std::size_t>(rows * samples);
-    if (workspace.begins.size() < cells) {
-      workspace.begins.resize(cells);
-      workspace.ends.resize(cells);
-    }
-    Index union_begin = std::numeric_limits<Index>::max();
-    Index union_end = std::numeric_limits<Index>::min();
-    for (Index t = 0; t < samples; ++t) {
-      Block block{0, 0};
-      for (Index r = 0; r < rows; ++r) {
-        const Index position = first_query + r;
-        if (!block.contains(position)) {
-          block =
-              grid_block(grids[static_cast<std::size_t>(t)], position, range_.first, range_.last);
-        }
-        const Index begin = std::max(block.begin, options_.key_position);
-        const Index end =
-            std::min(options_.causal ? position + 1 : block.end, std::min(block.end, key_end_));
-        const std::size_t cell = static_cast<std::size_t>(r * samples + t);
-        workspace.begins[cell] = begin;
-        workspace.ends[cell] = std::max(begin, end);
-        if (begin < end) {
-          union_begin = std::min(union_begin, begin);
-          union_end = std::max(union_end, end);
-        }
-      }
-    }
-    if (union_begin >= union_end) return Block{options_.key_position, options_.key_position};
-    return Block{union_begin, union_end};
+    return workspace.block_counts.prepare(grids_[static_cast<std::size_t>(h)], range_, first_query,
+                                          rows, options_.key_position, key_end_, options_.causal);
   }
 
   /// Query positions that share a block with a key of `[first_key, first_key + cols)` in some
@@ -242,33 +171,11 @@ class PlshLogits {
     return Block{begin, std::max(begin, end)};
   }
 
-  /// Adds \f$\log c_{ij}\f$ to a tile of scores, from the intervals of the last prepare_rows
-  /// (whose first row must be `first_query`).
-  void apply(Index h, BackwardWorkspace<Scalar>& workspace, Eigen::Map<RowMatrix<Scalar>>& scores,
+  /// Adds \f$\log c_{ij}\f$ to a tile of scores (\f$-\infty\f$ where \f$c_{ij} = 0\f$), from
+  /// the last prepare_rows (whose first row must be `first_query`).
+  void apply(Index, BackwardWorkspace<Scalar>& workspace, Eigen::Map<RowMatrix<Scalar>>& scores,
              Index, Index first_key) const {
-    const Index samples = static_cast<Index>(grids_[static_cast<std::size_t>(h)].size());
-    const Index cols = scores.cols();
-    if (static_cast<Index>(workspace.counts.size()) < cols + 1) {
-      workspace.counts.resize(static_cast<std::size_t>(cols + 1));
-    }
-    for (Index r = 0; r < scores.rows(); ++r) {
-      std::fill(workspace.counts.begin(), workspace.counts.begin() + cols + 1, 0);
-      for (Index t = 0; t < samples; ++t) {
-        const std::size_t cell = static_cast<std::size_t>(r * samples + t);
-        const Index begin = std::max(workspace.begins[cell], first_key) - first_key;
-        const Index end = std::min(workspace.ends[cell], first_key + cols) - first_key;
-        if (begin < end) {
-          ++workspace.counts[static_cast<std::size_t>(begin)];
-          --workspace.counts[static_cast<std::size_t>(end)];
-        }
-      }
-      int count = 0;
-      Scalar* row = scores.row(r).data();
-      for (Index c = 0; c < cols; ++c) {
-        count += workspace.counts[static_cast<std::size_t>(c)];
-        row[c] += log_count_[static_cast<std::size_t>(count)];
-      }
-    }
+    workspace.block_counts.add_log_counts(scores, first_key);
   }
 
  private:
@@ -278,19 +185,35 @@ class PlshLogits {
   PositionRange range_;
   Index query_end_;
   Index key_end_;
-  std::vector<Scalar> log_count_;  // log(c) for c = 0..s, log(0) = -inf
 };
 
+/// \f$dS = P\circ(dP - D)\f$ in place of the weights P (rows of a tile), exactly 0 where
+/// \f$P = 0\f$: the \f$dP\f$ of a masked key is NaN when its value row is.
+template <class Scalar>
+void score_gradient(Eigen::Map<RowMatrix<Scalar>>& weights,
+                    const Eigen::Map<RowMatrix<Scalar>>& value_scores, const Scalar* delta) {
+  for (Index r = 0; r < weights.rows(); ++r) {
+    if (std::isfinite(delta[r]) && value_scores.row(r).allFinite()) {
+      weights.row(r).array() *= value_scores.row(r).array() - delta[r];
+      continue;
+    }
+    for (Index c = 0; c < weights.cols(); ++c) {
+      const Scalar p = weights(r, c);
+      weights(r, c) = p == 0 ? Scalar(0) : p * (value_scores(r, c) - delta[r]);
+    }
+  }
+}
+
 /// Sweep 1 for query rows `[row_begin, row_end)` of head h: writes those rows of dq, and their
-/// lse and D. The accumulator holds \f$\sum_j e^{l_{ij} - \mu_i}(dP_{ij} - D_i) k_j\f$ with the
-/// running maximum \f$\mu_i\f$; at the end \f$dQ_i = \text{scale}\cdot\text{acc}_i/\ell_i\f$.
+/// lse and D. The forward's OnlineSoftmax runs over the logits, with \f$e^{l_{ij} - \mu_i}(dP_{ij}
+/// - D_i)\f$ in place of the weights and \f$k_j\f$ in place of the values: its accumulator holds
+/// \f$\sum_j e^{l_{ij} - \mu_i}(dP_{ij} - D_i) k_j\f$ and its output is \f$dQ_i/\text{scale}\f$.
 template <class Scalar, class Logits>
 void backward_query_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
                          const ConstHeadMap<Scalar>& v, const ConstHeadMap<Scalar>& out,
                          const ConstHeadMap<Scalar>& dout, HeadMap<Scalar>& dq,
                          const AttentionOptions& options, const Logits& logits, Index h,
                          Index row_begin, Index row_end, Scalar* lse, Scalar* delta) {
-  constexpr Scalar kMinusInfinity = -std::numeric_limits<Scalar>::infinity();
   BackwardWorkspace<Scalar>& workspace = backward_workspace<Scalar>();
   const Index rows = row_end - row_begin;
   const Index first_query = options.query_position + row_begin;
@@ -298,9 +221,7 @@ void backward_query_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scala
   for (Index r = 0; r < rows; ++r) {
     delta[row_begin + r] = dout.row(row_begin + r).dot(out.row(row_begin + r));
   }
-  workspace.max.setConstant(rows, kMinusInfinity);
-  workspace.sum.setZero(rows);
-  workspace.accumulator.setZero(rows, q.cols());
+  workspace.softmax.reset(rows, q.cols());
   const Block keys = logits.prepare_rows(h, first_query, rows, workspace);
   if (keys.begin < keys.end) {
     workspace.query.noalias() = q.middleRows(row_begin, rows) * scale;
@@ -316,31 +237,12 @@ void backward_query_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scala
       logits.apply(h, workspace, scores, first_query, c0);
       value_scores.noalias() =
           dout.middleRows(row_begin, rows) * v.middleRows(first_key, cols).transpose();
-      for (Index r = 0; r < rows; ++r) {
-        const Scalar new_max = std::max(workspace.max[r], scores.row(r).maxCoeff());
-        if (new_max == kMinusInfinity) {  // nothing visible yet: exp(-inf - -inf) would be NaN
-          scores.row(r).setZero();
-          continue;
-        }
-        const Scalar rescale = std::exp(workspace.max[r] - new_max);
-        scores.row(r).array() = (scores.row(r).array() - new_max).exp();
-        workspace.sum[r] = workspace.sum[r] * rescale + scores.row(r).sum();
-        workspace.accumulator.row(r) *= rescale;
-        workspace.max[r] = new_max;
-        scores.row(r).array() *= value_scores.row(r).array() - delta[row_begin + r];
-      }
-      workspace.accumulator.noalias() += scores * k.middleRows(first_key, cols);
+      workspace.softmax.exponentiate(scores);
+      score_gradient(scores, value_scores, delta + row_begin);
+      workspace.softmax.accumulate(scores, k.middleRows(first_key, cols));
     }
   }
-  for (Index r = 0; r < rows; ++r) {
-    const bool seen = workspace.sum[r] > 0;
-    if (seen) {
-      dq.row(row_begin + r) = workspace.accumulator.row(r) * (scale / workspace.sum[r]);
-    } else {
-      dq.row(row_begin + r).setZero();
-    }
-    lse[row_begin + r] = seen ? workspace.max[r] + std::log(workspace.sum[r]) : kMinusInfinity;
-  }
+  workspace.softmax.finish(dq.middleRows(row_begin, rows), lse + row_begin, &scale);
 }
 
 /// Sweep 2 for key rows `[col_begin, col_end)` of key/value head g: writes those rows of dk and
@@ -354,6 +256,14 @@ void backward_key_rows(const HeadsView<const Scalar>& q, const HeadsView<const S
                        const std::vector<Scalar>& delta) {
   constexpr Scalar kMinusInfinity = -std::numeric_limits<Scalar>::infinity();
   BackwardWorkspace<Scalar>& workspace = backward_workspace<Scalar>();
+  // An operand row with a non-finite entry adds only where the weight is not 0.
+  const auto add_product = [&](RowMatrix<Scalar>& accumulator,
+                               const Eigen::Map<RowMatrix<Scalar>>& weights, const auto& operand) {
+    find_nonfinite_rows(operand, workspace.nonfinite);
+    detail::add_product(
+        accumulator, weights.transpose(), operand, workspace.nonfinite, workspace.clean, false,
+        [&](Index key, std::size_t i) { return weights(workspace.nonfinite[i], key) != 0; });
+  };
   const Index group = q.heads / k.heads;
   const Index cols = col_end - col_begin;
   const Index first_key = options.key_position + col_begin;
@@ -389,16 +299,14 @@ void backward_key_rows(const HeadsView<const Scalar>& q, const HeadsView<const S
         if (row_lse == kMinusInfinity) {
           scores.row(r).setZero();
         } else {
-          scores.row(r).array() = (scores.row(r).array() - row_lse).exp();
+          masked_exp(scores.row(r).array(), row_lse, workspace.row_scratch);
         }
       }
       const auto dout_rows = dout_head.middleRows(row_begin, rows);
-      workspace.value_accumulator.noalias() += scores.transpose() * dout_rows;
+      add_product(workspace.value_accumulator, scores, dout_rows);
       value_scores.noalias() = dout_rows * v_tile.transpose();
-      for (Index r = 0; r < rows; ++r) {
-        scores.row(r).array() *= value_scores.row(r).array() - head_delta[row_begin + r];
-      }
-      workspace.accumulator.noalias() += scores.transpose() * workspace.query;
+      score_gradient(scores, value_scores, head_delta + row_begin);
+      add_product(workspace.accumulator, scores, workspace.query);
     }
   }
   dk.head(kv_head).middleRows(col_begin, cols) = workspace.accumulator;
@@ -493,106 +401,42 @@ void plsh_attention_backward(HeadsView<const detail::NonDeduced<Scalar>> q,
   const char* function = "plsh_attention_backward";
   detail::validate_backward(function, q, k, v, out, dout, dq, dk, dv, options);
   detail::validate_slopes(function, slopes, q.heads);
-  detail::require(options.samples >= 1, function, "options.samples must be at least 1");
   AttentionOptions resolved = options;
   resolved.scale = detail::resolved_scale(options, q.dim);
-  const auto grids = detail::draw_head_grids(slopes, options.samples, options.seed);
+  const auto grids = draw_head_grids(slopes, options.samples, options.seed);
   const detail::PlshLogits<Scalar> logits(
       slopes, grids, resolved, detail::position_range(q, k, options), q.tokens, k.tokens);
   detail::attention_backward(q, k, v, out, dout, dq, dk, dv, resolved, logits);
 }
 
-namespace reference {
-
-/// Dense backward of plsh::reference::factor_attention in double, straight from the formulas of
-/// the file comment: per head the whole matrix \f$P_{ij} = F_{ij}e^{S_{ij}}/\sum_j F_{ij}
-/// e^{S_{ij}}\f$, \f$o = PV\f$, \f$D = \mathrm{rowsum}(dO\circ o)\f$, \f$dV = P^\top dO\f$,
-/// \f$dS = P\circ(dO\,V^\top - D)\f$, \f$dQ = \text{scale}\; dS\,K\f$, \f$dK = \text{scale}\;
-/// dS^\top Q\f$. `factor(h, p_i, p_j)` is \f$F_{ij}\f$ for query head h. O(n_q n_k) memory per
-/// head.
-template <class Scalar, class Factor>
-void factor_attention_backward(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
-                               const HeadsView<const Scalar>& v,
-                               const HeadsView<const Scalar>& dout, const HeadsView<Scalar>& dq,
-                               const HeadsView<Scalar>& dk, const HeadsView<Scalar>& dv,
-                               const AttentionOptions& options, Factor&& factor) {
-  // dout stands in for out in the checks: both are [n_q][H][d_v].
-  detail::validate_backward("reference::factor_attention_backward", q, k, v, dout, dout, dq, dk, dv,
-                            options);
-  const double scale = detail::resolved_scale(options, q.dim);
-  const Index group = q.heads / k.heads;
-  for (Index g = 0; g < k.heads; ++g) {
-    const Eigen::MatrixXd k_head = k.head(g).template cast<double>();
-    const Eigen::MatrixXd v_head = v.head(g).template cast<double>();
-    Eigen::MatrixXd dk_head = Eigen::MatrixXd::Zero(k.tokens, k.dim);
-    Eigen::MatrixXd dv_head = Eigen::MatrixXd::Zero(v.tokens, v.dim);
-    for (Index h = g * group; h < (g + 1) * group; ++h) {
-      const Eigen::MatrixXd q_head = q.head(h).template cast<double>();
-      const Eigen::MatrixXd dout_head = dout.head(h).template cast<double>();
-      Eigen::MatrixXd probabilities = Eigen::MatrixXd::Zero(q.tokens, k.tokens);
-      for (Index i = 0; i < q.tokens; ++i) {
-        const Index query_position = options.query_position + i;
-        double max_logit = -std::numeric_limits<double>::infinity();
-        for (Index j = 0; j < k.tokens; ++j) {
-          const Index key_position = options.key_position + j;
-          const double weight = (options.causal && key_position > query_position)
-                                    ? 0.0
-                                    : factor(h, query_position, key_position);
-          if (weight > 0) {
-            probabilities(i, j) = std::log(weight) + scale * q_head.row(i).dot(k_head.row(j));
-            max_logit = std::max(max_logit, probabilities(i, j));
-          } else {
-            probabilities(i, j) = -std::numeric_limits<double>::infinity();
-          }
-        }
-        if (max_logit == -std::numeric_limits<double>::infinity()) {
-          probabilities.row(i).setZero();
-          continue;
-        }
-        probabilities.row(i) = (probabilities.row(i).array() - max_logit).exp().matrix();
-        probabilities.row(i) /= probabilities.row(i).sum();
-      }
-      const Eigen::MatrixXd out_head = probabilities * v_head;
-      const Eigen::VectorXd delta = dout_head.cwiseProduct(out_head).rowwise().sum();
-      dv_head += probabilities.transpose() * dout_head;
-      const Eigen::MatrixXd score_gradient =
-          probabilities.cwiseProduct((dout_head * v_head.transpose()).colwise() - delta);
-      const Eigen::MatrixXd dq_head = scale * score_gradient * k_head;
-      dk_head += scale * score_gradient.transpose() * q_head;
-      dq.head(h) = dq_head.template cast<Scalar>();
-    }
-    dk.head(g) = dk_head.template cast<Scalar>();
-    dv.head(g) = dv_head.template cast<Scalar>();
-  }
-}
-
-/// Backward of exact ALiBi: \f$F_{ij} = e^{-m_h|p_i - p_j|}\f$.
+/// Gradients of fixed_block_attention with respect to q, k and v: softmax over the keys of the
+/// query's block of `block_size` positions (causal inside the block when causal), the logits
+/// machinery of plsh_attention_backward with one fixed grid per head and counts 0 or 1.
+///
+/// Arguments as exact_alibi_attention_backward, with `block_size` in place of the slopes.
+/// \throws std::invalid_argument as exact_alibi_attention_backward, and for `block_size < 1`.
 template <class Scalar>
-void alibi_attention_backward(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
-                              const HeadsView<const Scalar>& v, const HeadsView<const Scalar>& dout,
-                              const HeadsView<Scalar>& dq, const HeadsView<Scalar>& dk,
-                              const HeadsView<Scalar>& dv, const std::vector<double>& slopes,
-                              const AttentionOptions& options = {}) {
-  detail::validate_slopes("reference::alibi_attention_backward", slopes, q.heads);
-  factor_attention_backward(q, k, v, dout, dq, dk, dv, options, [&](Index h, Index i, Index j) {
-    return std::exp(-slopes[static_cast<std::size_t>(h)] * static_cast<double>(std::abs(i - j)));
-  });
+void fixed_block_attention_backward(
+    HeadsView<const detail::NonDeduced<Scalar>> q, HeadsView<const detail::NonDeduced<Scalar>> k,
+    HeadsView<const detail::NonDeduced<Scalar>> v, HeadsView<const detail::NonDeduced<Scalar>> out,
+    HeadsView<const detail::NonDeduced<Scalar>> dout, HeadsView<Scalar> dq, HeadsView<Scalar> dk,
+    HeadsView<Scalar> dv, Index block_size, const AttentionOptions& options = {}) {
+  const char* function = "fixed_block_attention_backward";
+  detail::validate_backward(function, q, k, v, out, dout, dq, dk, dv, options);
+  detail::require(block_size >= 1, function, "block_size must be at least 1");
+  AttentionOptions resolved = options;
+  resolved.scale = detail::resolved_scale(options, q.dim);
+  const std::vector<std::vector<Grid>> grids(
+      static_cast<std::size_t>(q.heads),
+      std::vector<Grid>{fixed_grid(static_cast<double>(block_size))});
+  // The tile heights of the logits come from a slope: about one block per tile.
+  const std::vector<double> slopes(static_cast<std::size_t>(q.heads),
+                                   1.0 / static_cast<double>(block_size));
+  const detail::PlshLogits<Scalar> logits(
+      slopes, grids, resolved, detail::position_range(q, k, options), q.tokens, k.tokens);
+  detail::attention_backward(q, k, v, out, dout, dq, dk, dv, resolved, logits);
 }
 
-/// Backward of Positional LSH with the grids plsh_attention draws for `options.seed`:
-/// \f$F_{ij} = c_{ij}/s\f$, the mean block mask.
-template <class Scalar>
-void plsh_attention_backward(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
-                             const HeadsView<const Scalar>& v, const HeadsView<const Scalar>& dout,
-                             const HeadsView<Scalar>& dq, const HeadsView<Scalar>& dk,
-                             const HeadsView<Scalar>& dv, const std::vector<double>& slopes,
-                             const PlshOptions& options = {}) {
-  detail::validate_slopes("reference::plsh_attention_backward", slopes, q.heads);
-  const auto grids = detail::draw_head_grids(slopes, options.samples, options.seed);
-  factor_attention_backward(q, k, v, dout, dq, dk, dv, options, mean_mask_factor(grids));
-}
-
-}  // namespace reference
 }  // namespace plsh
 
 #endif  // PLSH_ATTENTION_BACKWARD_HPP

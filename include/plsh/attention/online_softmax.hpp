@@ -5,9 +5,26 @@
 /// Streaming softmax over key tiles, and the log-sum-exp merge of partial attention results.
 ///
 /// A partial result over a key set \f$J\f$ is, per query row, the normalised output
-/// \f$o = \sum_{j\in J} e^{s_j} v_j / \sum_{j\in J} e^{s_j}\f$ and \f$\mathrm{lse} = \log
-/// \sum_{j\in J} e^{s_j}\f$ (FlashAttention's `out, softmax_lse`). A row with no key has
-/// \f$o = 0\f$ and \f$\mathrm{lse} = -\infty\f$, never NaN.
+/// \f$o = \sum_{j\in J} e^{l_j} v_j / \sum_{j\in J} e^{l_j}\f$ and \f$\mathrm{lse} = \log
+/// \sum_{j\in J} e^{l_j}\f$ (FlashAttention's `out, softmax_lse`), \f$l_j\f$ the logit of key j.
+///
+/// Non-finite inputs (the contract every kernel follows, Fused and Passes alike):
+/// - A key a query cannot see (causality, window, block mask, count 0) has the logit
+///   \f$-\infty\f$ and contributes nothing to that row, whatever its q, k or v entries.
+/// - A visible logit \f$-\infty\f$ weighs exactly 0: that key contributes nothing either.
+/// - A visible logit NaN or \f$+\infty\f$ makes the row NaN (and its lse NaN).
+/// - A visible key with a logit above \f$-\infty\f$ and a non-finite value makes the row's
+///   entries in those columns non-finite (NaN or \f$\pm\infty\f$), even when its weight
+///   underflows to 0.
+/// - A row whose visible logits are all \f$-\infty\f$, or that sees no key, has \f$o = 0\f$ and
+///   \f$\mathrm{lse} = -\infty\f$, never NaN (a pass kernel's merge drops such a partial).
+///
+/// Cost of keeping this on finite data: one finiteness test of each tile of values (O(keys
+/// \f$\cdot d_v\f$) per tile, against O(rows \f$\cdot\f$ keys \f$\cdot d_v\f$) for the product).
+/// Only a tile whose values hold a non-finite entry takes the slower path.
+///
+/// Tested in tests/test_online_softmax.cpp and, for non-finite inputs through every kernel, in
+/// tests/test_nonfinite.cpp.
 
 #include <Eigen/Core>
 #include <algorithm>
@@ -19,6 +36,13 @@
 #include "../tensor.hpp"
 
 namespace plsh {
+namespace detail {
+
+/// Scratch of tiles: aligned like Eigen's own storage, so that the vectorised reductions over a
+/// tile's rows (sums, maxima) split the same way whatever address the allocation gets, and a
+/// result does not depend on the heap's layout or on the thread that computed it.
+template <class Scalar>
+using AlignedVector = std::vector<Scalar, Eigen::aligned_allocator<Scalar>>;
 
 /// Below this many keys a product of a tile is evaluated coefficient-wise: packing the operands
 /// for Eigen's blocked GEMM costs more than it saves.
@@ -34,16 +58,71 @@ void multiply_transposed(const Query& query, const Keys& keys, Scores& scores) {
   }
 }
 
-/// Entries `[begin, end)` of row `row` of a tile of logits are masked (\f$-\infty\f$).
-struct MaskedRange {
-  Index row;
-  Index begin;
-  Index end;
-};
+/// `row = e^{row - shift}` by Eigen's vectorised exp, with exactly 0 where `row` was
+/// \f$-\infty\f$ (the vectorised exp maps \f$-\infty\f$ to a tiny subnormal, not 0).
+/// `scratch` keeps a copy of rows that hold \f$-\infty\f$.
+template <class Row, class Scalar>
+void masked_exp(Row&& row, Scalar shift, Eigen::Array<Scalar, 1, Eigen::Dynamic>& scratch) {
+  constexpr Scalar kMinusInfinity = -std::numeric_limits<Scalar>::infinity();
+  if (row.template minCoeff<Eigen::PropagateNumbers>() != kMinusInfinity) {
+    row = (row - shift).exp();
+    return;
+  }
+  scratch = row;
+  row = (row - shift).exp();
+  for (Index c = 0; c < row.size(); ++c) {
+    if (scratch[c] == kMinusInfinity) row[c] = Scalar(0);
+  }
+}
+
+/// Indices of the rows of `operand` that hold a non-finite entry (none, the common case, costs
+/// one vectorised test).
+template <class Operand>
+void find_nonfinite_rows(const Operand& operand, std::vector<Index>& rows) {
+  rows.clear();
+  if (operand.allFinite()) return;
+  for (Index c = 0; c < operand.rows(); ++c) {
+    if (!operand.row(c).allFinite()) rows.push_back(c);
+  }
+}
+
+/// `accumulator += weights * operand`, where an operand row listed in `bad` (non-finite) adds
+/// its term to row r only when `contributes(r, i)` holds for `c = bad[i]`: a zero weight times a
+/// NaN row adds nothing. The product runs on `operand` with the bad rows zeroed (in `scratch`),
+/// so a row that no bad operand row reaches is bit for bit the result of the plain product.
+/// `lazy`: coefficient-wise product instead of the blocked GEMM.
+template <class Scalar, class Accumulator, class Weights, class Operand, class Contributes>
+void add_product(Accumulator& accumulator, const Weights& weights, const Operand& operand,
+                 const std::vector<Index>& bad, RowMatrix<Scalar>& scratch, bool lazy,
+                 Contributes&& contributes) {
+  const auto product = [&](const auto& clean) {
+    if (lazy) {
+      accumulator.noalias() += weights.lazyProduct(clean);
+    } else {
+      accumulator.noalias() += weights * clean;
+    }
+  };
+  if (bad.empty()) {
+    product(operand);
+    return;
+  }
+  scratch = operand;
+  for (const Index c : bad) scratch.row(c).setZero();
+  product(scratch);
+  for (std::size_t i = 0; i < bad.size(); ++i) {
+    const Index c = bad[i];
+    for (Index r = 0; r < accumulator.rows(); ++r) {
+      if (contributes(r, i)) accumulator.row(r) += weights(r, c) * operand.row(c);
+    }
+  }
+}
+
+}  // namespace detail
 
 /// Running softmax state of a tile of query rows: per row the running maximum \f$\mu\f$, the sum
-/// \f$\ell = \sum_j e^{s_j - \mu}\f$ and the accumulator \f$a = \sum_j e^{s_j - \mu} v_j\f$.
-/// A new maximum rescales \f$\ell\f$ and \f$a\f$ by \f$e^{\mu_{old} - \mu_{new}}\f$.
+/// \f$\ell = \sum_j e^{l_j - \mu}\f$ and the accumulator \f$a = \sum_j e^{l_j - \mu} v_j\f$.
+/// A new maximum rescales \f$\ell\f$ and \f$a\f$ by \f$e^{\mu_{old} - \mu_{new}}\f$. Follows the
+/// non-finite contract of the file comment.
 ///
 /// \tparam Scalar element type of scores, values and state.
 template <class Scalar>
@@ -54,7 +133,7 @@ class OnlineSoftmax {
 
   /// Starts `rows` rows that have seen no key, with `value_dim` output columns.
   void reset(Index rows, Index value_dim) {
-    max_.setConstant(rows, -std::numeric_limits<Scalar>::infinity());
+    max_.setConstant(rows, -kInfinity);
     sum_.setZero(rows);
     accumulator_.setZero(rows, value_dim);
   }
@@ -63,81 +142,88 @@ class OnlineSoftmax {
 
   /// Takes a tile of logits (`rows() x keys`, \f$-\infty\f$ for masked entries) and the keys'
   /// values (`keys x value_dim`). Overwrites `scores` with the unnormalised probabilities; a
-  /// masked entry weighs exactly 0. (Eigen's vectorised exp maps \f$-\infty\f$ to a tiny
-  /// subnormal, not 0: rows holding \f$-\infty\f$ are exponentiated entry by entry.)
+  /// masked entry weighs exactly 0 and adds nothing, whatever its value.
   void update(Eigen::Ref<Matrix> scores, const Eigen::Ref<const Matrix>& values) {
-    exponentiate(scores, [&](Index r) { return scores.row(r).minCoeff() == -kInfinity; });
-    accumulate(scores, values);
-  }
-
-  /// As update(scores, values), faster: `masked` lists every run of \f$-\infty\f$ entries of
-  /// the tile, which are zeroed after the vectorised exp.
-  void update(Eigen::Ref<Matrix> scores, const Eigen::Ref<const Matrix>& values,
-              const std::vector<MaskedRange>& masked) {
-    exponentiate(scores, [](Index) { return false; });
-    for (const MaskedRange& range : masked) {
-      scores.row(range.row).segment(range.begin, range.end - range.begin).setZero();
+    detail::find_nonfinite_rows(values, bad_);
+    // Which rows see the non-finite value rows, decided on the logits (an underflowing weight
+    // still carries the NaN or infinity).
+    visible_.resize(bad_.size() * static_cast<std::size_t>(scores.rows()));
+    for (std::size_t i = 0; i < bad_.size(); ++i) {
+      for (Index r = 0; r < scores.rows(); ++r) {
+        visible_[i * static_cast<std::size_t>(scores.rows()) + static_cast<std::size_t>(r)] =
+            !(scores(r, bad_[i]) == -kInfinity);
+      }
     }
-    accumulate(scores, values);
+    exponentiate(scores);
+    detail::add_product(accumulator_, scores, values, bad_, scratch_,
+                        scores.cols() <= detail::kSmallProductDepth, [&](Index r, std::size_t i) {
+                          return visible_[i * static_cast<std::size_t>(scores.rows()) +
+                                          static_cast<std::size_t>(r)] != 0;
+                        });
   }
 
-  /// Writes the normalised rows \f$a/\ell\f$ to `out` and, when `lse` is not null,
-  /// \f$\mu + \log\ell\f$ to `lse[r]`. Rows that saw no key get zeros and \f$-\infty\f$.
+  /// The first half of update: rescales the running state to each row's new maximum \f$\mu\f$
+  /// and replaces the logits by \f$e^{l - \mu}\f$ (exactly 0 for \f$-\infty\f$). A NaN or
+  /// \f$+\infty\f$ logit makes the row's sum NaN.
+  void exponentiate(Eigen::Ref<Matrix> scores) {
+    for (Index r = 0; r < scores.rows(); ++r) {
+      const Scalar new_max = std::max(max_[r], scores.row(r).maxCoeff());
+      if (new_max == -kInfinity) {
+        // Nothing visible yet (exp(-inf - -inf) would be NaN), unless a NaN hid from the max.
+        if (scores.row(r).hasNaN()) {
+          max_[r] = std::numeric_limits<Scalar>::quiet_NaN();
+          sum_[r] = std::numeric_limits<Scalar>::quiet_NaN();
+        }
+        scores.row(r).setZero();
+        continue;
+      }
+      detail::masked_exp(scores.row(r).array(), new_max, row_scratch_);
+      const Scalar rescale = std::exp(max_[r] - new_max);
+      sum_[r] = sum_[r] * rescale + scores.row(r).sum();
+      accumulator_.row(r) *= rescale;
+      max_[r] = new_max;
+    }
+  }
+
+  /// The second half of update, for a caller that transforms the probabilities first (the
+  /// backward's \f$dS\f$): `accumulator += weights * operand`, an operand row with a non-finite
+  /// entry reaching only the rows whose weight for it is not 0.
+  template <class Operand>
+  void accumulate(const Eigen::Ref<Matrix>& weights, const Operand& operand) {
+    detail::find_nonfinite_rows(operand, bad_);
+    detail::add_product(accumulator_, weights, operand, bad_, scratch_,
+                        weights.cols() <= detail::kSmallProductDepth,
+                        [&](Index r, std::size_t i) { return weights(r, bad_[i]) != 0; });
+  }
+
+  /// Writes the normalised rows \f$a/\ell\f$ (times `factor`, when given) to `out` and, when
+  /// `lse` is not null, \f$\mu + \log\ell\f$ to `lse[r]`. Rows that saw no key get zeros and
+  /// \f$-\infty\f$; rows that saw a NaN or \f$+\infty\f$ logit get NaN.
   template <class Out>
-  void finish(Out&& out, Scalar* lse) const {
+  void finish(Out&& out, Scalar* lse, const Scalar* factor = nullptr) const {
     for (Index r = 0; r < rows(); ++r) {
-      const bool seen = sum_[r] > 0;
-      if (seen) {
+      const bool seen = sum_[r] != 0;  // NaN: seen, and poisoned
+      if (seen && factor != nullptr) {
+        out.row(r) = accumulator_.row(r) * (*factor / sum_[r]);
+      } else if (seen) {
         out.row(r) = accumulator_.row(r) / sum_[r];
       } else {
         out.row(r).setZero();
       }
-      if (lse != nullptr) {
-        lse[r] = seen ? max_[r] + std::log(sum_[r]) : -std::numeric_limits<Scalar>::infinity();
-      }
+      if (lse != nullptr) lse[r] = seen ? max_[r] + std::log(sum_[r]) : -kInfinity;
     }
   }
 
  private:
   static constexpr Scalar kInfinity = std::numeric_limits<Scalar>::infinity();
 
-  /// Rescales the running state to each row's new maximum \f$\mu\f$ and replaces the logits
-  /// by \f$e^{s - \mu}\f$, entry by entry (exactly 0 for \f$-\infty\f$) where
-  /// `has_masked(r)` holds, vectorised elsewhere.
-  template <class HasMasked>
-  void exponentiate(Eigen::Ref<Matrix>& scores, HasMasked&& has_masked) {
-    for (Index r = 0; r < scores.rows(); ++r) {
-      const Scalar new_max = std::max(max_[r], scores.row(r).maxCoeff());
-      if (new_max == -kInfinity) {
-        scores.row(r).setZero();  // nothing visible yet: exp(-inf - -inf) would be NaN
-        continue;
-      }
-      auto row = scores.row(r).array();
-      if (has_masked(r)) {
-        for (Index c = 0; c < row.size(); ++c) {
-          row[c] = row[c] == -kInfinity ? Scalar(0) : std::exp(row[c] - new_max);
-        }
-      } else {
-        row = (row - new_max).exp();
-      }
-      const Scalar rescale = std::exp(max_[r] - new_max);
-      sum_[r] = sum_[r] * rescale + row.sum();
-      accumulator_.row(r) *= rescale;
-      max_[r] = new_max;
-    }
-  }
-
-  void accumulate(const Eigen::Ref<Matrix>& probabilities, const Eigen::Ref<const Matrix>& values) {
-    if (probabilities.cols() <= kSmallProductDepth) {
-      accumulator_.noalias() += probabilities.lazyProduct(values);
-    } else {
-      accumulator_.noalias() += probabilities * values;
-    }
-  }
-
   Vector max_;
   Vector sum_;
   Matrix accumulator_;
+  std::vector<Index> bad_;  // value rows of the current tile that hold a non-finite entry
+  std::vector<char> visible_;
+  Matrix scratch_;
+  Eigen::Array<Scalar, 1, Eigen::Dynamic> row_scratch_;
 };
 
 /// Merges the partial result `(out_b, lse_b)` into `(out, lse)`, row by row:
@@ -151,6 +237,8 @@ void online_softmax_merge(Out&& out, Lse&& lse, const OutB& out_b, const LseB& l
   for (Index r = 0; r < out.rows(); ++r) {
     const Scalar a = lse[r];
     const Scalar b = lse_b[r];
+    // A partial with lse = -inf saw no key (or only -inf logits): it is dropped. A NaN lse
+    // (a NaN or +inf logit) makes the merged row NaN through the arithmetic below.
     if (b == -std::numeric_limits<Scalar>::infinity()) continue;
     if (a == -std::numeric_limits<Scalar>::infinity()) {
       out.row(r) = out_b.row(r);

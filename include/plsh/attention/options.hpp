@@ -2,36 +2,8 @@
 #define PLSH_ATTENTION_OPTIONS_HPP
 
 /// \file options.hpp
-/// Options shared by the attention kernels.
+/// Forwards to plsh/options.hpp, where AttentionOptions, Kernel and PlshOptions live.
 
-#include <Eigen/Core>
-#include <cstdint>
-
-namespace plsh {
-
-using Index = Eigen::Index;
-
-/// Options of every attention kernel.
-struct AttentionOptions {
-  bool causal = true;        ///< keep only keys at positions <= the query's position
-  double scale = 0;          ///< logit scale; 0 means 1/sqrt(head dim)
-  Index query_position = 0;  ///< absolute position of the first query row
-  Index key_position = 0;    ///< absolute position of the first key row
-};
-
-/// How plsh_attention evaluates the Positional LSH estimator (both compute the same function).
-enum class Kernel {
-  Fused,   ///< each score once, weighted by the number of draws that share the block
-  Passes,  ///< one regular attention pass per draw and block, merged by log-sum-exp
-};
-
-/// Options of plsh_attention.
-struct PlshOptions : AttentionOptions {
-  Index samples = 20;      ///< number of random partitions s
-  std::uint64_t seed = 0;  ///< head h uses RandomBinning(slopes[h], head_seed(seed, h))
-  Kernel kernel = Kernel::Fused;
-};
-
-}  // namespace plsh
+#include "../options.hpp"
 
 #endif  // PLSH_ATTENTION_OPTIONS_HPP

@@ -19,10 +19,11 @@
 ///   \f$o_i = \sum_j c_{ij} e^{S_{ij}} v_j / \sum_j c_{ij} e^{S_{ij}}\f$ over the union of the
 ///   blocks of i, an interval of width about \f$\ln(s)/m\f$: each score is computed once,
 ///   whatever s. Per tile of query rows (height from the slope), one product \f$QK^\top\f$ over
-///   the tile's union, \f$\log c_{ij}\f$ added to the logits (counts from a 2-D difference array
-///   over the draws' blocks, or per-row segments of constant count for wide unions), one online
-///   softmax and one product \f$PV\f$. Cost about \f$(\ln(s)/m + \text{tile})(d + d_v)\f$ per
-///   query and head, plus O(s) per block of the tile.
+///   the tile's union, \f$\log c_{ij}\f$ added to the logits (detail::BlockCounts, shared with
+///   the backward: a 2-D difference array over the draws' blocks, or per-row segments of
+///   constant count for wide unions), one online softmax and one product \f$PV\f$. Cost about
+///   \f$(\ln(s)/m + \text{tile})(d + d_v)\f$ per query and head, plus O(s) per block of the
+///   tile.
 ///
 /// Tested against plsh::reference::mask_attention (dense \f$D^{-1}(e^S\circ\hat K)V\f$ in
 /// double, same grids) in tests/test_plsh_attention.cpp; fused against passes there too.
@@ -50,17 +51,6 @@ template <class Map>
 Map map_rows(const Map& map, Index begin, Index count) {
   return Map(map.data() + begin * map.outerStride(), count, map.cols(),
              Eigen::OuterStride<>(map.outerStride()));
-}
-
-/// The grids of every head: head h, draw t is `RandomBinning(slopes[h], head_seed(seed, h))(t)`.
-inline std::vector<std::vector<Grid>> draw_head_grids(const std::vector<double>& slopes,
-                                                      Index samples, std::uint64_t seed) {
-  std::vector<std::vector<Grid>> grids;
-  grids.reserve(slopes.size());
-  for (std::size_t h = 0; h < slopes.size(); ++h) {
-    grids.push_back(RandomBinning(slopes[h], head_seed(seed, static_cast<Index>(h))).draw(samples));
-  }
-  return grids;
 }
 
 /// Positions covered by queries or keys: every partition is cut to this range. Cutting does not
@@ -104,8 +94,10 @@ void pass_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scal
     std::vector<Scalar> pass_out;
     std::vector<Scalar> pass_lse;
     for (const Grid& grid : grids[static_cast<std::size_t>(h)]) {
-      Block block{range.first, range.first};
-      for (Index p = range.first; p < range.last; p = block.end) {
+      // Only blocks that hold a query matter: visiting them costs O(q.tokens) per draw, whatever
+      // the distance between the query and key ranges.
+      Block block{options.query_position, options.query_position};
+      for (Index p = options.query_position; p < query_end; p = block.end) {
         block = grid_block(grid, p, range.first, range.last);
         const Index query_begin = std::max(block.begin, options.query_position);
         const Index query_stop = std::min(block.end, query_end);
@@ -153,24 +145,35 @@ struct BlockRun {
   Index end;
 };
 
-template <class Scalar>
-struct FusedWorkspace {
-  std::vector<BlockRun> runs;  // every draw's blocks over the tile's rows
-  std::vector<Index> begins;   // [row][draw]: visible key interval of the row in that draw
-  std::vector<Index> ends;
-  std::vector<Index> segment_start;   // [row][k]: c_ij is constant on [start_k, start_{k+1})
-  std::vector<Scalar> segment_value;  // log c_ij on that segment, -inf where c_ij = 0
-  std::vector<Index> segment_count;   // segments per row
-  std::vector<Index> cursor;          // per row: first segment not yet fully applied
-  std::vector<Index> intervals;       // per row: number of non-empty intervals
-  std::vector<int> difference;
-  std::vector<int> counts;
-  std::vector<MaskedRange> masked;  // count-0 runs of the current chunk
-  std::vector<Scalar> scores;
-  std::vector<Scalar> log_count;  // log(c) for c = 0..s, log(0) = -inf
-  RowMatrix<Scalar> query;
-  OnlineSoftmax<Scalar> softmax;
-};
+/// The blocks of every draw over the query positions `[first_position, first_position + rows)`
+/// of one head: one BlockRun per draw and block (keys cut to `[key_begin, key_end)`, runs whose
+/// rows see no key left out), appended to `runs`. Returns the union of the keys the rows see,
+/// empty (`begin == end`) when they see none. O(s + blocks) calls of grid_block.
+inline Block tile_block_runs(const std::vector<Grid>& grids, const PositionRange& range,
+                             Index first_position, Index rows, Index key_begin, Index key_end,
+                             bool causal, std::vector<BlockRun>& runs) {
+  const Index last_position = first_position + rows - 1;
+  Index union_begin = std::numeric_limits<Index>::max();
+  Index union_end = std::numeric_limits<Index>::min();
+  for (const Grid& grid : grids) {
+    for (Index position = first_position; position <= last_position;) {
+      const Block block = grid_block(grid, position, range.first, range.last);
+      const Index run_last = std::min(block.end - 1, last_position);
+      const BlockRun run{position - first_position, run_last + 1 - first_position,
+                         std::max(block.begin, key_begin), std::min(block.end, key_end)};
+      // The last row of the run sees the most keys: [begin, min(end, its position + 1)).
+      const Index visible_end = causal ? std::min(run.end, run_last + 1) : run.end;
+      if (run.begin < visible_end) {
+        runs.push_back(run);
+        union_begin = std::min(union_begin, run.begin);
+        union_end = std::max(union_end, visible_end);
+      }
+      position = run_last + 1;
+    }
+  }
+  if (union_begin >= union_end) return Block{key_begin, key_begin};
+  return Block{union_begin, union_end};
+}
 
 /// Splits the keys of one row into segments of constant \f$c_{ij} = \#\{t: b_t \le j\} -
 /// \#\{t: e_t \le j\}\f$, from its draws' intervals \f$[b_t, e_t)\f$, starting at
@@ -217,65 +220,184 @@ Index count_segments(Index* begins, Index* ends, Index intervals, Index union_be
   return segments + 1;
 }
 
-/// Adds \f$\log c_{ij}\f$ to a tile of logits whose keys are the whole union `[union_begin,
-/// union_begin + cols)`, from the block runs by a two-dimensional difference array: each run adds
-/// 1 on a rectangle of (rows, keys), so O(runs + rows * cols) whatever s. Entries with
-/// \f$c_{ij} = 0\f$ (or after the row's position, when causal) become \f$-\infty\f$ and are listed
-/// in `workspace.masked`.
+/// The counts \f$c_{ij}\f$ of a tile of query rows of one head, the number of draws in which
+/// query i and key j share a block (0 after the query's position when causal): the one
+/// implementation of the fused forward and of the Positional LSH backward.
+///
+/// prepare() finds the tile's block runs and their union (tile_block_runs). A union of at most
+/// kFusedKeyTile keys is counted per chunk of logits by a two-dimensional difference array over
+/// the runs, each run adding 1 on a rectangle of (rows, keys): O(runs + rows * cols) whatever s.
+/// A wider one is split per row into segments of constant count (count_segments), so that its
+/// cost does not grow with the width.
 template <class Scalar>
-void add_log_counts_narrow(FusedWorkspace<Scalar>& workspace, Eigen::Map<RowMatrix<Scalar>>& scores,
-                           Index union_begin, Index first_position, bool causal) {
-  const Index rows = scores.rows();
-  const Index cols = scores.cols();
-  const Index stride = cols + 1;
-  std::vector<int>& difference = workspace.difference;
-  difference.assign(static_cast<std::size_t>((rows + 1) * stride), 0);
-  const auto at = [&](Index r, Index c) -> int& {
-    return difference[static_cast<std::size_t>(r * stride + c)];
-  };
-  for (const BlockRun& run : workspace.runs) {
-    const Index begin = run.begin - union_begin;
-    const Index end = std::min(run.end - union_begin, cols);
-    if (begin >= end) continue;
-    ++at(run.row_begin, begin);
-    --at(run.row_begin, end);
-    --at(run.row_end, begin);
-    ++at(run.row_end, end);
-  }
-  workspace.masked.clear();
-  std::vector<int>& counts = workspace.counts;
-  counts.assign(static_cast<std::size_t>(cols), 0);
-  for (Index r = 0; r < rows; ++r) {
-    // counts[c] = sum of difference rows 0..r, prefix-summed along c.
-    int running = 0;
-    for (Index c = 0; c < cols; ++c) {
-      running += at(r, c);
-      counts[static_cast<std::size_t>(c)] += running;
-    }
-    const Index limit = causal ? std::min(cols, first_position + r + 1 - union_begin) : cols;
-    Scalar* row = scores.row(r).data();
-    Index masked_begin = -1;
-    for (Index c = 0; c < cols; ++c) {
-      const int count = c < limit ? counts[static_cast<std::size_t>(c)] : 0;
-      if (count == 0) {
-        row[c] = -std::numeric_limits<Scalar>::infinity();
-        if (masked_begin < 0) masked_begin = c;
-        continue;
-      }
-      row[c] += workspace.log_count[static_cast<std::size_t>(count)];
-      if (masked_begin >= 0) {
-        workspace.masked.push_back(MaskedRange{r, masked_begin, c});
-        masked_begin = -1;
+class BlockCounts {
+ public:
+  /// Prepares the tile of `rows` query rows from `first_position`, keys `[key_begin, key_end)`;
+  /// returns the union of the keys they see.
+  Block prepare(const std::vector<Grid>& grids, const PositionRange& range, Index first_position,
+                Index rows, Index key_begin, Index key_end, bool causal) {
+    const Index samples = static_cast<Index>(grids.size());
+    if (static_cast<Index>(log_count_.size()) != samples + 1) {
+      log_count_.resize(static_cast<std::size_t>(samples + 1));
+      log_count_[0] = -std::numeric_limits<Scalar>::infinity();
+      for (Index c = 1; c <= samples; ++c) {
+        log_count_[static_cast<std::size_t>(c)] = std::log(static_cast<Scalar>(c));
       }
     }
-    if (masked_begin >= 0) workspace.masked.push_back(MaskedRange{r, masked_begin, cols});
+    first_position_ = first_position;
+    rows_ = rows;
+    causal_ = causal;
+    runs_.clear();
+    union_ = tile_block_runs(grids, range, first_position, rows, key_begin, key_end, causal, runs_);
+    narrow_ = union_.end - union_.begin <= kFusedKeyTile;
+    if (!narrow_) prepare_segments(samples);
+    return union_;
   }
-}
+
+  /// Adds \f$\log c_{ij}\f$ to a chunk of logits of the prepared rows whose keys are
+  /// `[chunk_begin, chunk_begin + cols)`; entries with \f$c_{ij} = 0\f$ become \f$-\infty\f$,
+  /// whatever the score was. Chunks of a wide union must come in increasing order.
+  void add_log_counts(Eigen::Map<RowMatrix<Scalar>>& scores, Index chunk_begin) {
+    if (narrow_) {
+      add_log_counts_narrow(scores, chunk_begin);
+    } else {
+      add_log_counts_wide(scores, chunk_begin);
+    }
+  }
+
+ private:
+  void add_log_counts_narrow(Eigen::Map<RowMatrix<Scalar>>& scores, Index chunk_begin) {
+    const Index rows = scores.rows();
+    const Index cols = scores.cols();
+    const Index stride = cols + 1;
+    difference_.assign(static_cast<std::size_t>((rows + 1) * stride), 0);
+    const auto at = [&](Index r, Index c) -> int& {
+      return difference_[static_cast<std::size_t>(r * stride + c)];
+    };
+    for (const BlockRun& run : runs_) {
+      const Index begin = std::max<Index>(run.begin - chunk_begin, 0);
+      const Index end = std::min(run.end - chunk_begin, cols);
+      if (begin >= end) continue;
+      ++at(run.row_begin, begin);
+      --at(run.row_begin, end);
+      --at(run.row_end, begin);
+      ++at(run.row_end, end);
+    }
+    counts_.assign(static_cast<std::size_t>(cols), 0);
+    for (Index r = 0; r < rows; ++r) {
+      // counts[c] = sum of difference rows 0..r, prefix-summed along c.
+      int running = 0;
+      for (Index c = 0; c < cols; ++c) {
+        running += at(r, c);
+        counts_[static_cast<std::size_t>(c)] += running;
+      }
+      const Index limit =
+          causal_ ? std::clamp<Index>(first_position_ + r + 1 - chunk_begin, 0, cols) : cols;
+      Scalar* row = scores.row(r).data();
+      for (Index c = 0; c < cols; ++c) {
+        const int count = c < limit ? counts_[static_cast<std::size_t>(c)] : 0;
+        if (count == 0) {
+          row[c] = -std::numeric_limits<Scalar>::infinity();
+        } else {
+          row[c] += log_count_[static_cast<std::size_t>(count)];
+        }
+      }
+    }
+  }
+
+  /// Per row, the non-empty intervals [begin, end) of keys sharing its block, split into
+  /// segments of constant count.
+  void prepare_segments(Index samples) {
+    const Index rows = rows_;
+    max_segments_ = 2 * samples + 1;
+    const std::size_t cells = static_cast<std::size_t>(rows * samples);
+    begins_.resize(cells);
+    ends_.resize(cells);
+    segment_start_.resize(static_cast<std::size_t>(rows * max_segments_));
+    segment_value_.resize(static_cast<std::size_t>(rows * max_segments_));
+    segment_count_.assign(static_cast<std::size_t>(rows), 0);
+    cursor_.assign(static_cast<std::size_t>(rows), 0);
+    intervals_.assign(static_cast<std::size_t>(rows), 0);
+    for (const BlockRun& run : runs_) {
+      for (Index r = run.row_begin; r < run.row_end; ++r) {
+        const Index end = causal_ ? std::min(run.end, first_position_ + r + 1) : run.end;
+        if (run.begin >= end) continue;
+        const std::size_t cell =
+            static_cast<std::size_t>(r * samples + intervals_[static_cast<std::size_t>(r)]++);
+        begins_[cell] = run.begin;
+        ends_[cell] = end;
+      }
+    }
+    for (Index r = 0; r < rows; ++r) {
+      const std::size_t first = static_cast<std::size_t>(r * samples);
+      const std::size_t segments = static_cast<std::size_t>(r * max_segments_);
+      segment_count_[static_cast<std::size_t>(r)] = count_segments(
+          &begins_[first], &ends_[first], intervals_[static_cast<std::size_t>(r)], union_.begin,
+          log_count_, difference_, &segment_start_[segments], &segment_value_[segments]);
+    }
+  }
+
+  void add_log_counts_wide(Eigen::Map<RowMatrix<Scalar>>& scores, Index chunk_begin) {
+    const Index cols = scores.cols();
+    const Index c0 = chunk_begin;
+    const Index c1 = c0 + cols;
+    // Keys outside the union share no block with any row of the tile.
+    const Index inside_begin = std::clamp(union_.begin, c0, c1);
+    const Index inside_end = std::clamp(union_.end, inside_begin, c1);
+    for (Index r = 0; r < scores.rows(); ++r) {
+      const Index* start = &segment_start_[static_cast<std::size_t>(r * max_segments_)];
+      const Scalar* value = &segment_value_[static_cast<std::size_t>(r * max_segments_)];
+      const Index segments = segment_count_[static_cast<std::size_t>(r)];
+      Index& j = cursor_[static_cast<std::size_t>(r)];
+      auto row = scores.row(r);
+      row.head(inside_begin - c0).setConstant(-std::numeric_limits<Scalar>::infinity());
+      row.tail(c1 - inside_end).setConstant(-std::numeric_limits<Scalar>::infinity());
+      for (; j < segments; ++j) {
+        const Index segment_end = j + 1 < segments ? start[j + 1] : union_.end;
+        const Index a = std::max(start[j], inside_begin);
+        const Index b = std::min(segment_end, inside_end);
+        if (a < b) {
+          if (value[j] == -std::numeric_limits<Scalar>::infinity()) {
+            row.segment(a - c0, b - a).setConstant(value[j]);
+          } else {
+            row.segment(a - c0, b - a).array() += value[j];
+          }
+        }
+        if (segment_end > inside_end) break;  // the segment continues in the next chunk
+      }
+    }
+  }
+
+  std::vector<BlockRun> runs_;  // every draw's blocks over the tile's rows
+  Block union_{0, 0};
+  Index first_position_ = 0;
+  Index rows_ = 0;
+  bool causal_ = false;
+  bool narrow_ = true;
+  Index max_segments_ = 0;
+  std::vector<Index> begins_;  // [row][k]: visible key intervals of the row, one per draw at most
+  std::vector<Index> ends_;
+  std::vector<Index> segment_start_;   // [row][k]: c_ij is constant on [start_k, start_{k+1})
+  std::vector<Scalar> segment_value_;  // log c_ij on that segment, -inf where c_ij = 0
+  std::vector<Index> segment_count_;   // segments per row
+  std::vector<Index> cursor_;          // per row: first segment not yet fully applied
+  std::vector<Index> intervals_;       // per row: number of non-empty intervals
+  std::vector<int> difference_;
+  std::vector<int> counts_;
+  std::vector<Scalar> log_count_;  // log(c) for c = 0..s, log(0) = -inf
+};
+
+template <class Scalar>
+struct FusedWorkspace {
+  BlockCounts<Scalar> counts;
+  AlignedVector<Scalar> scores;
+  RowMatrix<Scalar> query;
+  OnlineSoftmax<Scalar> softmax;
+};
 
 /// Fused kernel for query rows `[row_begin, row_end)` of one head: logits
-/// \f$S_{ij} + \log c_{ij}\f$ over the union of the rows' blocks, one online softmax. A narrow
-/// union (one key chunk) takes its counts from a 2-D difference array over the block runs; a wide
-/// one from per-row segments (count_segments), so that its cost does not grow with the width.
+/// \f$S_{ij} + \log c_{ij}\f$ over the union of the rows' blocks (BlockCounts), one online
+/// softmax, in chunks of kFusedKeyTile keys.
 template <class Scalar>
 void fused_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
                 const ConstHeadMap<Scalar>& v, const std::vector<Grid>& grids,
@@ -283,112 +405,21 @@ void fused_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
                 Index row_end, HeadMap<Scalar>& out) {
   static thread_local FusedWorkspace<Scalar> workspace;
   const Index rows = row_end - row_begin;
-  const Index samples = static_cast<Index>(grids.size());
-  const Index first_position = options.query_position + row_begin;
-  const Index last_position = first_position + rows - 1;
-  const Index key_end = options.key_position + k.rows();
-  if (static_cast<Index>(workspace.log_count.size()) != samples + 1) {
-    workspace.log_count.resize(static_cast<std::size_t>(samples + 1));
-    workspace.log_count[0] = -std::numeric_limits<Scalar>::infinity();
-    for (Index c = 1; c <= samples; ++c) {
-      workspace.log_count[static_cast<std::size_t>(c)] = std::log(static_cast<Scalar>(c));
-    }
-  }
-  // The blocks of every draw over the tile, and the union of the keys they let a row see.
-  workspace.runs.clear();
-  Index union_begin = std::numeric_limits<Index>::max();
-  Index union_end = std::numeric_limits<Index>::min();
-  for (const Grid& grid : grids) {
-    for (Index position = first_position; position <= last_position;) {
-      const Block block = grid_block(grid, position, range.first, range.last);
-      const Index run_last = std::min(block.end - 1, last_position);
-      const BlockRun run{position - first_position, run_last + 1 - first_position,
-                         std::max(block.begin, options.key_position), std::min(block.end, key_end)};
-      // The last row of the run sees the most keys: [begin, min(end, its position + 1)).
-      const Index visible_end = options.causal ? std::min(run.end, run_last + 1) : run.end;
-      if (run.begin < visible_end) {
-        workspace.runs.push_back(run);
-        union_begin = std::min(union_begin, run.begin);
-        union_end = std::max(union_end, visible_end);
-      }
-      position = run_last + 1;
-    }
-  }
+  const Block keys = workspace.counts.prepare(grids, range, options.query_position + row_begin,
+                                              rows, options.key_position,
+                                              options.key_position + k.rows(), options.causal);
   workspace.softmax.reset(rows, v.cols());
-  if (union_begin >= union_end) {
-    workspace.softmax.finish(out.middleRows(row_begin, rows), nullptr);
-    return;
-  }
-  workspace.query.noalias() = q.middleRows(row_begin, rows) * static_cast<Scalar>(options.scale);
-  workspace.scores.resize(static_cast<std::size_t>(rows * kFusedKeyTile));
-  if (union_end - union_begin <= kFusedKeyTile) {
-    const Index cols = union_end - union_begin;
-    const Index first_key = union_begin - options.key_position;
-    Eigen::Map<RowMatrix<Scalar>> scores(workspace.scores.data(), rows, cols);
-    multiply_transposed(workspace.query, k.middleRows(first_key, cols), scores);
-    add_log_counts_narrow(workspace, scores, union_begin, first_position, options.causal);
-    workspace.softmax.update(scores, v.middleRows(first_key, cols), workspace.masked);
-    workspace.softmax.finish(out.middleRows(row_begin, rows), nullptr);
-    return;
-  }
-  // Wide union: per row, the non-empty intervals [begin, end) of keys sharing its block.
-  const Index max_segments = 2 * samples + 1;
-  const std::size_t cells = static_cast<std::size_t>(rows * samples);
-  workspace.begins.resize(cells);
-  workspace.ends.resize(cells);
-  workspace.segment_start.resize(static_cast<std::size_t>(rows * max_segments));
-  workspace.segment_value.resize(static_cast<std::size_t>(rows * max_segments));
-  workspace.segment_count.assign(static_cast<std::size_t>(rows), 0);
-  workspace.cursor.assign(static_cast<std::size_t>(rows), 0);
-  std::vector<Index>& intervals = workspace.intervals;
-  intervals.assign(static_cast<std::size_t>(rows), 0);
-  for (const BlockRun& run : workspace.runs) {
-    for (Index r = run.row_begin; r < run.row_end; ++r) {
-      const Index end = options.causal ? std::min(run.end, first_position + r + 1) : run.end;
-      if (run.begin >= end) continue;
-      const std::size_t cell =
-          static_cast<std::size_t>(r * samples + intervals[static_cast<std::size_t>(r)]++);
-      workspace.begins[cell] = run.begin;
-      workspace.ends[cell] = end;
+  if (keys.begin < keys.end) {
+    workspace.query.noalias() = q.middleRows(row_begin, rows) * static_cast<Scalar>(options.scale);
+    workspace.scores.resize(static_cast<std::size_t>(rows * kFusedKeyTile));
+    for (Index c0 = keys.begin; c0 < keys.end; c0 += kFusedKeyTile) {
+      const Index cols = std::min(kFusedKeyTile, keys.end - c0);
+      const Index first_key = c0 - options.key_position;
+      Eigen::Map<RowMatrix<Scalar>> scores(workspace.scores.data(), rows, cols);
+      multiply_transposed(workspace.query, k.middleRows(first_key, cols), scores);
+      workspace.counts.add_log_counts(scores, c0);
+      workspace.softmax.update(scores, v.middleRows(first_key, cols));
     }
-  }
-  for (Index r = 0; r < rows; ++r) {
-    const std::size_t first = static_cast<std::size_t>(r * samples);
-    const std::size_t segments = static_cast<std::size_t>(r * max_segments);
-    workspace.segment_count[static_cast<std::size_t>(r)] = count_segments(
-        &workspace.begins[first], &workspace.ends[first], intervals[static_cast<std::size_t>(r)],
-        union_begin, workspace.log_count, workspace.difference, &workspace.segment_start[segments],
-        &workspace.segment_value[segments]);
-  }
-  for (Index c0 = union_begin; c0 < union_end; c0 += kFusedKeyTile) {
-    const Index cols = std::min(kFusedKeyTile, union_end - c0);
-    const Index c1 = c0 + cols;
-    const Index first_key = c0 - options.key_position;
-    Eigen::Map<RowMatrix<Scalar>> scores(workspace.scores.data(), rows, cols);
-    multiply_transposed(workspace.query, k.middleRows(first_key, cols), scores);
-    workspace.masked.clear();
-    for (Index r = 0; r < rows; ++r) {
-      const Index* start = &workspace.segment_start[static_cast<std::size_t>(r * max_segments)];
-      const Scalar* value = &workspace.segment_value[static_cast<std::size_t>(r * max_segments)];
-      const Index segments = workspace.segment_count[static_cast<std::size_t>(r)];
-      Index& j = workspace.cursor[static_cast<std::size_t>(r)];
-      auto row = scores.row(r);
-      for (; j < segments; ++j) {
-        const Index segment_end = j + 1 < segments ? start[j + 1] : union_end;
-        const Index a = std::max(start[j], c0);
-        const Index b = std::min(segment_end, c1);
-        if (a < b) {
-          if (value[j] == -std::numeric_limits<Scalar>::infinity()) {
-            row.segment(a - c0, b - a).setConstant(value[j]);
-            workspace.masked.push_back(MaskedRange{r, a - c0, b - c0});
-          } else {
-            row.segment(a - c0, b - a).array() += value[j];
-          }
-        }
-        if (segment_end > c1) break;  // the segment continues in the next chunk
-      }
-    }
-    workspace.softmax.update(scores, v.middleRows(first_key, cols), workspace.masked);
   }
   workspace.softmax.finish(out.middleRows(row_begin, rows), nullptr);
 }
@@ -423,16 +454,6 @@ void fused_attention(const HeadsView<const Scalar>& q, const HeadsView<const Sca
   });
 }
 
-template <class Scalar>
-void validate_plsh(const char* function, const HeadsView<const Scalar>& q,
-                   const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
-                   const HeadsView<Scalar>& out, const std::vector<double>& slopes,
-                   const PlshOptions& options) {
-  validate_attention(function, q, k, v, out, options);
-  validate_slopes(function, slopes, q.heads);
-  require(options.samples >= 1, function, "options.samples must be at least 1");
-}
-
 }  // namespace detail
 
 /// ALiBi attention through Positional LSH, the average of `options.samples` random block
@@ -462,7 +483,7 @@ void plsh_attention(HeadsView<const detail::NonDeduced<Scalar>> q,
                     const std::vector<double>& slopes, const PlshOptions& options = {}) {
   const char* function = "plsh_attention";
   detail::validate_plsh(function, q, k, v, out, slopes, options);
-  const auto grids = detail::draw_head_grids(slopes, options.samples, options.seed);
+  const auto grids = draw_head_grids(slopes, options.samples, options.seed);
   if (options.kernel == Kernel::Passes) {
     detail::pass_attention(q, k, v, out, grids, options, RegularAttention{});
   } else {
@@ -487,7 +508,7 @@ void plsh_attention(HeadsView<const detail::NonDeduced<Scalar>> q,
                     RegularKernel&& kernel) {
   const char* function = "plsh_attention";
   detail::validate_plsh(function, q, k, v, out, slopes, options);
-  const auto grids = detail::draw_head_grids(slopes, options.samples, options.seed);
+  const auto grids = draw_head_grids(slopes, options.samples, options.seed);
   detail::pass_attention(q, k, v, out, grids, options, kernel);
 }
 

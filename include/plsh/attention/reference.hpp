@@ -2,18 +2,28 @@
 #define PLSH_ATTENTION_REFERENCE_HPP
 
 /// \file reference.hpp
-/// Slow, obvious references for the attention kernels: dense, in double, one head at a time.
+/// Slow, obvious references for the attention kernels and their gradients: dense, in double, one
+/// head at a time.
 ///
 /// Every reference computes \f$o_i = \sum_j F_{ij} e^{S_{ij}} v_j / \sum_j F_{ij} e^{S_{ij}}\f$,
 /// \f$S_{ij} = \text{scale}\; q_i\cdot k_j\f$, over the keys with \f$F_{ij} > 0\f$ (and
-/// \f$p_j \le p_i\f$ when causal), straight from the definition: the whole row of scores, its
+/// \f$p_j \le p_i\f$ when causal), straight from the definition: the whole row of logits, its
 /// maximum subtracted, no tiling. \f$F\f$ is the ALiBi factor \f$e^{-m|p_i - p_j|}\f$, its
-/// truncation, or a mean of block masks. O(n_q n_k) time per head; for tests.
+/// truncation, or a mean of block masks. The factor enters as \f$\log F_{ij}\f$ (\f$-\infty\f$:
+/// masked), added to the logit before the maximum is taken, so that a row whose every factor
+/// underflows in linear space (\f$m|p_i - p_j| > 745\f$) still has its true softmax. A masked key
+/// contributes nothing, whatever its values; a NaN among the visible logits makes the row NaN; a
+/// row without a visible key is zero. O(n_q n_k d) time per head; for tests.
+///
+/// Tested in tests/test_reference.cpp against closed forms computed by hand in long double.
 
 #include <Eigen/Core>
 #include <cmath>
+#include <limits>
+#include <string>
 #include <vector>
 
+#include "../detail/check.hpp"
 #include "../detail/validate.hpp"
 #include "../partition.hpp"
 #include "../sampler.hpp"
@@ -23,46 +33,74 @@
 
 namespace plsh {
 namespace reference {
+namespace internal {
 
-/// The general form: `factor(h, p_i, p_j)` is \f$F_{ij}\f$ for query head h.
-template <class Scalar, class Factor>
+constexpr double kMasked = -std::numeric_limits<double>::infinity();
+
+/// The softmax weights \f$P_{ij}\f$ of query row i of head h over the keys, and the keys it sees:
+/// \f$l_j = \log F_{ij} + S_{ij}\f$, \f$P_{ij} = e^{l_j - \max l}/\sum_j e^{l_j - \max l}\f$.
+/// A NaN among the visible logits propagates through the maximum into every weight of the row.
+template <class LogFactor>
+void row_probabilities(const Eigen::MatrixXd& q_head, const Eigen::MatrixXd& k_head, Index i,
+                       Index h, double scale, const AttentionOptions& options,
+                       LogFactor& log_factor, std::vector<Index>& visible,
+                       std::vector<double>& probabilities) {
+  const Index query_position = options.query_position + i;
+  visible.clear();
+  probabilities.clear();
+  double max_logit = kMasked;
+  for (Index j = 0; j < k_head.rows(); ++j) {
+    const Index key_position = options.key_position + j;
+    if (options.causal && key_position > query_position) continue;
+    const double log_f = log_factor(h, query_position, key_position);
+    if (log_f == kMasked) continue;
+    const double logit = log_f + scale * q_head.row(i).dot(k_head.row(j));
+    visible.push_back(j);
+    probabilities.push_back(logit);
+    if (!std::isnan(max_logit) && !(logit <= max_logit)) max_logit = logit;
+  }
+  double total = 0;
+  for (double& p : probabilities) {
+    p = std::exp(p - max_logit);
+    total += p;
+  }
+  for (double& p : probabilities) p /= total;
+}
+
+}  // namespace internal
+
+/// The general form: `log_factor(h, p_i, p_j)` is \f$\log F_{ij}\f$ for query head h,
+/// \f$-\infty\f$ for a masked key.
+template <class Scalar, class LogFactor>
 void factor_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
                       const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
-                      const AttentionOptions& options, Factor&& factor) {
+                      const AttentionOptions& options, LogFactor&& log_factor) {
   detail::validate_attention("reference::factor_attention", q, k, v, out, options);
   const double scale = detail::resolved_scale(options, q.dim);
   const Index group = q.heads / k.heads;
+  std::vector<Index> visible;
+  std::vector<double> probabilities;
   for (Index h = 0; h < q.heads; ++h) {
     const Eigen::MatrixXd q_head = q.head(h).template cast<double>();
     const Eigen::MatrixXd k_head = k.head(h / group).template cast<double>();
     const Eigen::MatrixXd v_head = v.head(h / group).template cast<double>();
     for (Index i = 0; i < q.tokens; ++i) {
-      const Index query_position = options.query_position + i;
-      Eigen::VectorXd logits(k.tokens);
-      Eigen::VectorXd weights = Eigen::VectorXd::Zero(k.tokens);
-      double max_logit = -std::numeric_limits<double>::infinity();
-      for (Index j = 0; j < k.tokens; ++j) {
-        const Index key_position = options.key_position + j;
-        weights[j] = (options.causal && key_position > query_position)
-                         ? 0.0
-                         : factor(h, query_position, key_position);
-        logits[j] = scale * q_head.row(i).dot(k_head.row(j));
-        if (weights[j] > 0) max_logit = std::max(max_logit, logits[j]);
-      }
-      double total = 0;
+      internal::row_probabilities(q_head, k_head, i, h, scale, options, log_factor, visible,
+                                  probabilities);
       Eigen::RowVectorXd sum = Eigen::RowVectorXd::Zero(v.dim);
-      for (Index j = 0; j < k.tokens; ++j) {
-        if (weights[j] == 0) continue;
-        const double w = weights[j] * std::exp(logits[j] - max_logit);
-        total += w;
-        sum += w * v_head.row(j);
+      for (std::size_t n = 0; n < visible.size(); ++n) {
+        sum += probabilities[n] * v_head.row(visible[n]);
       }
       for (Index e = 0; e < v.dim; ++e) {
-        out.data[i * out.token_stride + h * out.head_stride + e] =
-            static_cast<Scalar>(total > 0 ? sum[e] / total : 0.0);
+        out.data[i * out.token_stride + h * out.head_stride + e] = static_cast<Scalar>(sum[e]);
       }
     }
   }
+}
+
+/// The ALiBi log-factor \f$-m|p_i - p_j|\f$ of slope m.
+inline double alibi_log_factor(double slope, Index i, Index j) {
+  return -slope * static_cast<double>(i > j ? i - j : j - i);
 }
 
 /// Exact ALiBi: \f$F_{ij} = e^{-m_h|p_i - p_j|}\f$.
@@ -71,44 +109,50 @@ void alibi_attention(const HeadsView<const Scalar>& q, const HeadsView<const Sca
                      const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
                      const std::vector<double>& slopes, const AttentionOptions& options = {}) {
   factor_attention(q, k, v, out, options, [&](Index h, Index i, Index j) {
-    return std::exp(-slopes[static_cast<std::size_t>(h)] * static_cast<double>(std::abs(i - j)));
+    return alibi_log_factor(slopes[static_cast<std::size_t>(h)], i, j);
   });
 }
 
-/// ALiBi without the keys whose factor is below `tolerance`.
+/// ALiBi without the keys whose factor \f$e^{-m|p_i - p_j|}\f$ is below `tolerance`.
 template <class Scalar>
 void windowed_alibi_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
                               const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
                               const std::vector<double>& slopes, double tolerance,
                               const AttentionOptions& options = {}) {
   factor_attention(q, k, v, out, options, [&](Index h, Index i, Index j) {
-    const double f =
-        std::exp(-slopes[static_cast<std::size_t>(h)] * static_cast<double>(std::abs(i - j)));
-    return f >= tolerance ? f : 0.0;
+    const double log_f = alibi_log_factor(slopes[static_cast<std::size_t>(h)], i, j);
+    return std::exp(log_f) >= tolerance ? log_f : internal::kMasked;
   });
 }
 
-/// The factor \f$F = \hat K\f$ as a function `(h, p_i, p_j)`: the mean block mask of `grids[h]`.
-/// Positions share a block of a grid when their bins \f$\lfloor (p - \text{shift})/\text{pitch}
-/// \rfloor\f$ are equal (detail::same_bin). `grids` must outlive the returned function.
-inline auto mean_mask_factor(const std::vector<std::vector<Grid>>& grids) {
+/// The log-factor \f$\log \hat K_{ij} = \log(c_{ij}/s)\f$ as a function `(h, p_i, p_j)`, with
+/// \f$c_{ij}\f$ the number of grids of `grids[h]` in which the positions share a block: their bins
+/// \f$\lfloor (p - \text{shift})/\text{pitch} \rfloor\f$ are equal (detail::same_bin).
+/// \f$-\infty\f$ when \f$c_{ij} = 0\f$. `grids` must outlive the returned function.
+inline auto mean_mask_log_factor(const std::vector<std::vector<Grid>>& grids) {
   return [&grids](Index h, Index i, Index j) {
     const std::vector<Grid>& head_grids = grids[static_cast<std::size_t>(h)];
     double shared = 0;
     for (const Grid& grid : head_grids) {
       if (detail::same_bin(grid, i, j)) shared += 1;
     }
-    return shared / static_cast<double>(head_grids.size());
+    return shared > 0 ? std::log(shared / static_cast<double>(head_grids.size()))
+                      : internal::kMasked;
   };
 }
 
-/// \f$F = \hat K\f$, the mean block mask of `grids[h]` (mean_mask_factor).
+/// \f$F = \hat K\f$, the mean block mask of `grids[h]` (mean_mask_log_factor).
 template <class Scalar>
 void mask_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
                     const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
                     const std::vector<std::vector<Grid>>& grids,
                     const AttentionOptions& options = {}) {
-  factor_attention(q, k, v, out, options, mean_mask_factor(grids));
+  detail::require(static_cast<Index>(grids.size()) == q.heads, "reference::mask_attention",
+                  "grids.size() must equal q.heads");
+  for (const std::vector<Grid>& head_grids : grids) {
+    detail::require_grids(head_grids, "reference::mask_attention");
+  }
+  factor_attention(q, k, v, out, options, mean_mask_log_factor(grids));
 }
 
 /// Positional LSH with the grids plsh_attention draws for `options.seed`.
@@ -116,8 +160,9 @@ template <class Scalar>
 void plsh_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
                     const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
                     const std::vector<double>& slopes, const PlshOptions& options = {}) {
-  mask_attention(q, k, v, out, detail::draw_head_grids(slopes, options.samples, options.seed),
-                 options);
+  detail::validate_slopes("reference::plsh_attention", slopes, q.heads);
+  detail::require_samples(options.samples, "reference::plsh_attention", "options.samples");
+  mask_attention(q, k, v, out, draw_head_grids(slopes, options.samples, options.seed), options);
 }
 
 /// Fixed blocks of `block_size`: \f$F_{ij} = 1\f$ when \f$\lfloor p_i/b\rfloor = \lfloor
@@ -127,8 +172,107 @@ void fixed_block_attention(const HeadsView<const Scalar>& q, const HeadsView<con
                            const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
                            Index block_size, const AttentionOptions& options = {}) {
   factor_attention(q, k, v, out, options, [&](Index, Index i, Index j) {
-    return i / block_size == j / block_size ? 1.0 : 0.0;
+    return i / block_size == j / block_size ? 0.0 : internal::kMasked;
   });
+}
+
+/// Dense backward of factor_attention in double, straight from the formulas of backward.hpp:
+/// per query row the weights \f$P_{ij}\f$ of factor_attention, \f$o_i = \sum_j P_{ij} v_j\f$,
+/// \f$D_i = dO_i\cdot o_i\f$, and over the visible keys only \f$dS_{ij} = P_{ij}(dO_i\cdot v_j -
+/// D_i)\f$, \f$dV_j \mathrel{+}= P_{ij}\,dO_i\f$, \f$dQ_i \mathrel{+}= \text{scale}\; dS_{ij}
+/// k_j\f$, \f$dK_j \mathrel{+}= \text{scale}\; dS_{ij} q_i\f$: a key no query sees gets exactly
+/// zero. `log_factor` as factor_attention.
+template <class Scalar, class LogFactor>
+void factor_attention_backward(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
+                               const HeadsView<const Scalar>& v,
+                               const HeadsView<const Scalar>& dout, const HeadsView<Scalar>& dq,
+                               const HeadsView<Scalar>& dk, const HeadsView<Scalar>& dv,
+                               const AttentionOptions& options, LogFactor&& log_factor) {
+  const char* function = "reference::factor_attention_backward";
+  // dout has the shape of the forward's output; each gradient has the shape of its input.
+  detail::validate_inputs(function, q, k, v);
+  detail::validate_output_shape(function, dout, q, v);
+  detail::validate_options(function, options);
+  const HeadsView<Scalar> gradients[] = {dq, dk, dv};
+  const HeadsView<const Scalar> likes[] = {q, k, v};
+  const HeadsView<const Scalar> inputs[] = {q, k, v, dout};
+  for (int g = 0; g < 3; ++g) {
+    detail::require_view(gradients[g], function, "gradient");
+    detail::require(gradients[g].tokens == likes[g].tokens &&
+                        gradients[g].heads == likes[g].heads && gradients[g].dim == likes[g].dim,
+                    function, "a gradient's shape differs from its input's");
+    detail::require_injective(gradients[g], function, "gradient");
+    for (const auto& input : inputs) {
+      detail::require(!detail::views_overlap(gradients[g], input), function,
+                      "a gradient overlaps an input");
+    }
+    for (int other = 0; other < g; ++other) {
+      detail::require(!detail::views_overlap(gradients[g], gradients[other]), function,
+                      "gradients overlap");
+    }
+  }
+  const double scale = detail::resolved_scale(options, q.dim);
+  const Index group = q.heads / k.heads;
+  std::vector<Index> visible;
+  std::vector<double> probabilities;
+  for (Index g = 0; g < k.heads; ++g) {
+    const Eigen::MatrixXd k_head = k.head(g).template cast<double>();
+    const Eigen::MatrixXd v_head = v.head(g).template cast<double>();
+    Eigen::MatrixXd dk_head = Eigen::MatrixXd::Zero(k.tokens, k.dim);
+    Eigen::MatrixXd dv_head = Eigen::MatrixXd::Zero(v.tokens, v.dim);
+    for (Index h = g * group; h < (g + 1) * group; ++h) {
+      const Eigen::MatrixXd q_head = q.head(h).template cast<double>();
+      const Eigen::MatrixXd dout_head = dout.head(h).template cast<double>();
+      Eigen::MatrixXd dq_head = Eigen::MatrixXd::Zero(q.tokens, q.dim);
+      for (Index i = 0; i < q.tokens; ++i) {
+        internal::row_probabilities(q_head, k_head, i, h, scale, options, log_factor, visible,
+                                    probabilities);
+        Eigen::RowVectorXd out_row = Eigen::RowVectorXd::Zero(v.dim);
+        for (std::size_t n = 0; n < visible.size(); ++n) {
+          out_row += probabilities[n] * v_head.row(visible[n]);
+        }
+        const double delta = dout_head.row(i).dot(out_row);
+        for (std::size_t n = 0; n < visible.size(); ++n) {
+          const Index j = visible[n];
+          const double score_gradient =
+              probabilities[n] * (dout_head.row(i).dot(v_head.row(j)) - delta);
+          dv_head.row(j) += probabilities[n] * dout_head.row(i);
+          dq_head.row(i) += scale * score_gradient * k_head.row(j);
+          dk_head.row(j) += scale * score_gradient * q_head.row(i);
+        }
+      }
+      dq.head(h) = dq_head.template cast<Scalar>();
+    }
+    dk.head(g) = dk_head.template cast<Scalar>();
+    dv.head(g) = dv_head.template cast<Scalar>();
+  }
+}
+
+/// Backward of exact ALiBi: \f$F_{ij} = e^{-m_h|p_i - p_j|}\f$.
+template <class Scalar>
+void alibi_attention_backward(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
+                              const HeadsView<const Scalar>& v, const HeadsView<const Scalar>& dout,
+                              const HeadsView<Scalar>& dq, const HeadsView<Scalar>& dk,
+                              const HeadsView<Scalar>& dv, const std::vector<double>& slopes,
+                              const AttentionOptions& options = {}) {
+  detail::validate_slopes("reference::alibi_attention_backward", slopes, q.heads);
+  factor_attention_backward(q, k, v, dout, dq, dk, dv, options, [&](Index h, Index i, Index j) {
+    return alibi_log_factor(slopes[static_cast<std::size_t>(h)], i, j);
+  });
+}
+
+/// Backward of Positional LSH with the grids plsh_attention draws for `options.seed`:
+/// \f$F_{ij} = c_{ij}/s\f$, the mean block mask.
+template <class Scalar>
+void plsh_attention_backward(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
+                             const HeadsView<const Scalar>& v, const HeadsView<const Scalar>& dout,
+                             const HeadsView<Scalar>& dq, const HeadsView<Scalar>& dk,
+                             const HeadsView<Scalar>& dv, const std::vector<double>& slopes,
+                             const PlshOptions& options = {}) {
+  detail::validate_slopes("reference::plsh_attention_backward", slopes, q.heads);
+  detail::require_samples(options.samples, "reference::plsh_attention_backward", "options.samples");
+  const auto grids = draw_head_grids(slopes, options.samples, options.seed);
+  factor_attention_backward(q, k, v, dout, dq, dk, dv, options, mean_mask_log_factor(grids));
 }
 
 }  // namespace reference

@@ -14,8 +14,12 @@
 /// one vectorised exp, one product \f$PV\f$: \f$2(d + d_v)\f$ flops per visible score. Key tiles
 /// outside the causal or window range are skipped. Memory: one tile of scores per thread.
 ///
+/// The bias is formed relative to each row's nearest key (apply_linear_bias), so that its float
+/// accuracy does not depend on the absolute positions. Non-finite inputs follow the contract of
+/// online_softmax.hpp.
+///
 /// Tested against plsh::reference::factor_attention (dense, double, factor 1) in
-/// tests/test_regular.cpp.
+/// tests/test_regular.cpp; non-finite inputs and far positions in tests/test_nonfinite.cpp.
 
 #include <Eigen/Core>
 #include <algorithm>
@@ -51,9 +55,8 @@ struct LinearBias {
 template <class Scalar>
 struct TileWorkspace {
   RowMatrix<Scalar> query;
-  std::vector<Scalar> scores;
+  AlignedVector<Scalar> scores;
   OnlineSoftmax<Scalar> softmax;
-  std::vector<MaskedRange> masked;
   Eigen::Array<Scalar, 1, Eigen::Dynamic> offsets;  // 0, 1, ..., kKeyTile - 1
 };
 
@@ -68,36 +71,54 @@ TileWorkspace<Scalar>& tile_workspace() {
   return workspace;
 }
 
+/// The keys a span of queries may attend to, as distances from the first query of a tile:
+/// \f$p_i - p_{first}\f$ and \f$p_i - p_{last}\f$ for the tile's first row i.
+struct KeySpan {
+  Index to_first_key;
+  Index to_last_key;
+};
+
+/// \f$r_i\f$ of apply_linear_bias for row `r` of the tile: 0 inside the span, else the distance
+/// to its nearer end.
+inline Index nearest_key_distance(const KeySpan& span, Index r) {
+  const Index to_last = span.to_last_key + r;
+  const Index to_first = span.to_first_key + r;
+  return to_last > 0 ? to_last : (to_first < 0 ? -to_first : 0);
+}
+
 /// Adds the bias and masks invisible keys in a tile of logits. `distance` is \f$p_i - p_j\f$ for
 /// the tile's first row and first column; it grows by one per row and shrinks by one per column.
-/// When `masked` is not null, the masked runs are appended to it.
+///
+/// The bias is formed relative to each row's nearest key of `span`, at distance \f$r_i\f$:
+/// \f$-m(|p_i - p_j| - r_i)\f$, the true logit plus the row constant \f$m r_i\f$, which the
+/// softmax cancels. The integer \f$|p_i - p_j| - r_i\f$ stays within the span's length, so the
+/// bias keeps the same accuracy in float at any absolute position (\f$|p_i - p_j|\f$ itself can
+/// exceed float's 24 bits). Every tile of a row must use the same span.
 template <class Scalar>
 void apply_linear_bias(Eigen::Map<RowMatrix<Scalar>>& scores, Index distance, bool causal,
-                       const LinearBias& bias,
-                       const Eigen::Array<Scalar, 1, Eigen::Dynamic>& offsets,
-                       std::vector<MaskedRange>* masked = nullptr) {
+                       const LinearBias& bias, const KeySpan& span,
+                       const Eigen::Array<Scalar, 1, Eigen::Dynamic>& offsets) {
   const Index cols = scores.cols();
   // A slope beyond the largest Scalar would make slope * 0 a NaN; the largest finite value
   // already drives every other key's weight to zero.
   const Scalar slope = static_cast<Scalar>(
       std::min(bias.slope, static_cast<double>(std::numeric_limits<Scalar>::max())));
-  const auto mask = [&](Index r, Index begin, Index end) {
-    scores.row(r).segment(begin, end - begin).setConstant(-std::numeric_limits<Scalar>::infinity());
-    if (masked != nullptr) masked->push_back(MaskedRange{r, begin, end});
-  };
   for (Index r = 0; r < scores.rows(); ++r) {
     const Index d0 = distance + r;
     const Index lo = std::max<Index>(0, d0 - bias.window);
     const Index hi = std::min<Index>(cols, (causal ? d0 : d0 + bias.window) + 1);
+    auto row = scores.row(r).array();
     if (lo >= hi) {
-      mask(r, 0, cols);
+      row.setConstant(-std::numeric_limits<Scalar>::infinity());
       continue;
     }
     if (slope != 0) {
-      scores.row(r).array() -= slope * (static_cast<Scalar>(d0) - offsets.head(cols)).abs();
+      const Index nearest = nearest_key_distance(span, r);
+      const Index shifted = d0 > 0 ? d0 - nearest : d0 + nearest;
+      row -= slope * (static_cast<Scalar>(shifted) - offsets.head(cols)).abs();
     }
-    if (lo > 0) mask(r, 0, lo);
-    if (hi < cols) mask(r, hi, cols);
+    if (lo > 0) row.head(lo).setConstant(-std::numeric_limits<Scalar>::infinity());
+    if (hi < cols) row.tail(cols - hi).setConstant(-std::numeric_limits<Scalar>::infinity());
   }
 }
 
@@ -117,6 +138,8 @@ void attend_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
   const Index key_end =
       std::min<Index>(k.rows(), (options.causal ? last_query : last_query + bias.window) + 1 -
                                     options.key_position);
+  const KeySpan span{first_query - options.key_position,
+                     first_query - (options.key_position + k.rows() - 1)};
   workspace.softmax.reset(rows, v.cols());
   if (key_begin < key_end) {
     workspace.query.noalias() = q.middleRows(row_begin, rows) * static_cast<Scalar>(options.scale);
@@ -126,14 +149,20 @@ void attend_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
       const Index cols = std::min(kKeyTile, key_end - c0);
       Eigen::Map<RowMatrix<Scalar>> scores(workspace.scores.data(), rows, cols);
       multiply_transposed(workspace.query, k.middleRows(c0, cols), scores);
-      workspace.masked.clear();
       apply_linear_bias(scores, first_query - (options.key_position + c0), options.causal, bias,
-                        workspace.offsets, &workspace.masked);
-      workspace.softmax.update(scores, v.middleRows(c0, cols), workspace.masked);
+                        span, workspace.offsets);
+      workspace.softmax.update(scores, v.middleRows(c0, cols));
     }
   }
-  workspace.softmax.finish(out.middleRows(row_begin, rows),
-                           lse == nullptr ? nullptr : lse + row_begin);
+  Scalar* row_lse = lse == nullptr ? nullptr : lse + row_begin;
+  workspace.softmax.finish(out.middleRows(row_begin, rows), row_lse);
+  if (row_lse != nullptr && bias.slope != 0) {
+    // The logits were shifted by m r_i (apply_linear_bias): the lse of the true logits.
+    for (Index r = 0; r < rows; ++r) {
+      row_lse[r] -=
+          static_cast<Scalar>(bias.slope * static_cast<double>(nearest_key_distance(span, r)));
+    }
+  }
 }
 
 /// All rows of a span, tile by tile.
@@ -166,7 +195,7 @@ void regular_attention(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>
   detail::require(out.rows() == q.rows(), function, "out.rows() must equal q.rows()");
   detail::require(out.cols() == v.cols(), function, "out.cols() must equal v.cols()");
   detail::require(lse.size() == q.rows(), function, "lse.size() must equal q.rows()");
-  detail::require(std::isfinite(options.scale), function, "options.scale must be finite");
+  detail::validate_scale<Scalar>(function, options, q.cols());
   AttentionOptions resolved = options;
   resolved.scale = detail::resolved_scale(options, q.cols());
   detail::attend_span(q, k, v, resolved, detail::LinearBias{}, out, lse.data());

@@ -1,9 +1,18 @@
 #ifndef PLSH_DETAIL_CHECK_HPP
 #define PLSH_DETAIL_CHECK_HPP
 
+/// \file check.hpp
+/// Argument checks. A check that passes builds no string and allocates nothing: messages are
+/// literals, or pieces joined by `fail` only when the check fails, or built by a callable that
+/// runs only then.
+
 #include <cmath>
+#include <cstdint>
+#include <limits>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 namespace plsh {
 namespace detail {
@@ -13,23 +22,53 @@ namespace detail {
   throw std::invalid_argument(std::string(function) + ": " + message);
 }
 
-/// Throws `std::invalid_argument("function: message")` unless `condition` holds. Takes the
-/// message as a literal so that checks on hot paths build no string when they pass.
+/// Throws `std::invalid_argument("function: " + name + what)`, e.g. ("q", ".dim must be ...").
+[[noreturn]] inline void fail(const char* function, const char* name, const char* what) {
+  fail(function, std::string(name) + what);
+}
+
+/// Throws `std::invalid_argument("function: message")` unless `condition` holds.
 inline void require(bool condition, const char* function, const char* message) {
   if (!condition) fail(function, message);
 }
 
-/// As above, for a message that names a computed argument (built by the caller).
-inline void require(bool condition, const char* function, const std::string& message) {
-  if (!condition) fail(function, message);
+/// As above, with the message `name + what` joined only on failure.
+inline void require(bool condition, const char* function, const char* name, const char* what) {
+  if (!condition) fail(function, name, what);
+}
+
+/// As above, with a message that names computed values: `message()` returns it and runs only
+/// when the check fails.
+template <class Message, class = std::enable_if_t<std::is_convertible<
+                             std::invoke_result_t<Message&>, std::string>::value>>
+void require(bool condition, const char* function, Message&& message) {
+  if (!condition) fail(function, message());
 }
 
 /// A slope must be finite and non-negative (0 means no bias: one block holding everything).
-inline void require_slope(double slope, const char* function, const char* name = "slope") {
-  if (!(std::isfinite(slope) && slope >= 0)) {
-    fail(function, std::string(name) + " must be finite and non-negative (got " +
-                       std::to_string(slope) + ")");
+/// `index >= 0` names element `name[index]` of a list.
+inline void require_slope(double slope, const char* function, const char* name = "slope",
+                          std::int64_t index = -1) {
+  if (std::isfinite(slope) && slope >= 0) return;
+  fail(function, std::string(name) + (index >= 0 ? "[" + std::to_string(index) + "]" : "") +
+                     " must be finite and non-negative (got " + std::to_string(slope) + ")");
+}
+
+/// `a + b`, or false when it overflows `std::int64_t`.
+inline bool checked_add(std::int64_t a, std::int64_t b, std::int64_t& sum) {
+  if ((b > 0 && a > std::numeric_limits<std::int64_t>::max() - b) ||
+      (b < 0 && a < std::numeric_limits<std::int64_t>::min() - b)) {
+    return false;
   }
+  sum = a + b;
+  return true;
+}
+
+/// `a * b` for non-negative `a` and `b`, or false when it overflows `std::int64_t`.
+inline bool checked_multiply(std::int64_t a, std::int64_t b, std::int64_t& product) {
+  if (a < 0 || b < 0 || (b != 0 && a > std::numeric_limits<std::int64_t>::max() / b)) return false;
+  product = a * b;
+  return true;
 }
 
 }  // namespace detail

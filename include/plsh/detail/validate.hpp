@@ -1,50 +1,104 @@
 #ifndef PLSH_DETAIL_VALIDATE_HPP
 #define PLSH_DETAIL_VALIDATE_HPP
 
+/// \file validate.hpp
+/// The argument checks of every attention entry point, in one place. Each throws
+/// std::invalid_argument naming the function the user called, and none builds a string or
+/// allocates when it passes (tests/test_bounds.cpp counts). Includes nothing above
+/// plsh/options.hpp.
+
+#include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
 
-#include "../attention/options.hpp"
+#include "../limits.hpp"
+#include "../options.hpp"
+#include "../sampler.hpp"
 #include "../tensor.hpp"
 #include "check.hpp"
 
 namespace plsh {
 namespace detail {
 
-/// One past the last element a view can touch, as an offset from `data`.
+/// One past the last element a view can touch, as an offset from `data`; false when that offset,
+/// in elements or in bytes, overflows.
+template <class Scalar>
+bool checked_view_extent(const HeadsView<Scalar>& view, Index& extent) {
+  extent = 0;
+  if (view.tokens == 0 || view.heads == 0 || view.dim == 0) return true;
+  Index tokens_span = 0;
+  Index heads_span = 0;
+  return checked_multiply(view.tokens - 1, view.token_stride, tokens_span) &&
+         checked_multiply(view.heads - 1, view.head_stride, heads_span) &&
+         checked_add(tokens_span, heads_span, extent) && checked_add(extent, view.dim, extent) &&
+         extent <= std::numeric_limits<Index>::max() / static_cast<Index>(sizeof(Scalar));
+}
+
+/// One past the last element of a view accepted by require_view (which rules out overflow).
 template <class Scalar>
 Index view_extent(const HeadsView<Scalar>& view) {
-  if (view.tokens == 0 || view.heads == 0 || view.dim == 0) return 0;
-  return (view.tokens - 1) * view.token_stride + (view.heads - 1) * view.head_stride + view.dim;
+  Index extent = 0;
+  checked_view_extent(view, extent);
+  return extent;
 }
 
 template <class Scalar>
-void require_view(const HeadsView<Scalar>& view, const char* function, const std::string& name) {
-  require(view.tokens >= 0, function, name + ".tokens must be non-negative");
-  require(view.heads >= 1, function, name + ".heads must be at least 1");
-  require(view.dim >= 1, function, name + ".dim must be at least 1");
-  require(view.token_stride >= 0 && view.head_stride >= 0, function,
-          name + " strides must be non-negative");
-  require(view.data != nullptr || view.tokens == 0, function, name + ".data is null");
+void require_view(const HeadsView<Scalar>& view, const char* function, const char* name) {
+  require(view.tokens >= 0, function, name, ".tokens must be non-negative");
+  require(view.heads >= 1, function, name, ".heads must be at least 1");
+  require(view.dim >= 1, function, name, ".dim must be at least 1");
+  require(view.token_stride >= 0 && view.head_stride >= 0, function, name,
+          " strides must be non-negative");
+  Index extent = 0;
+  require(checked_view_extent(view, extent), function, name,
+          ": the offset of its last element overflows (sizes or strides too large)");
+  require(view.data != nullptr || view.tokens == 0, function, name, ".data is null");
 }
 
-/// Distinct (token, head) rows of an output view must not share elements: either layout order
-/// (token-major or head-major) must leave room for a whole row.
+/// Whether distinct (token, head) rows of a view accepted by require_view share no element: rows
+/// start at \f$t\,s_t + h\,s_h\f$ and hold `dim` elements, so every two starts must lie at least
+/// `dim` apart. Exact: for each difference \f$\Delta x \ge 0\f$ along the axis with fewer rows,
+/// the closest start along the other axis is at the rounded quotient (O(min(tokens, heads)),
+/// after an O(1) test that accepts the usual layouts).
 template <class Scalar>
-void require_injective(const HeadsView<Scalar>& view, const char* function,
-                       const std::string& name) {
-  const bool token_major =
-      (view.heads == 1 || view.head_stride >= view.dim) &&
-      (view.tokens <= 1 || view.token_stride >= view.heads * view.head_stride ||
-       (view.heads == 1 && view.token_stride >= view.dim));
-  const bool head_major = (view.tokens <= 1 || view.token_stride >= view.dim) &&
-                          (view.heads == 1 || view.head_stride >= view.tokens * view.token_stride);
-  require(token_major || head_major, function, name + " strides make rows overlap");
+bool rows_disjoint(const HeadsView<Scalar>& view) {
+  if (view.tokens <= 1 && view.heads <= 1) return true;
+  if (view.heads == 1) return view.token_stride >= view.dim;
+  if (view.tokens <= 1) return view.head_stride >= view.dim;
+  // Axis x has the fewer rows, axis y the other.
+  const bool tokens_fewer = view.tokens <= view.heads;
+  const Index count_x = tokens_fewer ? view.tokens : view.heads;
+  const Index stride_x = tokens_fewer ? view.token_stride : view.head_stride;
+  const Index count_y = tokens_fewer ? view.heads : view.tokens;
+  const Index stride_y = tokens_fewer ? view.head_stride : view.token_stride;
+  if (stride_x < view.dim || stride_y < view.dim) return false;  // rows along one axis overlap
+  // Nested layout: the rows along the smaller stride fit between two steps of the larger one.
+  // Spans are at most the view's extent, so nothing here overflows.
+  if (stride_y >= (count_x - 1) * stride_x + view.dim ||
+      stride_x >= (count_y - 1) * stride_y + view.dim) {
+    return true;
+  }
+  for (Index dx = 1; dx < count_x; ++dx) {
+    const Index offset = dx * stride_x;
+    const Index quotient = offset / stride_y;
+    for (const Index dy : {std::min(quotient, count_y - 1), std::min(quotient + 1, count_y - 1)}) {
+      const Index distance = offset - dy * stride_y;
+      if ((distance < 0 ? -distance : distance) < view.dim) return false;
+    }
+  }
+  return true;
 }
 
+/// Distinct (token, head) rows of an output view must not share elements.
+template <class Scalar>
+void require_injective(const HeadsView<Scalar>& view, const char* function, const char* name) {
+  require(rows_disjoint(view), function, name, " strides make rows overlap");
+}
+
+/// Whether two views accepted by require_view share memory.
 template <class A, class B>
 bool views_overlap(const HeadsView<A>& a, const HeadsView<B>& b) {
   const auto begin_a = reinterpret_cast<std::uintptr_t>(a.data);
@@ -78,10 +132,37 @@ void validate_output_shape(const char* function, const HeadsView<Out>& out,
   require(out.dim == v.dim, function, "out.dim must equal v.dim");
 }
 
-inline void validate_options(const char* function, const AttentionOptions& options) {
-  require(options.query_position >= 0, function, "options.query_position must be non-negative");
-  require(options.key_position >= 0, function, "options.key_position must be non-negative");
+/// The logit scale actually used: `options.scale`, or \f$1/\sqrt{d}\f$ when it is 0.
+inline double resolved_scale(const AttentionOptions& options, Index dim) {
+  return options.scale != 0 ? options.scale : 1.0 / std::sqrt(static_cast<double>(dim));
+}
+
+/// The resolved scale must be finite and non-zero in the kernels' scalar type (a double of 1e300
+/// is infinite as a float, 1e-300 is zero).
+template <class Scalar>
+void validate_scale(const char* function, const AttentionOptions& options, Index dim) {
   require(std::isfinite(options.scale), function, "options.scale must be finite");
+  const double scale = std::abs(resolved_scale(options, dim));
+  require(scale <= static_cast<double>(Eigen::NumTraits<Scalar>::highest()) &&
+              scale >= static_cast<double>(std::numeric_limits<Scalar>::denorm_min()),
+          function, "options.scale must be finite and non-zero in the scalar type of the views");
+}
+
+/// `position + tokens` within [0, kMaxPosition] for both the query and the key rows.
+inline void validate_positions(const char* function, const AttentionOptions& options,
+                               Index query_tokens, Index key_tokens) {
+  require(options.query_position >= 0 && options.query_position <= kMaxPosition - query_tokens,
+          function, "options.query_position + q.tokens must lie in [0, kMaxPosition = 2^53]");
+  require(options.key_position >= 0 && options.key_position <= kMaxPosition - key_tokens, function,
+          "options.key_position + k.tokens must lie in [0, kMaxPosition = 2^53]");
+}
+
+/// Options of an attention over `query_tokens` queries and `key_tokens` keys of size `dim`.
+template <class Scalar>
+void validate_options(const char* function, const AttentionOptions& options, Index query_tokens,
+                      Index key_tokens, Index dim) {
+  validate_positions(function, options, query_tokens, key_tokens);
+  validate_scale<Scalar>(function, options, dim);
 }
 
 /// The checks shared by every attention entry point: validate_inputs, validate_output_shape,
@@ -96,21 +177,96 @@ void validate_attention(const char* function, const HeadsView<const Scalar>& q,
   require(!views_overlap(out, q), function, "out overlaps q");
   require(!views_overlap(out, k), function, "out overlaps k");
   require(!views_overlap(out, v), function, "out overlaps v");
-  validate_options(function, options);
+  validate_options<Scalar>(function, options, q.tokens, k.tokens, q.dim);
 }
 
-inline void validate_slopes(const char* function, const std::vector<double>& slopes, Index heads) {
-  require(static_cast<Index>(slopes.size()) == heads, function,
-          "slopes.size() (" + std::to_string(slopes.size()) + ") must equal q.heads (" +
-              std::to_string(heads) + ")");
+/// One slope per head (`heads_name` says where the count comes from), each finite and
+/// non-negative.
+inline void validate_slopes(const char* function, const std::vector<double>& slopes, Index heads,
+                            const char* heads_name = "q.heads") {
+  require(static_cast<Index>(slopes.size()) == heads, function, [&] {
+    return "slopes.size() (" + std::to_string(slopes.size()) + ") must equal " + heads_name + " (" +
+           std::to_string(heads) + ")";
+  });
   for (std::size_t h = 0; h < slopes.size(); ++h) {
-    require_slope(slopes[h], function, ("slopes[" + std::to_string(h) + "]").c_str());
+    require_slope(slopes[h], function, "slopes", static_cast<std::int64_t>(h));
   }
 }
 
-/// The logit scale actually used: `options.scale`, or \f$1/\sqrt{d}\f$ when it is 0.
-inline double resolved_scale(const AttentionOptions& options, Index dim) {
-  return options.scale != 0 ? options.scale : 1.0 / std::sqrt(static_cast<double>(dim));
+/// Checks of plsh_attention: validate_attention, validate_slopes, samples in [1, kMaxSamples].
+template <class Scalar>
+void validate_plsh(const char* function, const HeadsView<const Scalar>& q,
+                   const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
+                   const HeadsView<Scalar>& out, const std::vector<double>& slopes,
+                   const PlshOptions& options) {
+  validate_attention(function, q, k, v, out, options);
+  validate_slopes(function, slopes, q.heads);
+  require_samples(options.samples, function, "options.samples");
+}
+
+/// `view` has the shape of `like`: dout like out, dq like q, dk like k, dv like v.
+template <class A, class B>
+void require_same_shape(const char* function, const HeadsView<A>& view, const char* name,
+                        const HeadsView<B>& like, const char* like_name) {
+  if (view.tokens != like.tokens) {
+    fail(function, std::string(name) + ".tokens must equal " + like_name + ".tokens");
+  }
+  if (view.heads != like.heads) {
+    fail(function, std::string(name) + ".heads must equal " + like_name + ".heads");
+  }
+  if (view.dim != like.dim) {
+    fail(function, std::string(name) + ".dim must equal " + like_name + ".dim");
+  }
+}
+
+/// Checks of the backward entry points: q, k, v, out as the forward; dout like out, dq like q,
+/// dk like k, dv like v; no gradient view overlapping itself, an input or another gradient.
+template <class Scalar>
+void validate_backward(const char* function, const HeadsView<const Scalar>& q,
+                       const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
+                       const HeadsView<const Scalar>& out, const HeadsView<const Scalar>& dout,
+                       const HeadsView<Scalar>& dq, const HeadsView<Scalar>& dk,
+                       const HeadsView<Scalar>& dv, const AttentionOptions& options) {
+  validate_inputs(function, q, k, v);
+  validate_output_shape(function, out, q, v);
+  require_view(dout, function, "dout");
+  require_view(dq, function, "dq");
+  require_view(dk, function, "dk");
+  require_view(dv, function, "dv");
+  require_same_shape(function, dout, "dout", out, "out");
+  require_same_shape(function, dq, "dq", q, "q");
+  require_same_shape(function, dk, "dk", k, "k");
+  require_same_shape(function, dv, "dv", v, "v");
+  const HeadsView<Scalar> gradients[] = {dq, dk, dv};
+  const char* gradient_names[] = {"dq", "dk", "dv"};
+  const HeadsView<const Scalar> inputs[] = {q, k, v, out, dout};
+  const char* input_names[] = {"q", "k", "v", "out", "dout"};
+  for (int g = 0; g < 3; ++g) {
+    require_injective(gradients[g], function, gradient_names[g]);
+    for (int i = 0; i < 5; ++i) {
+      if (views_overlap(gradients[g], inputs[i])) {
+        fail(function, std::string(gradient_names[g]) + " overlaps " + input_names[i]);
+      }
+    }
+    for (int other = 0; other < g; ++other) {
+      if (views_overlap(gradients[g], gradients[other])) {
+        fail(function, std::string(gradient_names[g]) + " overlaps " + gradient_names[other]);
+      }
+    }
+  }
+  validate_options<Scalar>(function, options, q.tokens, k.tokens, q.dim);
+}
+
+/// As above for plsh_attention_backward: also `options.samples` in [1, kMaxSamples].
+template <class Scalar>
+void validate_backward(const char* function, const HeadsView<const Scalar>& q,
+                       const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
+                       const HeadsView<const Scalar>& out, const HeadsView<const Scalar>& dout,
+                       const HeadsView<Scalar>& dq, const HeadsView<Scalar>& dk,
+                       const HeadsView<Scalar>& dv, const PlshOptions& options) {
+  validate_backward(function, q, k, v, out, dout, dq, dk, dv,
+                    static_cast<const AttentionOptions&>(options));
+  require_samples(options.samples, function, "options.samples");
 }
 
 }  // namespace detail

@@ -1,0 +1,42 @@
+#ifndef PLSH_OPTIONS_HPP
+#define PLSH_OPTIONS_HPP
+
+/// \file options.hpp
+/// Options shared by the attention kernels (plsh_attention, exact and windowed ALiBi, the backward,
+/// KvCache). Kept below the attention headers so that argument checks can include it.
+
+#include <Eigen/Core>
+#include <cstdint>
+
+#include "limits.hpp"
+
+namespace plsh {
+
+using Index = Eigen::Index;
+
+/// Options of every attention kernel.
+struct AttentionOptions {
+  bool causal = true;  ///< keep only keys at positions <= the query's position
+  double scale = 0;    ///< logit scale; 0 means 1/sqrt(head dim)
+  /// Absolute position of the first query row; `query_position + q.tokens <= kMaxPosition`.
+  Index query_position = 0;
+  /// Absolute position of the first key row; `key_position + k.tokens <= kMaxPosition`.
+  Index key_position = 0;
+};
+
+/// How plsh_attention evaluates the Positional LSH estimator (both compute the same function).
+enum class Kernel {
+  Fused,   ///< each score once, weighted by the number of draws that share the block
+  Passes,  ///< one regular attention pass per draw and block, merged by log-sum-exp
+};
+
+/// Options of plsh_attention.
+struct PlshOptions : AttentionOptions {
+  Index samples = 20;      ///< number of random partitions s, 1 to kMaxSamples
+  std::uint64_t seed = 0;  ///< head h uses RandomBinning(slopes[h], head_seed(seed, h))
+  Kernel kernel = Kernel::Fused;
+};
+
+}  // namespace plsh
+
+#endif  // PLSH_OPTIONS_HPP

@@ -1,0 +1,240 @@
+"""PyTorch autograd functions and a module on top of plsh's kernels.
+
+The forward and backward passes run plsh's C++ kernels on the tensors' memory (through NumPy views;
+no copies for CPU tensors with positive strides and a contiguous last axis). Tensors must be CPU
+float32 or float64; q ``[B, T, H, D]`` or ``[T, H, D]``, k ``[B, T_k, H_kv, D]``, v
+``[B, T_k, H_kv, D_v]`` with H a multiple of H_kv; the output is ``[B, T, H, D_v]``.
+
+Example (causal self-attention with Positional LSH, 20 draws, gradients through plsh)::
+
+    import torch, plsh.torch
+    q, k, v = (torch.randn(2, 1024, 8, 64, requires_grad=True) for _ in range(3))
+    out = plsh.torch.plsh_attention(q, k, v, samples=20, seed=0)
+    out.square().mean().backward()                    # q.grad, k.grad, v.grad from C++
+
+Slopes of 0 give plain softmax attention ("no positional bias"):
+``exact_alibi_attention(q, k, v, slopes=[0.0] * H)``.
+"""
+
+import torch as _torch
+
+from . import _plsh
+
+__all__ = [
+    "AlibiAttention",
+    "exact_alibi_attention",
+    "fixed_block_attention",
+    "plsh_attention",
+]
+
+_DTYPES = (_torch.float32, _torch.float64)
+
+
+def _check(name, tensor, like=None):
+    """TypeError unless ``tensor`` is a CPU float32/float64 tensor (of ``like``'s dtype)."""
+    if not isinstance(tensor, _torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor (got {type(tensor).__name__})")
+    if tensor.device.type != "cpu":
+        raise TypeError(
+            f"{name} is on device {tensor.device}; plsh runs on CPU tensors only "
+            f"(move it with .cpu())")
+    if tensor.dtype not in _DTYPES:
+        extra = (" (half precision, float16 and bfloat16, is not supported yet)"
+                 if tensor.dtype in (_torch.float16, _torch.bfloat16) else "")
+        raise TypeError(
+            f"{name} has dtype {tensor.dtype}; plsh computes in torch.float32 or "
+            f"torch.float64{extra}")
+    if like is not None and tensor.dtype != like.dtype:
+        raise TypeError(
+            f"{name} has dtype {tensor.dtype} but q has {like.dtype}; q, k and v must share "
+            f"one dtype")
+    if tensor.is_sparse or tensor.layout != _torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor")
+
+
+def _array(tensor):
+    """A NumPy array sharing the tensor's memory (a copy only for a conjugated or negated view)."""
+    return tensor.detach().resolve_conj().resolve_neg().numpy()
+
+
+def _check_inputs(q, k, v):
+    _check("q", q)
+    _check("k", k, q)
+    _check("v", v, q)
+
+
+def _slopes(slopes):
+    if slopes is None:
+        return None
+    if isinstance(slopes, _torch.Tensor):
+        slopes = slopes.detach().cpu().tolist()
+    return [float(m) for m in slopes]
+
+
+def _empty_output(q, v):
+    return _torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
+
+
+def _forward(ctx, kernel, q, k, v, slopes, **kwargs):
+    """out = kernel(q, k, v, slopes, **kwargs) into a new tensor; saves what backward needs."""
+    out = _empty_output(q, v)
+    kernel(_array(q), _array(k), _array(v), slopes, out=out.numpy(), **kwargs)
+    ctx.save_for_backward(q, k, v, out)
+    ctx.slopes = slopes
+    ctx.kwargs = kwargs
+    return out
+
+
+def _backward(ctx, kernel, dout):
+    """(dq, dk, dv) from the C++ backward `kernel`, as new contiguous tensors."""
+    q, k, v, out = ctx.saved_tensors
+    dq, dk, dv = (_torch.empty_like(t, memory_format=_torch.contiguous_format)
+                  for t in (q, k, v))
+    kernel(_array(q), _array(k), _array(v), _array(out), _array(dout), ctx.slopes,
+           dq=dq.numpy(), dk=dk.numpy(), dv=dv.numpy(), **ctx.kwargs)
+    return dq, dk, dv
+
+
+class _ExactAlibiFunction(_torch.autograd.Function):
+    """Exact ALiBi attention; backward through plsh.exact_alibi_attention_backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, slopes, causal, scale, query_position, key_position):
+        return _forward(ctx, _plsh.exact_alibi_attention, q, k, v, slopes, causal=causal,
+                        scale=scale, query_position=query_position, key_position=key_position)
+
+    @staticmethod
+    @_torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        return _backward(ctx, _plsh.exact_alibi_attention_backward, dout) + (None,) * 5
+
+
+class _PlshFunction(_torch.autograd.Function):
+    """Positional LSH attention (fused kernel); backward through plsh.plsh_attention_backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, slopes, causal, scale, query_position, key_position, samples, seed):
+        return _forward(ctx, _plsh.plsh_attention, q, k, v, slopes, causal=causal, scale=scale,
+                        query_position=query_position, key_position=key_position,
+                        samples=samples, seed=seed)
+
+    @staticmethod
+    @_torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        return _backward(ctx, _plsh.plsh_attention_backward, dout) + (None,) * 7
+
+
+def exact_alibi_attention(q, k, v, slopes=None, *, causal=True, scale=0.0, query_position=0,
+                          key_position=0):
+    """Exact ALiBi attention with autograd: softmax(scale q k^T - m_h |i - j|) v per head.
+
+    q ``[B, T, H, D]`` or ``[T, H, D]``, k ``[B, T_k, H_kv, D]``, v ``[B, T_k, H_kv, D_v]``;
+    slopes one per query head (None: ``plsh.alibi_slopes(H)``; zeros: no positional bias);
+    scale 0 means 1/sqrt(D); query_position and key_position are the absolute positions of the
+    first query and key rows. Returns ``[B, T, H, D_v]``.
+    """
+    _check_inputs(q, k, v)
+    return _ExactAlibiFunction.apply(q, k, v, _slopes(slopes), bool(causal),
+                                     float(scale), int(query_position), int(key_position))
+
+
+def plsh_attention(q, k, v, slopes=None, *, causal=True, scale=0.0, query_position=0,
+                   key_position=0, samples=20, seed=0):
+    """ALiBi attention through Positional LSH with autograd (fused kernel).
+
+    The average of ``samples`` random block partitions per head: head h uses
+    ``plsh.RandomBinning(slopes[h], plsh.head_seed(seed, h))``, the same draws for every batch
+    element and for the backward pass. Arguments and shapes as :func:`exact_alibi_attention`.
+    """
+    _check_inputs(q, k, v)
+    return _PlshFunction.apply(q, k, v, _slopes(slopes), bool(causal), float(scale),
+                               int(query_position), int(key_position), int(samples), int(seed))
+
+
+def fixed_block_attention(q, k, v, block_size, *, causal=True, scale=0.0, query_position=0,
+                          key_position=0):
+    """Attention within fixed blocks of ``block_size`` absolute positions (forward only).
+
+    Differentiation needs plsh's fixed_block_attention_backward, which this build lacks: calling
+    this on tensors that require gradients raises NotImplementedError.
+    """
+    _check_inputs(q, k, v)
+    if _torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise NotImplementedError(
+            "fixed_block_attention has no backward pass in this build of plsh; call it under "
+            "torch.no_grad() or on tensors that do not require gradients")
+    out = _empty_output(q, v)
+    _plsh.fixed_block_attention(_array(q), _array(k), _array(v), int(block_size),
+                                causal=bool(causal), scale=float(scale),
+                                query_position=int(query_position),
+                                key_position=int(key_position), out=out.numpy())
+    return out
+
+
+class AlibiAttention(_torch.nn.Module):
+    """Attention with a positional bias computed by plsh: ``forward(q, k, v) -> out``.
+
+    Shapes as :func:`exact_alibi_attention` (q ``[B, T, H, D]``, k and v ``[B, T_k, H_kv, ...]``).
+
+    method:
+      ``"plsh"``   Positional LSH with ``samples`` draws (fused kernel), unbiased for ALiBi.
+      ``"exact"``  exact ALiBi.
+      ``"fixed"``  attention within fixed blocks of ``block_size`` positions.
+      ``"none"``   plain causal softmax attention (every slope 0), no positional bias.
+
+    Seeds (method "plsh"): in training mode, forward number t (counted from 0 over the module's
+    training forwards) uses ``seed + t``, so every training step sees fresh partitions; the counter
+    is the buffer ``training_forwards``, saved with the state dict so that a resumed run continues
+    the sequence. In eval mode every forward uses ``seed`` itself (fixed partitions, deterministic
+    evaluation). The counter advances on every training forward of the module (also for the other
+    methods, which ignore it).
+
+    slopes: one per head, default ``plsh.alibi_slopes(heads)``.
+    """
+
+    METHODS = ("plsh", "exact", "fixed", "none")
+
+    def __init__(self, heads, method="plsh", samples=20, block_size=64, seed=0, causal=True,
+                 slopes=None):
+        super().__init__()
+        if method not in self.METHODS:
+            raise ValueError(f"method must be one of {self.METHODS} (got {method!r})")
+        if heads < 1:
+            raise ValueError(f"heads must be at least 1 (got {heads})")
+        self.heads = int(heads)
+        self.method = method
+        self.samples = int(samples)
+        self.block_size = int(block_size)
+        self.seed = int(seed)
+        self.causal = bool(causal)
+        if slopes is None:
+            slopes = _plsh.alibi_slopes(self.heads)
+        self.slopes = [float(m) for m in slopes]
+        if len(self.slopes) != self.heads:
+            raise ValueError(f"slopes has {len(self.slopes)} entries, heads is {self.heads}")
+        self.register_buffer("training_forwards", _torch.zeros((), dtype=_torch.int64))
+
+    def extra_repr(self):
+        return (f"heads={self.heads}, method={self.method!r}, samples={self.samples}, "
+                f"block_size={self.block_size}, seed={self.seed}, causal={self.causal}")
+
+    def current_seed(self):
+        """The seed the next forward uses."""
+        if self.training:
+            return self.seed + int(self.training_forwards)
+        return self.seed
+
+    def forward(self, q, k, v):
+        if q.shape[-2] != self.heads:
+            raise ValueError(f"q has {q.shape[-2]} heads (shape[-2]), the module {self.heads}")
+        seed = self.current_seed()
+        if self.training:
+            self.training_forwards += 1
+        if self.method == "plsh":
+            return plsh_attention(q, k, v, self.slopes, causal=self.causal, samples=self.samples,
+                                  seed=seed)
+        if self.method == "exact":
+            return exact_alibi_attention(q, k, v, self.slopes, causal=self.causal)
+        if self.method == "none":
+            return exact_alibi_attention(q, k, v, [0.0] * self.heads, causal=self.causal)
+        return fixed_block_attention(q, k, v, self.block_size, causal=self.causal)

@@ -1,0 +1,97 @@
+"""Shared helpers of the plsh Python tests: seeded inputs and dense NumPy references.
+
+The references are written from the formulas, in float64, one head at a time:
+ALiBi (Press et al.) softmax(scale q k^T - m |i - j|) v, causal keeping j <= i; Positional LSH
+softmax(scale q k^T + log c) v with c_ij the number of draws in which positions i and j share a
+bin (c = 0: masked); a row without visible keys is zero.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+import plsh
+
+
+def random_inputs(shape_q, kv_heads, value_dim, n_k=None, seed=0, dtype=np.float64,
+                  query_amplitude=2.0):
+    """q of shape_q ([..., n, H, d]), k [..., n_k, kv_heads, d], v [..., n_k, kv_heads, value_dim]."""
+    rng = np.random.default_rng(seed)
+    *batch, n, heads, dim = shape_q
+    n_k = n if n_k is None else n_k
+    q = query_amplitude * rng.standard_normal((*batch, n, heads, dim))
+    k = rng.standard_normal((*batch, n_k, kv_heads, dim))
+    v = rng.standard_normal((*batch, n_k, kv_heads, value_dim))
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype)
+
+
+def same_bin(grid, i, j):
+    """plsh's bin test on integer position arrays i, j (broadcast)."""
+    if math.isinf(grid.pitch):
+        return np.ones(np.broadcast(i, j).shape, dtype=bool)
+    if grid.pitch <= 1:
+        return i == j
+    return np.floor((i - grid.shift) / grid.pitch) == np.floor((j - grid.shift) / grid.pitch)
+
+
+def alibi_log_factor(slopes, samples=None, seed=None):
+    """log F_h(i, j): ALiBi -m_h |i - j| (samples None) or log of the mean block mask c/s."""
+    def exact(h, i, j):
+        return -slopes[h] * np.abs(i - j).astype(np.float64)
+
+    if samples is None:
+        return exact
+    grids = plsh.draw_head_grids(slopes, samples, seed)
+
+    def counted(h, i, j):
+        count = sum(same_bin(grid, i, j).astype(np.float64) for grid in grids[h])
+        with np.errstate(divide="ignore"):
+            return np.log(count / samples)
+
+    return counted
+
+
+def fixed_log_factor(block_size):
+    grid = plsh.Grid(float(block_size), 0.0)
+
+    def factor(h, i, j):
+        with np.errstate(divide="ignore"):
+            return np.log(same_bin(grid, i, j).astype(np.float64))
+
+    return factor
+
+
+def reference_attention(q, k, v, log_factor, causal=True, scale=0.0, query_position=0,
+                        key_position=0):
+    """Dense float64 attention with logits scale q.k + log_factor(h, i, j); rank 3 or 4."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    if q.ndim == 4:
+        return np.stack([reference_attention(q[b], k[b], v[b], log_factor, causal, scale,
+                                             query_position, key_position)
+                         for b in range(q.shape[0])])
+    n_q, heads, dim = q.shape
+    n_k, kv_heads, value_dim = v.shape
+    scale = scale if scale != 0 else 1.0 / math.sqrt(dim)
+    i = query_position + np.arange(n_q)[:, None]
+    j = key_position + np.arange(n_k)[None, :]
+    out = np.zeros((n_q, heads, value_dim))
+    for h in range(heads):
+        g = h // (heads // kv_heads)
+        logits = scale * q[:, h] @ k[:, g].T + log_factor(h, i, j)
+        if causal:
+            logits = np.where(j > i, -np.inf, logits)
+        top = logits.max(axis=1, keepdims=True)
+        visible = np.isfinite(top[:, 0])
+        weights = np.where(np.isfinite(logits), np.exp(logits - np.where(visible[:, None], top, 0)),
+                           0.0)
+        sums = weights.sum(axis=1, keepdims=True)
+        out[:, h] = np.where(visible[:, None], (weights / np.where(sums > 0, sums, 1)) @ v[:, g],
+                             0.0)
+    return out
+
+
+@pytest.fixture
+def inputs():
+    """Batched float64 inputs with grouped heads: q [2, 40, 4, 8], k [2, 40, 2, 8], v [2, 40, 2, 6]."""
+    return random_inputs((2, 40, 4, 8), kv_heads=2, value_dim=6, seed=1)

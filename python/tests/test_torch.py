@@ -1,0 +1,253 @@
+"""Tests of plsh.torch: autograd functions against dense PyTorch references and gradcheck, the
+C++ results bit for bit, strided tensors, errors, and AlibiAttention's seeds."""
+
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import plsh  # noqa: E402
+import plsh.torch as pt  # noqa: E402
+from conftest import same_bin  # noqa: E402
+
+
+def random_tensors(batch=2, n=24, heads=4, kv_heads=2, dim=8, value_dim=6, n_k=None, seed=0,
+                   dtype=torch.float64, requires_grad=True):
+    generator = torch.Generator().manual_seed(seed)
+    n_k = n if n_k is None else n_k
+    shapes = [(batch, n, heads, dim), (batch, n_k, kv_heads, dim),
+              (batch, n_k, kv_heads, value_dim)]
+    tensors = [torch.randn(*shape, generator=generator, dtype=dtype) for shape in shapes]
+    tensors[0] *= 2
+    return [t.requires_grad_(requires_grad) for t in tensors]
+
+
+def dense_alibi(q, k, v, slopes, causal=True, scale=0.0, query_position=0, key_position=0,
+                log_counts=None):
+    """ALiBi as PyTorch users write it (Press et al.): softmax(q k^T scale - m |i - j|) v, causal;
+    with `log_counts` [H, n_q, n_k] the bias is log c instead (Positional LSH's mean mask)."""
+    heads, kv_heads = q.shape[-2], k.shape[-2]
+    scale = scale if scale != 0 else 1.0 / math.sqrt(q.shape[-1])
+    qh = q.transpose(-2, -3)  # [B, H, n, d]
+    kh = k.transpose(-2, -3).repeat_interleave(heads // kv_heads, dim=-3)
+    vh = v.transpose(-2, -3).repeat_interleave(heads // kv_heads, dim=-3)
+    i = query_position + torch.arange(q.shape[-3])[:, None]
+    j = key_position + torch.arange(k.shape[-3])[None, :]
+    if log_counts is None:
+        m = torch.tensor(slopes, dtype=q.dtype)[:, None, None]
+        bias = -m * (i - j).abs().to(q.dtype)
+    else:
+        bias = log_counts.to(q.dtype)
+    scores = qh @ kh.transpose(-1, -2) * scale + bias
+    if causal:
+        scores = scores.masked_fill(j > i, -math.inf)
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row without keys: zeros
+    return (weights @ vh).transpose(-2, -3)
+
+
+def log_counts(slopes, samples, seed, n_q, n_k, query_position=0, key_position=0):
+    i = query_position + np.arange(n_q)[:, None]
+    j = key_position + np.arange(n_k)[None, :]
+    grids = plsh.draw_head_grids(slopes, samples, seed)
+    counts = np.stack([sum(same_bin(g, i, j).astype(np.float64) for g in head) for head in grids])
+    with np.errstate(divide="ignore"):
+        return torch.from_numpy(np.log(counts / samples))
+
+
+OPTIONS = dict(causal=True, scale=0.0, query_position=7, key_position=2)
+
+
+def assert_close(a, b, atol):
+    assert a.shape == b.shape
+    assert torch.allclose(a, b, rtol=0, atol=atol), (a - b).abs().max().item()
+
+
+@pytest.mark.parametrize("method", ["exact", "plsh"])
+def test_forward_and_gradients_against_dense_pytorch(method):
+    q, k, v = random_tensors(seed=1)
+    slopes = [0.4, 0.2, 0.1, 0.0]
+    if method == "exact":
+        out = pt.exact_alibi_attention(q, k, v, slopes, **OPTIONS)
+        reference = dense_alibi(q, k, v, slopes, **OPTIONS)
+    else:
+        out = pt.plsh_attention(q, k, v, slopes, samples=7, seed=3, **OPTIONS)
+        counts = log_counts(slopes, 7, 3, q.shape[1], k.shape[1], 7, 2)
+        reference = dense_alibi(q, k, v, slopes, log_counts=counts, **OPTIONS)
+    assert_close(out, reference, 1e-12)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(5),
+                          dtype=out.dtype)
+    grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    expected = torch.autograd.grad((reference * weights).sum(), (q, k, v))
+    for grad, reference_grad in zip(grads, expected):
+        assert_close(grad, reference_grad, 1e-11)
+
+
+@pytest.mark.parametrize("method", ["exact", "plsh"])
+def test_results_equal_the_cpp_kernels_bit_for_bit(method):
+    q, k, v = random_tensors(dtype=torch.float32, seed=2)
+    arrays = [t.detach().numpy() for t in (q, k, v)]
+    dout = torch.randn(q.shape[:-1] + v.shape[-1:], generator=torch.Generator().manual_seed(1))
+    if method == "exact":
+        out = pt.exact_alibi_attention(q, k, v, **OPTIONS)
+        expected = plsh.exact_alibi_attention(*arrays, **OPTIONS)
+        grads = plsh.exact_alibi_attention_backward(*arrays, expected, dout.numpy(), **OPTIONS)
+    else:
+        out = pt.plsh_attention(q, k, v, samples=9, seed=4, **OPTIONS)
+        expected = plsh.plsh_attention(*arrays, samples=9, seed=4, **OPTIONS)
+        grads = plsh.plsh_attention_backward(*arrays, expected, dout.numpy(), samples=9, seed=4,
+                                             **OPTIONS)
+    assert out.dtype == torch.float32
+    assert np.array_equal(out.detach().numpy(), expected)
+    out.backward(dout)
+    for tensor, grad in zip((q, k, v), grads):
+        assert np.array_equal(tensor.grad.numpy(), grad)
+
+
+@pytest.mark.parametrize("method", ["exact", "plsh"])
+def test_gradcheck_with_grouped_heads_and_offsets(method):
+    q, k, v = random_tensors(batch=2, n=6, heads=4, kv_heads=2, dim=3, value_dim=2, n_k=8, seed=3)
+    options = dict(causal=True, scale=0.7, query_position=5, key_position=1)
+    if method == "exact":
+        def function(q, k, v):
+            return pt.exact_alibi_attention(q, k, v, [0.5, 0.3, 0.2, 0.1], **options)
+    else:
+        def function(q, k, v):
+            return pt.plsh_attention(q, k, v, [0.5, 0.3, 0.2, 0.1], samples=4, seed=2, **options)
+    assert torch.autograd.gradcheck(function, (q, k, v), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def test_gradcheck_bidirectional_rank_three():
+    q, k, v = (t[0].detach().requires_grad_() for t in
+               random_tensors(batch=1, n=5, heads=2, kv_heads=1, dim=3, value_dim=3, seed=4))
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: pt.plsh_attention(q, k, v, samples=3, seed=1, causal=False), (q, k, v),
+        eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def test_non_contiguous_tensors_give_the_same_results():
+    q, k, v = random_tensors(dtype=torch.float32, seed=6, requires_grad=False)
+    out = pt.plsh_attention(q, k, v)
+    # [B, H, T, D] storage seen as [B, T, H, D]: a transposed, non-contiguous tensor.
+    views = [t.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v)]
+    assert not views[0].is_contiguous()
+    strided = pt.plsh_attention(*views)
+    assert torch.equal(out, strided)
+    # Gradients through the strided inputs equal those of contiguous ones.
+    contiguous = [t.clone().requires_grad_() for t in (q, k, v)]
+    pt.plsh_attention(*contiguous).sum().backward()
+    strided.sum().backward()  # dout is an expanded tensor (stride 0): copied by the binding
+    for a, b in zip(views, contiguous):
+        assert torch.equal(a.grad, b.grad)
+    # A sliced tensor (every other head of a wider one).
+    wide = torch.randn(2, 24, 8, 8, generator=torch.Generator().manual_seed(2))
+    sliced = wide[:, :, ::2]
+    assert torch.equal(pt.exact_alibi_attention(sliced, k, v),
+                       pt.exact_alibi_attention(sliced.contiguous(), k, v))
+
+
+def test_float32_and_rank_three():
+    q, k, v = (t[0] for t in random_tensors(dtype=torch.float32, seed=7, requires_grad=False))
+    out = pt.exact_alibi_attention(q, k, v)
+    assert out.shape == (24, 4, 6) and out.dtype == torch.float32
+    assert torch.equal(out, pt.exact_alibi_attention(q[None], k[None], v[None])[0])
+
+
+def test_no_bias_is_exact_alibi_with_zero_slopes():
+    q, k, v = random_tensors(seed=8, requires_grad=False)
+    out = pt.exact_alibi_attention(q, k, v, [0.0] * 4)
+    plain = dense_alibi(q, k, v, [0.0] * 4)
+    assert_close(out, plain, 1e-12)
+
+
+def test_fixed_block_attention_forward():
+    q, k, v = random_tensors(seed=9, requires_grad=False)
+    out = pt.fixed_block_attention(q, k, v, 8, query_position=3)
+    expected = plsh.fixed_block_attention(*(t.numpy() for t in (q, k, v)), 8, query_position=3)
+    assert np.array_equal(out.numpy(), expected)
+    q.requires_grad_()
+    with pytest.raises(NotImplementedError, match="no backward pass"):
+        pt.fixed_block_attention(q, k, v, 8)
+    with torch.no_grad():
+        assert torch.equal(pt.fixed_block_attention(q, k, v, 8, query_position=3), out)
+
+
+def test_errors():
+    q, k, v = random_tensors(dtype=torch.float32, requires_grad=False)
+    for dtype in (torch.float16, torch.bfloat16):
+        with pytest.raises(TypeError, match=r"q has dtype torch\.(b?float16).*not supported yet"):
+            pt.plsh_attention(q.to(dtype), k.to(dtype), v.to(dtype))
+    with pytest.raises(TypeError, match=r"^q has dtype torch.int64; plsh computes in"):
+        pt.exact_alibi_attention(q.long(), k, v)
+    with pytest.raises(TypeError, match=r"^k has dtype torch.float64 but q has torch.float32"):
+        pt.exact_alibi_attention(q, k.double(), v)
+    with pytest.raises(TypeError, match=r"^v must be a torch.Tensor \(got ndarray\)"):
+        pt.plsh_attention(q, k, v.numpy())
+    # A tensor that is not on the CPU ("meta" stands in for CUDA, which this machine lacks).
+    with pytest.raises(TypeError, match=r"^q is on device meta; plsh runs on CPU tensors only"):
+        pt.plsh_attention(torch.empty(q.shape, device="meta"), k, v)
+    if torch.cuda.is_available():
+        with pytest.raises(TypeError, match=r"plsh runs on CPU tensors only"):
+            pt.plsh_attention(q.cuda(), k, v)
+    with pytest.raises(ValueError, match=r"^q must have 3 dimensions"):
+        pt.exact_alibi_attention(q[0, 0], k, v)
+    with pytest.raises(ValueError, match=r"^plsh_attention: k.dim must equal q.dim$"):
+        pt.plsh_attention(q, k[..., :5], v)
+    with pytest.raises(ValueError, match=r"slopes.size\(\) \(2\) must equal q.heads \(4\)"):
+        pt.exact_alibi_attention(q, k, v, [0.1, 0.2])
+
+
+def test_slopes_as_a_tensor():
+    q, k, v = random_tensors(seed=10, requires_grad=False)
+    slopes = [0.3, 0.2, 0.1, 0.05]
+    assert torch.equal(pt.exact_alibi_attention(q, k, v, torch.tensor(slopes, dtype=torch.float64)),
+                       pt.exact_alibi_attention(q, k, v, slopes))
+
+
+def test_alibi_attention_module_seeds():
+    q, k, v = random_tensors(seed=11, requires_grad=False)
+    module = pt.AlibiAttention(4, method="plsh", samples=5, seed=100)
+    assert "method='plsh'" in repr(module)
+    module.train()
+    for step in range(3):
+        out = module(q, k, v)
+        assert torch.equal(out, pt.plsh_attention(q, k, v, samples=5, seed=100 + step))
+    assert int(module.training_forwards) == 3
+    state = module.state_dict()
+    assert int(state["training_forwards"]) == 3
+    module.eval()
+    for _ in range(2):
+        assert torch.equal(module(q, k, v), pt.plsh_attention(q, k, v, samples=5, seed=100))
+    assert int(module.training_forwards) == 3
+    resumed = pt.AlibiAttention(4, method="plsh", samples=5, seed=100)
+    resumed.load_state_dict(state)
+    assert resumed.current_seed() == 103
+    assert torch.equal(resumed(q, k, v), pt.plsh_attention(q, k, v, samples=5, seed=103))
+
+
+def test_alibi_attention_module_methods():
+    q, k, v = random_tensors(seed=12, requires_grad=False)
+    slopes = plsh.alibi_slopes(4)
+    assert torch.equal(pt.AlibiAttention(4, "exact")(q, k, v),
+                       pt.exact_alibi_attention(q, k, v, slopes))
+    assert torch.equal(pt.AlibiAttention(4, "none")(q, k, v),
+                       pt.exact_alibi_attention(q, k, v, [0.0] * 4))
+    with torch.no_grad():
+        assert torch.equal(pt.AlibiAttention(4, "fixed", block_size=8)(q, k, v),
+                           pt.fixed_block_attention(q, k, v, 8))
+    custom = pt.AlibiAttention(4, "exact", slopes=[0.5, 0.5, 0.1, 0.1], causal=False)
+    assert torch.equal(custom(q, k, v),
+                       pt.exact_alibi_attention(q, k, v, [0.5, 0.5, 0.1, 0.1], causal=False))
+    # Gradients flow through the module.
+    q.requires_grad_()
+    pt.AlibiAttention(4, "plsh", samples=3)(q, k, v).sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+    with pytest.raises(ValueError, match=r"method must be one of"):
+        pt.AlibiAttention(4, method="dense")
+    with pytest.raises(ValueError, match=r"heads must be at least 1"):
+        pt.AlibiAttention(0)
+    with pytest.raises(ValueError, match=r"slopes has 2 entries, heads is 4"):
+        pt.AlibiAttention(4, slopes=[0.1, 0.2])
+    with pytest.raises(ValueError, match=r"q has 4 heads \(shape\[-2\]\), the module 2"):
+        pt.AlibiAttention(2)(q, k, v)
