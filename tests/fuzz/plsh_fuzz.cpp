@@ -1,17 +1,21 @@
 // libFuzzer target: plsh's attention kernels against the dense double references, on small
 // problems decoded from the fuzzer's bytes.
 //
-// One input is one configuration: float or double; n_q, n_k in 0..40; H in 1..4 query heads over
-// H_kv key/value heads (H_kv divides H); d and d_v in 1..8; s in 1..8; one slope per head from 0 to
-// 1e300; causal or not; a default or explicit scale; query and key positions that are small,
-// near 2^53, or near INT64_MAX; packed, head-major or padded layouts; data from the bytes; and up
-// to three non-finite entries (NaN, +Inf, -Inf, one element or a whole row) in q, k or v.
+// One input is one configuration: a kernel family (Positional LSH, exact ALiBi, windowed ALiBi or
+// fixed blocks); float or double; n_q, n_k in 0..24; H in 1..4 query heads over H_kv key/value
+// heads (H_kv divides H); d and d_v in 1..8; s in 1..8; one slope per head from 0 to 1e300; a block
+// size from 0 to INT64_MAX; causal or not; a default or explicit scale; query and key positions
+// that are small, negative, near kMaxPosition = 2^53, or near INT64_MAX; packed, head-major or
+// padded layouts; data from the bytes; and up to three non-finite entries (NaN, +Inf, -Inf, one
+// element or a whole row) in q, k or v. One family per input keeps an execution under a
+// millisecond or so.
 //
-// Checks, for plsh_attention (Fused and Passes), exact_alibi_attention, windowed_alibi_attention
-// and both backward kernels:
+// Checks, for the family's kernels (plsh_attention Fused and Passes and its backward;
+// exact_alibi_attention and its backward; windowed_alibi_attention; fixed_block_attention and its
+// backward):
 // - nothing crashes or hangs, the only exception is std::invalid_argument (then the kernel is
-//   skipped), Fused and Passes accept the same inputs, and no accepted input has an end position
-//   beyond INT64_MAX;
+//   skipped), Fused and Passes accept the same inputs, and no accepted input has a position or an
+//   end position outside [0, kMaxPosition];
 // - the input contract, with "visible" meaning factor > 0 and allowed by causality, and logits
 //   S = scale q.k computed here in double: a row with no visible key is zeros; a row with a NaN or
 //   +Inf visible logit is NaN; a row whose visible logits are all -Inf is zeros or NaN; otherwise
@@ -28,6 +32,7 @@
 // - padding of the output views is untouched.
 //
 // A failed check prints the configuration and aborts (libFuzzer keeps the input as a crash file).
+// With PLSH_FUZZ_VERBOSE set, every input prints its configuration (for replaying one file).
 // Built and run by tests/fuzz/run.sh.
 
 #include <fuzzer/FuzzedDataProvider.h>
@@ -71,12 +76,19 @@ struct Poison {
   double value;
 };
 
+/// The kernels one input runs.
+enum class Family { Plsh, ExactAlibi, WindowedAlibi, FixedBlock };
+constexpr int kFamilies = 4;
+const char* const kFamilyNames[kFamilies] = {"plsh", "exact", "windowed", "fixed_block"};
+
 struct Config {
+  Family family = Family::Plsh;
   bool use_float = false;
   Index n_q = 0, n_k = 0, heads = 1, kv_heads = 1, dim = 1, value_dim = 1;
   std::vector<double> slopes;
   plsh::PlshOptions options;
   double window_tolerance = 0;
+  Index block_size = 1;
   Layout layout = Layout::Packed;
   std::vector<Poison> poisons;
   std::uint64_t fill_seed = 0;
@@ -85,12 +97,13 @@ struct Config {
 std::string describe(const Config& c) {
   std::ostringstream s;
   s.precision(17);
-  s << (c.use_float ? "float" : "double") << " n_q=" << c.n_q << " n_k=" << c.n_k
-    << " H=" << c.heads << " H_kv=" << c.kv_heads << " d=" << c.dim << " d_v=" << c.value_dim
-    << " samples=" << c.options.samples << " seed=" << c.options.seed
-    << (c.options.causal ? " causal" : " bidirectional") << " scale=" << c.options.scale
-    << " query_position=" << c.options.query_position << " key_position=" << c.options.key_position
-    << " tolerance=" << c.window_tolerance << " layout=" << c.layout << " slopes=";
+  s << kFamilyNames[static_cast<int>(c.family)] << ' ' << (c.use_float ? "float" : "double")
+    << " n_q=" << c.n_q << " n_k=" << c.n_k << " H=" << c.heads << " H_kv=" << c.kv_heads
+    << " d=" << c.dim << " d_v=" << c.value_dim << " samples=" << c.options.samples
+    << " seed=" << c.options.seed << (c.options.causal ? " causal" : " bidirectional")
+    << " scale=" << c.options.scale << " query_position=" << c.options.query_position
+    << " key_position=" << c.options.key_position << " tolerance=" << c.window_tolerance
+    << " block_size=" << c.block_size << " layout=" << c.layout << " slopes=";
   for (const double slope : c.slopes) s << slope << ' ';
   for (const Poison& p : c.poisons) {
     s << "\n  "
@@ -108,19 +121,22 @@ const Config* current_config = nullptr;
   std::abort();
 }
 
-/// Query and key positions: mostly small, sometimes at or beyond 2^53 or near INT64_MAX.
+/// Query and key positions: mostly small, sometimes negative, at or beyond kMaxPosition = 2^53 or
+/// near INT64_MAX.
 Index decode_position(FuzzedDataProvider& data) {
-  const int mode = data.ConsumeIntegralInRange<int>(0, 11);
+  const int mode = data.ConsumeIntegralInRange<int>(0, 12);
   const Index offset = data.ConsumeIntegralInRange<Index>(0, 64);
   switch (mode) {
     case 8:
-      return (Index{1} << 53) - offset;
+      return plsh::kMaxPosition - offset;
     case 9:
-      return (Index{1} << 53) + offset;
+      return plsh::kMaxPosition + offset;
     case 10:
       return (Index{1} << 62) + offset;
     case 11:
       return kIndexMax - offset;
+    case 12:
+      return -1 - offset;
     default:
       return offset;
   }
@@ -137,9 +153,10 @@ double decode_slope(FuzzedDataProvider& data, Index heads, Index h) {
 
 Config decode(FuzzedDataProvider& data) {
   Config c;
+  c.family = static_cast<Family>(data.ConsumeIntegralInRange<int>(0, kFamilies - 1));
   c.use_float = data.ConsumeBool();
-  c.n_q = data.ConsumeIntegralInRange<Index>(0, 40);
-  c.n_k = data.ConsumeIntegralInRange<Index>(0, 40);
+  c.n_q = data.ConsumeIntegralInRange<Index>(0, 24);
+  c.n_k = data.ConsumeIntegralInRange<Index>(0, 24);
   c.kv_heads = data.ConsumeIntegralInRange<Index>(1, 4);
   c.heads = c.kv_heads * data.ConsumeIntegralInRange<Index>(1, 4 / c.kv_heads);
   c.dim = data.ConsumeIntegralInRange<Index>(1, 8);
@@ -157,6 +174,22 @@ Config decode(FuzzedDataProvider& data) {
   static const double tolerances[] = {0, 1e-6, 1e-3, 0.1, 0.5, 1};
   c.window_tolerance =
       tolerances[data.ConsumeIntegralInRange<int>(0, sizeof(tolerances) / sizeof(double) - 1)];
+  static const Index block_sizes[] = {0,
+                                      1,
+                                      2,
+                                      3,
+                                      4,
+                                      5,
+                                      7,
+                                      8,
+                                      16,
+                                      64,
+                                      Index{1} << 26,
+                                      (Index{1} << 52) + 1,
+                                      plsh::kMaxPosition,
+                                      kIndexMax};
+  c.block_size =
+      block_sizes[data.ConsumeIntegralInRange<int>(0, sizeof(block_sizes) / sizeof(Index) - 1)];
   static const Layout layouts[] = {Layout::Packed, Layout::Packed, Layout::HeadMajor,
                                    Layout::PaddedRows};
   c.layout = layouts[data.ConsumeIntegralInRange<int>(0, 3)];
@@ -235,12 +268,16 @@ double max_abs_finite(const Buffer<Scalar>& buffer) {
 
 /// Calls `kernel()`; false when it throws std::invalid_argument (any other exception escapes and
 /// ends the run).
+/// The message of the last std::invalid_argument that accepts() caught.
+std::string last_rejection;
+
 template <class Kernel>
 bool accepts(Kernel&& kernel) {
   try {
     kernel();
     return true;
-  } catch (const std::invalid_argument&) {
+  } catch (const std::invalid_argument& error) {
+    last_rejection = error.what();
     return false;
   }
 }
@@ -553,13 +590,14 @@ void run_backward(const char* name, const Config& c, const Inputs<Scalar>& in,
         backward(in.q.in(), in.k.in(), in.v.in(), out.in(), in.dout.in(), got[0].view, got[1].view,
                  got[2].view);
       })) {
-    fail(std::string(name) + " rejects what its forward accepted");
+    fail(std::string(name) + " rejects what its forward accepted: " + last_rejection);
   }
   if (!accepts([&] {
         reference(clean.q.in(), clean.k.in(), clean.v.in(), clean.dout.in(), want[0].view,
                   want[1].view, want[2].view);
       })) {
-    fail(std::string("reference of ") + name + " rejects what the kernel accepted");
+    fail(std::string("reference of ") + name +
+         " rejects what the kernel accepted: " + last_rejection);
   }
   check_gradients(name, c, in.q, in.k, in.v, in.dout, x, got, want, all_finite);
 }
@@ -580,53 +618,64 @@ void run(const Config& c, FuzzedDataProvider& data) {
   const bool all_finite = c.poisons.empty();
 
   const auto output = [&] { return Buffer<Scalar>(c.n_q, c.heads, c.value_dim, c.layout); };
-  const auto end_overflows = [&] {
-    return c.options.query_position > kIndexMax - c.n_q ||
-           c.options.key_position > kIndexMax - c.n_k;
+  // Every position and every end `position + tokens` in [0, kMaxPosition] (overflow-free test).
+  const auto positions_in_range = [&] {
+    return c.options.query_position >= 0 && c.options.key_position >= 0 &&
+           c.options.query_position <= plsh::kMaxPosition - c.n_q &&
+           c.options.key_position <= plsh::kMaxPosition - c.n_k;
   };
   // Runs a forward kernel and its reference on the actual and the zeroed inputs; false when the
   // kernel rejects the input.
   const auto forward = [&](const char* name, Buffer<Scalar>& out, Buffer<Scalar>& reference,
                            Buffer<Scalar>& zeroed_reference, auto&& kernel, auto&& oracle) {
     if (!accepts([&] { kernel(in, out); })) return false;
-    if (end_overflows()) fail(std::string(name) + " accepts positions whose end overflows");
+    if (!positions_in_range()) {
+      fail(std::string(name) + " accepts positions outside [0, kMaxPosition]");
+    }
     if (!accepts([&] { oracle(in, reference); }) ||
         !(all_finite || accepts([&] { oracle(clean, zeroed_reference); }))) {
-      fail(std::string("the reference of ") + name + " rejects what the kernel accepts");
+      fail(std::string("the reference of ") + name +
+           " rejects what the kernel accepts: " + last_rejection);
     }
     if (all_finite) zeroed_reference = reference;
     return true;
   };
+  const auto alibi_factor = [&](Index h, Index i, Index j) {
+    const double log_factor =
+        plsh::reference::alibi_log_factor(c.slopes[static_cast<std::size_t>(h)], i, j);
+    return Factor{true, std::isnan(log_factor) ? -kInf : log_factor};
+  };
 
-  // Positional LSH: Fused, Passes, the dense reference with the same draws, the backward.
-  {
-    plsh::PlshOptions fused_options = c.options, passes_options = c.options;
-    fused_options.kernel = plsh::Kernel::Fused;
-    passes_options.kernel = plsh::Kernel::Passes;
-    Buffer<Scalar> fused = output(), passes = output(), reference = output(),
-                   zeroed_reference = output();
-    const auto oracle = [&](const Inputs<Scalar>& x, Buffer<Scalar>& out) {
-      plsh::reference::plsh_attention<Scalar>(x.q.in(), x.k.in(), x.v.in(), out.view, c.slopes,
-                                              c.options);
-    };
-    const bool fused_ok = forward(
-        "plsh_attention (Fused)", fused, reference, zeroed_reference,
-        [&](const Inputs<Scalar>& x, Buffer<Scalar>& out) {
-          plsh::plsh_attention<Scalar>(x.q.in(), x.k.in(), x.v.in(), out.view, c.slopes,
-                                       fused_options);
-        },
-        oracle);
-    const bool passes_ok = accepts([&] {
-      plsh::plsh_attention<Scalar>(in.q.in(), in.k.in(), in.v.in(), passes.view, c.slopes,
-                                   passes_options);
-    });
-    if (fused_ok != passes_ok) fail("Fused and Passes disagree on accepting the input");
-    if (fused_ok) {
-      const auto grids = plsh::detail::draw_head_grids(c.slopes, c.options.samples, c.options.seed);
-      const auto mask = plsh::reference::mean_mask_factor(grids);
+  switch (c.family) {
+    case Family::Plsh: {
+      // Positional LSH: Fused, Passes, the dense reference with the same draws, the backward.
+      plsh::PlshOptions fused_options = c.options, passes_options = c.options;
+      fused_options.kernel = plsh::Kernel::Fused;
+      passes_options.kernel = plsh::Kernel::Passes;
+      Buffer<Scalar> fused = output(), passes = output(), reference = output(),
+                     zeroed_reference = output();
+      const auto oracle = [&](const Inputs<Scalar>& x, Buffer<Scalar>& out) {
+        plsh::reference::plsh_attention<Scalar>(x.q.in(), x.k.in(), x.v.in(), out.view, c.slopes,
+                                                c.options);
+      };
+      const bool fused_ok = forward(
+          "plsh_attention (Fused)", fused, reference, zeroed_reference,
+          [&](const Inputs<Scalar>& x, Buffer<Scalar>& out) {
+            plsh::plsh_attention<Scalar>(x.q.in(), x.k.in(), x.v.in(), out.view, c.slopes,
+                                         fused_options);
+          },
+          oracle);
+      const bool passes_ok = accepts([&] {
+        plsh::plsh_attention<Scalar>(in.q.in(), in.k.in(), in.v.in(), passes.view, c.slopes,
+                                     passes_options);
+      });
+      if (fused_ok != passes_ok) fail("Fused and Passes disagree on accepting the input");
+      if (!fused_ok) return;
+      const auto grids = plsh::draw_head_grids(c.slopes, c.options.samples, c.options.seed);
+      const auto log_mask = plsh::reference::mean_mask_log_factor(grids);
       const Expectation<Scalar> x = expect(c, in.q, in.k, in.v, [&](Index h, Index i, Index j) {
-        const double shared = mask(h, i, j);
-        return Factor{shared > 0, std::log(shared)};
+        const double log_factor = log_mask(h, i, j);
+        return Factor{log_factor > -kInf, log_factor};
       });
       check_output("plsh_attention (Fused)", fused, reference, zeroed_reference, x);
       check_output("plsh_attention (Passes)", passes, reference, zeroed_reference, x);
@@ -641,29 +690,21 @@ void run(const Config& c, FuzzedDataProvider& data) {
             plsh::reference::plsh_attention_backward<Scalar>(q, k, v, dout, dq, dk, dv, c.slopes,
                                                              c.options);
           });
+      return;
     }
-  }
-
-  const auto alibi_factor = [&](Index h, Index i, Index j) {
-    const double log_factor =
-        -c.slopes[static_cast<std::size_t>(h)] * static_cast<double>(i > j ? i - j : j - i);
-    return Factor{true, std::isnan(log_factor) ? -kInf : log_factor};
-  };
-
-  // Exact ALiBi and its backward.
-  {
-    Buffer<Scalar> out = output(), reference = output(), zeroed_reference = output();
-    const bool ok = forward(
-        "exact_alibi_attention", out, reference, zeroed_reference,
-        [&](const Inputs<Scalar>& x, Buffer<Scalar>& o) {
-          plsh::exact_alibi_attention<Scalar>(x.q.in(), x.k.in(), x.v.in(), o.view, c.slopes,
-                                              c.options);
-        },
-        [&](const Inputs<Scalar>& x, Buffer<Scalar>& o) {
-          plsh::reference::alibi_attention<Scalar>(x.q.in(), x.k.in(), x.v.in(), o.view, c.slopes,
-                                                   c.options);
-        });
-    if (ok) {
+    case Family::ExactAlibi: {
+      Buffer<Scalar> out = output(), reference = output(), zeroed_reference = output();
+      const bool ok = forward(
+          "exact_alibi_attention", out, reference, zeroed_reference,
+          [&](const Inputs<Scalar>& x, Buffer<Scalar>& o) {
+            plsh::exact_alibi_attention<Scalar>(x.q.in(), x.k.in(), x.v.in(), o.view, c.slopes,
+                                                c.options);
+          },
+          [&](const Inputs<Scalar>& x, Buffer<Scalar>& o) {
+            plsh::reference::alibi_attention<Scalar>(x.q.in(), x.k.in(), x.v.in(), o.view, c.slopes,
+                                                     c.options);
+          });
+      if (!ok) return;
       const Expectation<Scalar> x = expect(c, in.q, in.k, in.v, alibi_factor);
       check_output("exact_alibi_attention", out, reference, zeroed_reference, x);
       run_backward(
@@ -676,29 +717,58 @@ void run(const Config& c, FuzzedDataProvider& data) {
             plsh::reference::alibi_attention_backward<Scalar>(q, k, v, dout, dq, dk, dv, c.slopes,
                                                               c.options);
           });
+      return;
     }
-  }
-
-  // Windowed ALiBi.
-  {
-    Buffer<Scalar> out = output(), reference = output(), zeroed_reference = output();
-    const bool ok = forward(
-        "windowed_alibi_attention", out, reference, zeroed_reference,
-        [&](const Inputs<Scalar>& x, Buffer<Scalar>& o) {
-          plsh::windowed_alibi_attention<Scalar>(x.q.in(), x.k.in(), x.v.in(), o.view, c.slopes,
-                                                 c.window_tolerance, c.options);
-        },
-        [&](const Inputs<Scalar>& x, Buffer<Scalar>& o) {
-          plsh::reference::windowed_alibi_attention<Scalar>(
-              x.q.in(), x.k.in(), x.v.in(), o.view, c.slopes, c.window_tolerance, c.options);
-        });
-    if (ok) {
+    case Family::WindowedAlibi: {
+      Buffer<Scalar> out = output(), reference = output(), zeroed_reference = output();
+      const bool ok = forward(
+          "windowed_alibi_attention", out, reference, zeroed_reference,
+          [&](const Inputs<Scalar>& x, Buffer<Scalar>& o) {
+            plsh::windowed_alibi_attention<Scalar>(x.q.in(), x.k.in(), x.v.in(), o.view, c.slopes,
+                                                   c.window_tolerance, c.options);
+          },
+          [&](const Inputs<Scalar>& x, Buffer<Scalar>& o) {
+            plsh::reference::windowed_alibi_attention<Scalar>(
+                x.q.in(), x.k.in(), x.v.in(), o.view, c.slopes, c.window_tolerance, c.options);
+          });
+      if (!ok) return;
       const Expectation<Scalar> x = expect(c, in.q, in.k, in.v, [&](Index h, Index i, Index j) {
         const Factor f = alibi_factor(h, i, j);
         // In log space: a factor that rounds to 1 in double is still below a tolerance of 1.
         return Factor{f.log_factor >= std::log(c.window_tolerance), f.log_factor};
       });
       check_output("windowed_alibi_attention", out, reference, zeroed_reference, x);
+      return;
+    }
+    case Family::FixedBlock: {
+      Buffer<Scalar> out = output(), reference = output(), zeroed_reference = output();
+      const bool ok = forward(
+          "fixed_block_attention", out, reference, zeroed_reference,
+          [&](const Inputs<Scalar>& x, Buffer<Scalar>& o) {
+            plsh::fixed_block_attention<Scalar>(x.q.in(), x.k.in(), x.v.in(), o.view, c.block_size,
+                                                c.options);
+          },
+          [&](const Inputs<Scalar>& x, Buffer<Scalar>& o) {
+            plsh::reference::fixed_block_attention<Scalar>(x.q.in(), x.k.in(), x.v.in(), o.view,
+                                                           c.block_size, c.options);
+          });
+      if (!ok) return;
+      // Blocks [0, b), [b, 2b), ... of absolute positions, by integer division.
+      const Expectation<Scalar> x = expect(c, in.q, in.k, in.v, [&](Index, Index i, Index j) {
+        return i / c.block_size == j / c.block_size ? Factor{true, 0.0} : Factor{false, -kInf};
+      });
+      check_output("fixed_block_attention", out, reference, zeroed_reference, x);
+      run_backward(
+          "fixed_block_attention_backward", c, in, clean, out, x, all_finite,
+          [&](auto q, auto k, auto v, auto o, auto dout, auto dq, auto dk, auto dv) {
+            plsh::fixed_block_attention_backward<Scalar>(q, k, v, o, dout, dq, dk, dv, c.block_size,
+                                                         c.options);
+          },
+          [&](auto q, auto k, auto v, auto dout, auto dq, auto dk, auto dv) {
+            plsh::reference::fixed_block_attention_backward<Scalar>(q, k, v, dout, dq, dk, dv,
+                                                                    c.block_size, c.options);
+          });
+      return;
     }
   }
 }
@@ -709,6 +779,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* bytes, std::size_t siz
   FuzzedDataProvider data(bytes, size);
   const Config config = decode(data);
   current_config = &config;
+  if (std::getenv("PLSH_FUZZ_VERBOSE") != nullptr) {
+    std::fprintf(stderr, "plsh_fuzz: %s\n", describe(config).c_str());
+  }
   if (config.use_float) {
     run<float>(config, data);
   } else {

@@ -165,15 +165,24 @@ void plsh_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scal
   mask_attention(q, k, v, out, draw_head_grids(slopes, options.samples, options.seed), options);
 }
 
+/// The log-factor of fixed blocks of `block_size` as a function `(h, p_i, p_j)`: 0 when
+/// \f$\lfloor p_i/b\rfloor = \lfloor p_j/b\rfloor\f$ (integer division of the non-negative
+/// positions), \f$-\infty\f$ otherwise. \throws std::invalid_argument for `block_size < 1`.
+inline auto fixed_block_log_factor(Index block_size, const char* function) {
+  detail::require(block_size >= 1, function, "block_size must be at least 1");
+  return [block_size](Index, Index i, Index j) {
+    return i / block_size == j / block_size ? 0.0 : internal::kMasked;
+  };
+}
+
 /// Fixed blocks of `block_size`: \f$F_{ij} = 1\f$ when \f$\lfloor p_i/b\rfloor = \lfloor
 /// p_j/b\rfloor\f$.
 template <class Scalar>
 void fixed_block_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
                            const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
                            Index block_size, const AttentionOptions& options = {}) {
-  factor_attention(q, k, v, out, options, [&](Index, Index i, Index j) {
-    return i / block_size == j / block_size ? 0.0 : internal::kMasked;
-  });
+  factor_attention(q, k, v, out, options,
+                   fixed_block_log_factor(block_size, "reference::fixed_block_attention"));
 }
 
 /// Dense backward of factor_attention in double, straight from the formulas of backward.hpp:
@@ -192,7 +201,7 @@ void factor_attention_backward(const HeadsView<const Scalar>& q, const HeadsView
   // dout has the shape of the forward's output; each gradient has the shape of its input.
   detail::validate_inputs(function, q, k, v);
   detail::validate_output_shape(function, dout, q, v);
-  detail::validate_options(function, options);
+  detail::validate_options<Scalar>(function, options, q.tokens, k.tokens, q.dim);
   const HeadsView<Scalar> gradients[] = {dq, dk, dv};
   const HeadsView<const Scalar> likes[] = {q, k, v};
   const HeadsView<const Scalar> inputs[] = {q, k, v, dout};
@@ -273,6 +282,20 @@ void plsh_attention_backward(const HeadsView<const Scalar>& q, const HeadsView<c
   detail::require_samples(options.samples, "reference::plsh_attention_backward", "options.samples");
   const auto grids = draw_head_grids(slopes, options.samples, options.seed);
   factor_attention_backward(q, k, v, dout, dq, dk, dv, options, mean_mask_log_factor(grids));
+}
+
+/// Backward of fixed blocks of `block_size` (fixed_block_log_factor).
+template <class Scalar>
+void fixed_block_attention_backward(const HeadsView<const Scalar>& q,
+                                    const HeadsView<const Scalar>& k,
+                                    const HeadsView<const Scalar>& v,
+                                    const HeadsView<const Scalar>& dout,
+                                    const HeadsView<Scalar>& dq, const HeadsView<Scalar>& dk,
+                                    const HeadsView<Scalar>& dv, Index block_size,
+                                    const AttentionOptions& options = {}) {
+  factor_attention_backward(
+      q, k, v, dout, dq, dk, dv, options,
+      fixed_block_log_factor(block_size, "reference::fixed_block_attention_backward"));
 }
 
 }  // namespace reference
