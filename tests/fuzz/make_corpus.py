@@ -1,5 +1,8 @@
 #!/usr/bin/python3
-"""Writes the seed corpus of plsh_fuzz: 48 byte strings of 8 to 500 bytes from a fixed seed.
+"""Writes the initial seeds of plsh_fuzz: 48 byte strings of 8 to 500 bytes from a fixed seed.
+
+tests/fuzz/corpus/ holds these seeds merged with what fuzzing found, minimised with libFuzzer's
+-merge=1 (the smallest set of inputs with the same coverage).
 
 plsh_fuzz decodes the configuration from the last bytes of an input and the data from the rest,
 so random strings of these lengths cover small and large problems, both scalar types, every

@@ -640,10 +640,11 @@ void run(const Config& c, FuzzedDataProvider& data) {
     if (all_finite) zeroed_reference = reference;
     return true;
   };
+  // ALiBi relative to the row's nearest key (the kernels' bias): a row whose every m|p_i - p_j|
+  // overflows double still has its nearest keys.
+  const auto alibi_log_factor = plsh::reference::alibi_row_log_factor(c.slopes, c.options, c.n_k);
   const auto alibi_factor = [&](Index h, Index i, Index j) {
-    const double log_factor =
-        plsh::reference::alibi_log_factor(c.slopes[static_cast<std::size_t>(h)], i, j);
-    return Factor{true, std::isnan(log_factor) ? -kInf : log_factor};
+    return Factor{true, alibi_log_factor(h, i, j)};
   };
 
   switch (c.family) {
@@ -733,9 +734,10 @@ void run(const Config& c, FuzzedDataProvider& data) {
           });
       if (!ok) return;
       const Expectation<Scalar> x = expect(c, in.q, in.k, in.v, [&](Index h, Index i, Index j) {
-        const Factor f = alibi_factor(h, i, j);
         // In log space: a factor that rounds to 1 in double is still below a tolerance of 1.
-        return Factor{f.log_factor >= std::log(c.window_tolerance), f.log_factor};
+        const double absolute =
+            plsh::reference::alibi_log_factor(c.slopes[static_cast<std::size_t>(h)], i, j);
+        return Factor{absolute >= std::log(c.window_tolerance), alibi_log_factor(h, i, j)};
       });
       check_output("windowed_alibi_attention", out, reference, zeroed_reference, x);
       return;

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer target tests/fuzz/plsh_fuzz.cpp (clang++, ASan, UBSan) in build/fuzz, runs
-# every input of tests/fuzz/regressions/ once, then fuzzes from a copy of the seed corpus
+# every input of tests/fuzz/regressions/ once, then fuzzes from a copy of the corpus
 # tests/fuzz/corpus/ for a bounded time. Any finding (failed check, crash, sanitizer report, an
 # exception other than std::invalid_argument, an input running longer than 10 s) makes the exit
 # status non-zero; the input is kept in build/fuzz/findings/.
