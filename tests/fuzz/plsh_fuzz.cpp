@@ -734,10 +734,13 @@ void run(const Config& c, FuzzedDataProvider& data) {
           });
       if (!ok) return;
       const Expectation<Scalar> x = expect(c, in.q, in.k, in.v, [&](Index h, Index i, Index j) {
-        // In log space: a factor that rounds to 1 in double is still below a tolerance of 1.
-        const double absolute =
-            plsh::reference::alibi_log_factor(c.slopes[static_cast<std::size_t>(h)], i, j);
-        return Factor{absolute >= std::log(c.window_tolerance), alibi_log_factor(h, i, j)};
+        // The documented window |p_i - p_j| <= floor(ln(1/tolerance)/m): a factor that rounds
+        // to 1 in double is still below a tolerance of 1.
+        const double slope = c.slopes[static_cast<std::size_t>(h)];
+        const bool kept = slope == 0 || c.window_tolerance == 0 ||
+                          static_cast<double>(i > j ? i - j : j - i) <=
+                              std::floor(std::log(1.0 / c.window_tolerance) / slope);
+        return Factor{kept, alibi_log_factor(h, i, j)};
       });
       check_output("windowed_alibi_attention", out, reference, zeroed_reference, x);
       return;

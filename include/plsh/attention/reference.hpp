@@ -130,7 +130,10 @@ void alibi_attention(const HeadsView<const Scalar>& q, const HeadsView<const Sca
   factor_attention(q, k, v, out, options, alibi_row_log_factor(slopes, options, k.tokens));
 }
 
-/// ALiBi without the keys whose factor \f$e^{-m|p_i - p_j|}\f$ is below `tolerance`.
+/// ALiBi without the keys whose factor \f$e^{-m|p_i - p_j|}\f$ is below `tolerance`: the keys
+/// with \f$|p_i - p_j| \le \lfloor \ln(1/\text{tolerance})/m\rfloor\f$, every key when m or the
+/// tolerance is 0. (Not \f$e^{-m|p_i - p_j|}\f$ in double, which is 1 for \f$m|p_i - p_j| <
+/// 2^{-53}\f$.)
 template <class Scalar>
 void windowed_alibi_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
                               const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
@@ -139,8 +142,11 @@ void windowed_alibi_attention(const HeadsView<const Scalar>& q, const HeadsView<
   detail::validate_slopes("reference::windowed_alibi_attention", slopes, q.heads);
   const auto row_log_factor = alibi_row_log_factor(slopes, options, k.tokens);
   factor_attention(q, k, v, out, options, [&](Index h, Index i, Index j) {
-    const double log_f = alibi_log_factor(slopes[static_cast<std::size_t>(h)], i, j);
-    return std::exp(log_f) >= tolerance ? row_log_factor(h, i, j) : internal::kMasked;
+    const double slope = slopes[static_cast<std::size_t>(h)];
+    const bool kept =
+        slope == 0 || tolerance == 0 ||
+        static_cast<double>(i > j ? i - j : j - i) <= std::floor(std::log(1.0 / tolerance) / slope);
+    return kept ? row_log_factor(h, i, j) : internal::kMasked;
   });
 }
 
