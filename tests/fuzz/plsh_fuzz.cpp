@@ -377,7 +377,11 @@ Expectation<Scalar> expect(const Config& c, const Buffer<Scalar>& q, const Buffe
         for (Index j = 0; j < c.n_k; ++j) {
           const auto jj = static_cast<std::size_t>(j);
           if (!visible[jj]) continue;
-          const bool carries = std::isfinite(logits[jj]);
+          // A logit below -max<Scalar> is -Inf in the kernel's scalar type: weight 0, and its
+          // non-finite values may or may not reach the row.
+          const bool carries =
+              std::isfinite(logits[jj]) &&
+              logits[jj] >= -static_cast<double>(std::numeric_limits<Scalar>::max());
           if (carries && logits[jj] >= max_logit - 60) {
             row.weight_magnitude = std::max(row.weight_magnitude, magnitudes[jj]);
           }
