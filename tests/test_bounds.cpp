@@ -351,8 +351,27 @@ TEST_CASE("view checks do not overflow", "[bounds][views]") {
                                                      overlapping, problem.slopes()),
                         Contains("out strides make rows overlap"));
   }
+  SECTION("a gradient without tokens is accepted whatever its strides") {
+    // Head-major views of no keys have head_stride = tokens * dim = 0: no rows, nothing overlaps.
+    const auto head_major = [](Index tokens, Index heads, Index dim) {
+      return Buffer<double>(tokens, heads, dim, plsh_test::Layout::HeadMajor);
+    };
+    Buffer<double> q = head_major(3, 4, 2), k = head_major(0, 2, 2), v = head_major(0, 2, 5);
+    Buffer<double> out = head_major(3, 4, 5), dout = head_major(3, 4, 5);
+    Buffer<double> dq = head_major(3, 4, 2), dk = head_major(0, 2, 2), dv = head_major(0, 2, 5);
+    q.fill_random(1);
+    dout.fill_random(2);
+    REQUIRE(dk.view.head_stride == 0);
+    const std::vector<double> slopes = plsh::alibi_slopes(4);
+    plsh::exact_alibi_attention<double>(q.in(), k.in(), v.in(), out.view, slopes);
+    REQUIRE_NOTHROW(plsh::exact_alibi_attention_backward<double>(
+        q.in(), k.in(), v.in(), out.in(), dout.in(), dq.view, dk.view, dv.view, slopes));
+    for (Index t = 0; t < 3; ++t)
+      for (Index h = 0; h < 4; ++h)
+        for (Index e = 0; e < 2; ++e) REQUIRE(dq.at(t, h, e) == 0.0);
+  }
   SECTION("rows_disjoint is exact: it agrees with a pairwise test on every small layout") {
-    for (Index tokens = 1; tokens <= 4; ++tokens) {
+    for (Index tokens = 0; tokens <= 4; ++tokens) {
       for (Index heads = 1; heads <= 4; ++heads) {
         for (Index dim = 1; dim <= 3; ++dim) {
           for (Index ts = 0; ts <= 13; ++ts) {

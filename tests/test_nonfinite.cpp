@@ -390,9 +390,9 @@ TEST_CASE("fixed_block_attention_backward equals the dense reference", "[backwar
                                                    out.in(), dout.in(), dq.view, dk.view, dv.view,
                                                    block, options);
       Buffer<double> rq = dq, rk = dk, rv = dv;
-      plsh::reference::factor_attention_backward<double>(
-          problem.q.in(), problem.k.in(), problem.v.in(), dout.in(), rq.view, rk.view, rv.view,
-          options, [&](Index, Index i, Index j) { return (i / block == j / block) ? 1.0 : 0.0; });
+      plsh::reference::fixed_block_attention_backward<double>(problem.q.in(), problem.k.in(),
+                                                              problem.v.in(), dout.in(), rq.view,
+                                                              rk.view, rv.view, block, options);
       CHECK(plsh_test::max_abs_difference(dq.view, rq.view) <= 1e-11);
       CHECK(plsh_test::max_abs_difference(dk.view, rk.view) <= 1e-11);
       CHECK(plsh_test::max_abs_difference(dv.view, rv.view) <= 1e-11);

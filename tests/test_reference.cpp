@@ -205,3 +205,97 @@ TEST_CASE("the backward reference rejects bad gradients", "[reference]") {
   on_dq.data = dq.storage.data();
   REQUIRE_THROWS_WITH(call(dq.view, on_dq), "reference::factor_attention_backward: dv overlaps dq");
 }
+
+TEST_CASE("the fixed-block references reject a block size below 1", "[reference][fixed]") {
+  Problem<double> problem(Shape{4, 4, 2, 1, 4, 3}, 11);
+  Buffer<double> out = problem.output(), dout = problem.output();
+  Buffer<double> dq(4, 2, 4), dk(4, 1, 4), dv(4, 1, 3);
+  for (const Index block : {Index(0), Index(-3)}) {
+    REQUIRE_THROWS_AS(plsh::reference::fixed_block_attention(problem.q.in(), problem.k.in(),
+                                                             problem.v.in(), out.view, block),
+                      std::invalid_argument);
+    REQUIRE_THROWS_WITH(plsh::reference::fixed_block_attention(problem.q.in(), problem.k.in(),
+                                                               problem.v.in(), out.view, block),
+                        "reference::fixed_block_attention: block_size must be at least 1");
+    REQUIRE_THROWS_WITH(plsh::reference::fixed_block_attention_backward(
+                            problem.q.in(), problem.k.in(), problem.v.in(), dout.in(), dq.view,
+                            dk.view, dv.view, block),
+                        "reference::fixed_block_attention_backward: block_size must be at least 1");
+  }
+}
+
+TEST_CASE("the backward references with no keys give zero gradients", "[reference]") {
+  // Grouped heads, both layouts: every q head and every k head is read, none has a row.
+  for (const plsh_test::Layout layout : {plsh_test::Layout::Packed, plsh_test::Layout::HeadMajor}) {
+    INFO("layout " << layout);
+    const Shape shape{5, 0, 4, 2, 3, 2};
+    Problem<double> problem(shape, 13, layout);
+    Buffer<double> dout(shape.n_q, shape.heads, shape.value_dim, layout);
+    dout.fill_random(14);
+    Buffer<double> dq(shape.n_q, shape.heads, shape.dim, layout),
+        dk(0, shape.kv_heads, shape.dim, layout), dv(0, shape.kv_heads, shape.value_dim, layout);
+    const auto all_zero = [&] {
+      for (Index t = 0; t < shape.n_q; ++t)
+        for (Index h = 0; h < shape.heads; ++h)
+          for (Index e = 0; e < shape.dim; ++e)
+            if (dq.at(t, h, e) != 0.0) return false;
+      return true;
+    };
+    dq.fill_random(15);
+    plsh::reference::alibi_attention_backward(problem.q.in(), problem.k.in(), problem.v.in(),
+                                              dout.in(), dq.view, dk.view, dv.view,
+                                              std::vector<double>{0.5, 0.25, 0.125, 1.0});
+    REQUIRE(all_zero());
+    dq.fill_random(16);
+    plsh::reference::fixed_block_attention_backward(problem.q.in(), problem.k.in(), problem.v.in(),
+                                                    dout.in(), dq.view, dk.view, dv.view, 4);
+    REQUIRE(all_zero());
+  }
+}
+
+TEST_CASE("the ALiBi references keep the nearest keys when slope * distance overflows",
+          "[reference]") {
+  // Slope 1e300 at distance about 2^53: every m|p_i - p_j| is infinite in double. The softmax is
+  // shift-invariant, so the true weights are those of -m(|p_i - p_j| - r_i): all on the nearest
+  // key.
+  const Index keys = 6;
+  Problem<double> problem(Shape{2, keys, 1, 1, 4, 3}, 17);
+  plsh::AttentionOptions options;
+  options.causal = true;
+  options.key_position = 0;
+  options.query_position = plsh::kMaxPosition - 2;
+  const std::vector<double> slopes{1e300};
+  Buffer<double> out = problem.output(), windowed = problem.output();
+  plsh::reference::alibi_attention(problem.q.in(), problem.k.in(), problem.v.in(), out.view, slopes,
+                                   options);
+  plsh::reference::windowed_alibi_attention(problem.q.in(), problem.k.in(), problem.v.in(),
+                                            windowed.view, slopes, 0.0, options);
+  for (Index i = 0; i < 2; ++i) {
+    for (Index e = 0; e < 3; ++e) {
+      REQUIRE(out.at(i, 0, e) == problem.v.at(keys - 1, 0, e));
+      REQUIRE(windowed.at(i, 0, e) == problem.v.at(keys - 1, 0, e));
+    }
+  }
+  // The backward: all weight on the nearest key, so dv of that key is the sum of dout, and 0
+  // elsewhere.
+  Buffer<double> dout = problem.output();
+  dout.fill_random(18);
+  Buffer<double> dq(2, 1, 4), dk(keys, 1, 4), dv(keys, 1, 3);
+  plsh::reference::alibi_attention_backward(problem.q.in(), problem.k.in(), problem.v.in(),
+                                            dout.in(), dq.view, dk.view, dv.view, slopes, options);
+  for (Index e = 0; e < 3; ++e) {
+    REQUIRE(dv.at(keys - 1, 0, e) == dout.at(0, 0, e) + dout.at(1, 0, e));
+    REQUIRE(dv.at(0, 0, e) == 0.0);
+  }
+}
+
+TEST_CASE("the windowed reference keeps |p_i - p_j| <= floor(ln(1/tolerance)/m)", "[reference]") {
+  // Slope 1e-300, tolerance 1: the window is 0, although e^{-1e-300} rounds to 1 in double.
+  Problem<double> problem(Shape{3, 3, 1, 1, 4, 3}, 19);
+  Buffer<double> out = problem.output();
+  plsh::reference::windowed_alibi_attention(problem.q.in(), problem.k.in(), problem.v.in(),
+                                            out.view, std::vector<double>{1e-300}, 1.0);
+  for (Index i = 0; i < 3; ++i) {
+    for (Index e = 0; e < 3; ++e) REQUIRE(out.at(i, 0, e) == problem.v.at(i, 0, e));
+  }
+}

@@ -18,6 +18,7 @@
 /// Tested in tests/test_reference.cpp against closed forms computed by hand in long double.
 
 #include <Eigen/Core>
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -103,25 +104,49 @@ inline double alibi_log_factor(double slope, Index i, Index j) {
   return -slope * static_cast<double>(i > j ? i - j : j - i);
 }
 
-/// Exact ALiBi: \f$F_{ij} = e^{-m_h|p_i - p_j|}\f$.
+/// The ALiBi log-factor of head h as a function `(h, p_i, p_j)`, relative to the row:
+/// \f$-m_h(|p_i - p_j| - r_i)\f$, \f$r_i\f$ the distance from \f$p_i\f$ to the nearest key it
+/// can see. That is the true log-factor plus the row constant \f$m_h r_i\f$, which the softmax
+/// cancels; so a row whose every \f$m_h|p_i - p_j|\f$ overflows double (slope 1e300 at distance
+/// 1e9) still has its true softmax, the nearest keys', instead of no visible key.
+inline auto alibi_row_log_factor(const std::vector<double>& slopes, const AttentionOptions& options,
+                                 Index key_tokens) {
+  return [&slopes, options, key_tokens](Index h, Index i, Index j) {
+    const Index first = options.key_position;
+    const Index last =
+        options.causal ? std::min(first + key_tokens - 1, i) : first + key_tokens - 1;
+    const Index nearest = i < first ? first - i : (i > last ? i - last : 0);
+    return -slopes[static_cast<std::size_t>(h)] *
+           static_cast<double>((i > j ? i - j : j - i) - nearest);
+  };
+}
+
+/// Exact ALiBi: \f$F_{ij} = e^{-m_h|p_i - p_j|}\f$ (alibi_row_log_factor).
 template <class Scalar>
 void alibi_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
                      const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
                      const std::vector<double>& slopes, const AttentionOptions& options = {}) {
-  factor_attention(q, k, v, out, options, [&](Index h, Index i, Index j) {
-    return alibi_log_factor(slopes[static_cast<std::size_t>(h)], i, j);
-  });
+  detail::validate_slopes("reference::alibi_attention", slopes, q.heads);
+  factor_attention(q, k, v, out, options, alibi_row_log_factor(slopes, options, k.tokens));
 }
 
-/// ALiBi without the keys whose factor \f$e^{-m|p_i - p_j|}\f$ is below `tolerance`.
+/// ALiBi without the keys whose factor \f$e^{-m|p_i - p_j|}\f$ is below `tolerance`: the keys
+/// with \f$|p_i - p_j| \le \lfloor \ln(1/\text{tolerance})/m\rfloor\f$, every key when m or the
+/// tolerance is 0. (Not \f$e^{-m|p_i - p_j|}\f$ in double, which is 1 for \f$m|p_i - p_j| <
+/// 2^{-53}\f$.)
 template <class Scalar>
 void windowed_alibi_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
                               const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
                               const std::vector<double>& slopes, double tolerance,
                               const AttentionOptions& options = {}) {
+  detail::validate_slopes("reference::windowed_alibi_attention", slopes, q.heads);
+  const auto row_log_factor = alibi_row_log_factor(slopes, options, k.tokens);
   factor_attention(q, k, v, out, options, [&](Index h, Index i, Index j) {
-    const double log_f = alibi_log_factor(slopes[static_cast<std::size_t>(h)], i, j);
-    return std::exp(log_f) >= tolerance ? log_f : internal::kMasked;
+    const double slope = slopes[static_cast<std::size_t>(h)];
+    const bool kept =
+        slope == 0 || tolerance == 0 ||
+        static_cast<double>(i > j ? i - j : j - i) <= std::floor(std::log(1.0 / tolerance) / slope);
+    return kept ? row_log_factor(h, i, j) : internal::kMasked;
   });
 }
 
@@ -165,15 +190,24 @@ void plsh_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scal
   mask_attention(q, k, v, out, draw_head_grids(slopes, options.samples, options.seed), options);
 }
 
+/// The log-factor of fixed blocks of `block_size` as a function `(h, p_i, p_j)`: 0 when
+/// \f$\lfloor p_i/b\rfloor = \lfloor p_j/b\rfloor\f$ (integer division of the non-negative
+/// positions), \f$-\infty\f$ otherwise. \throws std::invalid_argument for `block_size < 1`.
+inline auto fixed_block_log_factor(Index block_size, const char* function) {
+  detail::require(block_size >= 1, function, "block_size must be at least 1");
+  return [block_size](Index, Index i, Index j) {
+    return i / block_size == j / block_size ? 0.0 : internal::kMasked;
+  };
+}
+
 /// Fixed blocks of `block_size`: \f$F_{ij} = 1\f$ when \f$\lfloor p_i/b\rfloor = \lfloor
 /// p_j/b\rfloor\f$.
 template <class Scalar>
 void fixed_block_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
                            const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
                            Index block_size, const AttentionOptions& options = {}) {
-  factor_attention(q, k, v, out, options, [&](Index, Index i, Index j) {
-    return i / block_size == j / block_size ? 0.0 : internal::kMasked;
-  });
+  factor_attention(q, k, v, out, options,
+                   fixed_block_log_factor(block_size, "reference::fixed_block_attention"));
 }
 
 /// Dense backward of factor_attention in double, straight from the formulas of backward.hpp:
@@ -236,9 +270,8 @@ void alibi_attention_backward(const HeadsView<const Scalar>& q, const HeadsView<
                               const HeadsView<Scalar>& dv, const std::vector<double>& slopes,
                               const AttentionOptions& options = {}) {
   detail::validate_slopes("reference::alibi_attention_backward", slopes, q.heads);
-  factor_attention_backward(q, k, v, dout, dq, dk, dv, options, [&](Index h, Index i, Index j) {
-    return alibi_log_factor(slopes[static_cast<std::size_t>(h)], i, j);
-  });
+  factor_attention_backward(q, k, v, dout, dq, dk, dv, options,
+                            alibi_row_log_factor(slopes, options, k.tokens));
 }
 
 /// Backward of Positional LSH with the grids plsh_attention draws for `options.seed`:
@@ -253,6 +286,20 @@ void plsh_attention_backward(const HeadsView<const Scalar>& q, const HeadsView<c
   detail::require_samples(options.samples, "reference::plsh_attention_backward", "options.samples");
   const auto grids = draw_head_grids(slopes, options.samples, options.seed);
   factor_attention_backward(q, k, v, dout, dq, dk, dv, options, mean_mask_log_factor(grids));
+}
+
+/// Backward of fixed blocks of `block_size` (fixed_block_log_factor).
+template <class Scalar>
+void fixed_block_attention_backward(const HeadsView<const Scalar>& q,
+                                    const HeadsView<const Scalar>& k,
+                                    const HeadsView<const Scalar>& v,
+                                    const HeadsView<const Scalar>& dout,
+                                    const HeadsView<Scalar>& dq, const HeadsView<Scalar>& dk,
+                                    const HeadsView<Scalar>& dv, Index block_size,
+                                    const AttentionOptions& options = {}) {
+  factor_attention_backward(
+      q, k, v, dout, dq, dk, dv, options,
+      fixed_block_log_factor(block_size, "reference::fixed_block_attention_backward"));
 }
 
 }  // namespace reference

@@ -60,12 +60,13 @@ void require_view(const HeadsView<Scalar>& view, const char* function, const cha
 
 /// Whether distinct (token, head) rows of a view accepted by require_view share no element: rows
 /// start at \f$t\,s_t + h\,s_h\f$ and hold `dim` elements, so every two starts must lie at least
-/// `dim` apart. Exact: for each difference \f$\Delta x \ge 0\f$ along the axis with fewer rows,
+/// `dim` apart. A view without tokens has no rows (a head-major view of 0 tokens has
+/// head_stride 0). Exact: for each difference \f$\Delta x \ge 0\f$ along the axis with fewer rows,
 /// the closest start along the other axis is at the rounded quotient (O(min(tokens, heads)),
 /// after an O(1) test that accepts the usual layouts).
 template <class Scalar>
 bool rows_disjoint(const HeadsView<Scalar>& view) {
-  if (view.tokens <= 1 && view.heads <= 1) return true;
+  if (view.tokens == 0 || (view.tokens == 1 && view.heads == 1)) return true;
   if (view.heads == 1) return view.token_stride >= view.dim;
   if (view.tokens <= 1) return view.head_stride >= view.dim;
   // Axis x has the fewer rows, axis y the other.

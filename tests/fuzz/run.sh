@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer target tests/fuzz/plsh_fuzz.cpp (clang++, ASan, UBSan) in build/fuzz, runs
+# every input of tests/fuzz/regressions/ once, then fuzzes from a copy of the corpus
+# tests/fuzz/corpus/ for a bounded time. Any finding (failed check, crash, sanitizer report, an
+# exception other than std::invalid_argument, an input running longer than 10 s) makes the exit
+# status non-zero; the input is kept in build/fuzz/findings/.
+#
+#   tests/fuzz/run.sh
+#
+# Environment: PLSH_FUZZ_SECONDS (fuzzing time, default 60), PLSH_FUZZ_CXX (default clang++),
+# PLSH_JOBS (build jobs, default 2). Without clang++ and libFuzzer, installs them when running as
+# root (or with password-less sudo); otherwise says so and exits 0.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+# shellcheck source=scripts/deps.sh
+source scripts/deps.sh
+
+seconds="${PLSH_FUZZ_SECONDS:-60}"
+cxx="${PLSH_FUZZ_CXX:-clang++}"
+jobs="${PLSH_JOBS:-2}"
+build=build/fuzz
+skip_message="skipped: clang++ with libFuzzer not found (apt-get install clang libclang-rt-14-dev)"
+
+have_libfuzzer() {
+  plsh_have_command "${cxx}" || return 1
+  local probe
+  probe="$(mktemp -d)"
+  printf '%s\n' 'extern "C" int LLVMFuzzerTestOneInput(const unsigned char*, unsigned long) {' \
+    '  return 0;' '}' >"${probe}/probe.cpp"
+  local status=0
+  "${cxx}" -fsanitize=fuzzer,address,undefined "${probe}/probe.cpp" -o "${probe}/probe" \
+    >/dev/null 2>&1 || status=1
+  rm -rf "${probe}"
+  return "${status}"
+}
+
+if ! have_libfuzzer; then
+  if [[ "$(id -u)" == 0 ]] || (plsh_have_command sudo && sudo -n true 2>/dev/null); then
+    (plsh_ensure_deps clang libclang-rt-14-dev) || true
+  fi
+  if ! have_libfuzzer; then
+    echo "plsh fuzz: ${skip_message}"
+    exit 0
+  fi
+fi
+plsh_ensure_deps
+
+cmake -S tests/fuzz -B "${build}" -DCMAKE_CXX_COMPILER="${cxx}"
+cmake --build "${build}" -j "${jobs}"
+fuzzer="${build}/plsh_fuzz"
+findings="${build}/findings"
+rm -rf "${findings}" "${build}/corpus"
+mkdir -p "${findings}" "${build}/corpus"
+
+export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1}"
+export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
+
+failed=()
+regressions=0
+for input in tests/fuzz/regressions/*; do
+  [[ -f "${input}" ]] || continue
+  regressions=$((regressions + 1))
+  if ! "${fuzzer}" -timeout=10 "${input}" >"${findings}/regression.log" 2>&1; then
+    cat "${findings}/regression.log"
+    failed+=("${input}")
+  fi
+done
+echo "plsh fuzz: ${regressions} regression inputs run, ${#failed[@]} failed"
+
+cp tests/fuzz/corpus/* "${build}/corpus/"
+status=0
+start=${SECONDS}
+"${fuzzer}" -max_total_time="${seconds}" -timeout=10 -print_final_stats=1 \
+  -artifact_prefix="${findings}/" "${build}/corpus" 2>&1 | tee "${build}/fuzz.log" ||
+  status=$?
+executions="$(sed -n 's/^stat::number_of_executed_units: *//p' "${build}/fuzz.log")"
+echo "plsh fuzz: ${executions:-?} executions in $((SECONDS - start)) s" \
+  "(limit ${seconds} s: PLSH_FUZZ_SECONDS)"
+if ((status != 0)); then
+  echo "plsh fuzz: finding (status ${status}); inputs in ${findings}:" >&2
+  ls -l "${findings}" >&2
+  failed+=(fuzzing)
+fi
+if ((${#failed[@]} > 0)); then
+  echo "plsh fuzz: FAILED: ${failed[*]}" >&2
+  exit 1
+fi
+echo "plsh fuzz: no findings"
