@@ -305,6 +305,9 @@ void backward_key_rows(const HeadsView<const Scalar>& q, const HeadsView<const S
           masked_exp(scores.row(r).array(), row_lse, workspace.row_scratch);
         }
       }
+      // A softmax weight is at most 1: e^{l - lse} above 1 is the rounding of a logit recomputed
+      // in another tiling than sweep 1's, which at huge scales would overflow (NaN stays NaN).
+      scores = scores.unaryExpr([](Scalar p) { return p > Scalar(1) ? Scalar(1) : p; });
       const auto dout_rows = dout_head.middleRows(row_begin, rows);
       add_product(workspace.value_accumulator, scores, dout_rows);
       value_scores.noalias() = dout_rows * v_tile.transpose();
