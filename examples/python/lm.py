@@ -127,6 +127,18 @@ def dense_alibi_attention_torch(q, k, v, slopes):
     return out.transpose(1, 2)
 
 
+def fixed_block_has_backward(pt):
+    """Whether plsh.torch.fixed_block_attention exists and is differentiable."""
+    if not hasattr(pt, "fixed_block_attention"):
+        return False
+    q = torch.zeros(1, 4, 1, 2, requires_grad=True)
+    try:
+        pt.fixed_block_attention(q, q, q, 2, causal=True).sum().backward()
+    except NotImplementedError:
+        return False
+    return True
+
+
 class Attention(nn.Module):
     """Dispatches to the attention kernel of `method`; the method can be changed for evaluation.
 
@@ -150,7 +162,7 @@ class Attention(nn.Module):
             # seed base + t, and these ranges never overlap.
             base = (run_seed * 64 + layer) * 10_000_000
             self.plsh_module = pt.AlibiAttention(heads, method="plsh", samples=samples, seed=base)
-            if hasattr(pt, "fixed_block_attention"):
+            if fixed_block_has_backward(pt):
                 self.fixed_impl = "plsh"
         else:
             self.slopes = [2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)]
@@ -351,11 +363,11 @@ def parser():
     p.add_argument("--backend", choices=("plsh", "torch"), default="plsh",
                    help="plsh: the plsh.torch kernels (default); torch: dense PyTorch stand-in "
                         "for development only")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=96)
     p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--length", type=int, default=256, help="training length L")
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--length", type=int, default=128, help="training length L")
+    p.add_argument("--batch", type=int, default=6)
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=100)
