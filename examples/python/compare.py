@@ -28,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 LM = os.path.join(HERE, "lm.py")
 
 # In start order: the slow exact-kernel runs first, the cheap fixed-block runs last.
-RUNS = [("alibi", 1), ("plsh", 1), ("none", 1), ("alibi", 2), ("plsh", 2), ("fixed", 1)]
+RUNS = [("alibi", 1), ("plsh", 1), ("alibi", 2), ("plsh", 2), ("none", 1), ("fixed", 1)]
 QUICK = ["--layers", "2", "--d-model", "64", "--heads", "4", "--length", "64", "--batch", "8",
          "--steps", "50", "--warmup", "5", "--eval-every", "25", "--log-every", "25",
          "--curve-bytes", "4096", "--eval-bytes", "8192"]

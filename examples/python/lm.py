@@ -367,7 +367,7 @@ def parser():
     p.add_argument("--d-model", type=int, default=96)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--length", type=int, default=128, help="training length L")
-    p.add_argument("--batch", type=int, default=6)
+    p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=100)
