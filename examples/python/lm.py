@@ -288,14 +288,14 @@ def run(args):
     print(f"[{args.variant} seed {args.seed}] {sum(p.numel() for p in model.parameters())} parameters, "
           f"train {len(train)} bytes, valid {len(valid)} bytes", flush=True)
 
-    step_time = 0.0
+    step_time = step_cpu = 0.0
     start = time.time()
     for step in range(args.steps):
         if step % args.eval_every == 0:
             curve.append((step, evaluate(model, curve_x, curve_y, args.eval_batch)))
         offsets = torch.randint(0, len(train) - args.length - 1, (args.batch,), generator=data_rng)
         window = torch.stack([train[o : o + args.length + 1] for o in offsets.tolist()])
-        t0 = time.time()
+        t0, c0 = time.time(), time.process_time()
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, args)
         logits = model(window[:, :-1])
@@ -305,6 +305,7 @@ def run(args):
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         optimizer.step()
         step_time += time.time() - t0
+        step_cpu += time.process_time() - c0
         train_losses.append(loss.item())
         if step % args.log_every == 0 or step == args.steps - 1:
             print(f"[{args.variant} seed {args.seed}] step {step} loss {loss.item():.4f} "
@@ -345,6 +346,7 @@ def run(args):
         "seconds_total": time.time() - start,
         "seconds_train": train_seconds,
         "seconds_per_step": step_time / args.steps,
+        "cpu_seconds_per_step": step_cpu / args.steps,
         "torch": torch.__version__,
     }
     if args.out:
