@@ -68,7 +68,8 @@ def training_steps():
     for path in sorted(glob.glob(os.path.join(ROOT, "docs", "training", "runs", "*.json"))):
         with open(path) as f:
             r = json.load(f)
-        rows.append((r["variant"], r["seed"], r["seconds_per_step"], r.get("fixed_block_impl")))
+        rows.append((r["variant"], r["seed"], r["seconds_per_step"], r.get("cpu_seconds_per_step"),
+                     r.get("fixed_block_impl")))
     return rows
 
 
@@ -118,10 +119,11 @@ def main():
     rows = training_steps()
     if rows:
         print("\ntime per training step of the miniature model (examples/python/lm.py, 1 thread, "
-              "from docs/training/runs/):")
-        for variant, seed, seconds, impl in rows:
+              "from docs/training/runs/; wall-clock depends on what else ran):")
+        for variant, seed, seconds, cpu, impl in rows:
             note = f" (fixed blocks in {impl})" if impl else ""
-            print(f"  {variant:<6} seed {seed}: {seconds * 1000:.0f} ms{note}")
+            cpu = f", {cpu * 1000:.0f} ms CPU" if cpu is not None else ""
+            print(f"  {variant:<6} seed {seed}: {seconds * 1000:.0f} ms wall{cpu}{note}")
 
 
 if __name__ == "__main__":

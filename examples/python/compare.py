@@ -110,6 +110,11 @@ def write_table(records, path):
         f"over all positions of every window, in nats per byte; perplexity = exp(loss) per byte. "
         f"Positional LSH in evaluation uses fixed partitions (s = {cfg['samples']}).",
         "",
+        "Times are wall-clock on a 2-core machine shared with other jobs, two runs at a time with "
+        "one thread each (time per run includes the evaluations); CPU per step is the process's "
+        "CPU time for one training step (forward, backward, optimiser), which the sharing "
+        "disturbs less.",
+        "",
         "Attention: `none` = plsh.torch.exact_alibi_attention with slopes 0; `alibi` = "
         "plsh.torch.exact_alibi_attention, standard slopes; `plsh` = plsh.torch.AlibiAttention"
         "(method=\"plsh\"), fresh partitions every training step; `fixed` = causal attention within "
@@ -120,8 +125,8 @@ def write_table(records, path):
         "",
         "| variant | seed | trained with | evaluated with | "
         + " | ".join(f"loss @{n} | ppl @{n}" for n in lengths)
-        + " | time per run | time per step |",
-        "|" + "---|" * (4 + 2 * len(lengths) + 2),
+        + " | time per run | time per step | CPU per step |",
+        "|" + "---|" * (4 + 2 * len(lengths) + 3),
     ]
     order = {v: i for i, v in enumerate(("none", "alibi", "plsh", "fixed"))}
     records = sorted(records, key=lambda r: (order[r["variant"]], r["seed"]))
@@ -130,7 +135,8 @@ def write_table(records, path):
             cells = " | ".join(f"{losses[n]:.4f} | {math.exp(losses[n]):.3f}" for n in lengths)
             lines.append(
                 f"| {r['variant']} | {r['seed']} | {NAMES[r['variant']]} | {NAMES[method]} | {cells} | "
-                f"{fmt_time(r['seconds_total'])} | {r['seconds_per_step'] * 1000:.0f} ms |")
+                f"{fmt_time(r['seconds_total'])} | {r['seconds_per_step'] * 1000:.0f} ms | "
+                f"{r['cpu_seconds_per_step'] * 1000:.0f} ms |")
     lines += ["", "## Mean over seeds (± half the spread between seeds)", "",
               "| trained with | evaluated with | seeds | " + " | ".join(f"loss @{n}" for n in lengths) + " |",
               "|" + "---|" * (3 + len(lengths))]
