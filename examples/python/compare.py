@@ -27,8 +27,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 LM = os.path.join(HERE, "lm.py")
 
-# In start order: the slow exact-kernel runs first, the cheap fixed-block runs last.
-RUNS = [("alibi", 1), ("plsh", 1), ("alibi", 2), ("plsh", 2), ("none", 1), ("fixed", 1)]
+# In start order: the slow exact-kernel runs early, the cheap fixed-block runs last.
+RUNS = [("alibi", 1), ("plsh", 1), ("alibi", 2), ("none", 1), ("plsh", 2), ("fixed", 1)]
 QUICK = ["--layers", "2", "--d-model", "64", "--heads", "4", "--length", "64", "--batch", "8",
          "--steps", "50", "--warmup", "5", "--eval-every", "25", "--log-every", "25",
          "--curve-bytes", "4096", "--eval-bytes", "8192"]
@@ -39,18 +39,39 @@ NAMES = {"none": "no bias", "alibi": "exact ALiBi", "plsh": "Positional LSH s=20
          "fixed": "fixed blocks 64"}
 
 
+def running_pid(path):
+    """The id of a live lm.py process writing `path` (from its .pid file), or None."""
+    try:
+        with open(path[: -len(".json")] + ".pid") as f:
+            pid = int(f.read())
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            alive = path.encode() in f.read()
+    except (OSError, ValueError):
+        return None
+    return pid if alive else None
+
+
 def run_all(runs, out_dir, extra, jobs, env):
-    """Starts the missing runs, at most `jobs` at once; returns the result file of each run."""
+    """Starts the missing runs, at most `jobs` at once; returns the result file of each run.
+
+    A run whose result file exists is reused. A run still going in a process started by an
+    earlier invocation (its .pid file names a live lm.py writing that result) is waited for,
+    counted among the `jobs`, not started again.
+    """
     files = {}
     pending = []
+    running = []  # (poll function, log file or None, variant, seed, path)
     for variant, seed in runs:
         path = os.path.join(out_dir, f"{variant}-s{seed}.json")
         files[(variant, seed)] = path
+        pid = running_pid(path)
         if os.path.exists(path):
             print(f"compare: reusing {os.path.relpath(path)}", flush=True)
+        elif pid is not None:
+            print(f"compare: waiting for {variant} seed {seed} (process {pid})", flush=True)
+            running.append((lambda path=path: None if running_pid(path) else 0, None, variant, seed, path))
         else:
             pending.append((variant, seed, path))
-    running = []
     failed = []
     while pending or running:
         while pending and len(running) < jobs:
@@ -59,17 +80,23 @@ def run_all(runs, out_dir, extra, jobs, env):
             cmd = [sys.executable, LM, "--variant", variant, "--seed", str(seed), "--out", path,
                    "--data-cache", os.path.join(ROOT, "build", "kjv.txt")] + extra
             print(f"compare: starting {variant} seed {seed} (log {os.path.relpath(log.name)})", flush=True)
-            running.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env),
-                            log, variant, seed))
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            with open(path[: -len(".json")] + ".pid", "w") as f:
+                f.write(str(proc.pid))
+            running.append((proc.poll, log, variant, seed, path))
         time.sleep(1)
         for entry in list(running):
-            proc, log, variant, seed = entry
-            if proc.poll() is not None:
-                running.remove(entry)
+            poll, log, variant, seed, path = entry
+            status = poll()
+            if status is None:
+                continue
+            running.remove(entry)
+            if log:
                 log.close()
-                print(f"compare: {variant} seed {seed} finished with status {proc.returncode}", flush=True)
-                if proc.returncode != 0:
-                    failed.append(f"{variant} seed {seed} (see {log.name})")
+            if status != 0 or not os.path.exists(path):
+                failed.append(f"{variant} seed {seed} (see {path[: -len('.json')]}.log)")
+            print(f"compare: {variant} seed {seed} finished"
+                  + ("" if os.path.exists(path) else " without a result file"), flush=True)
     if failed:
         sys.exit("compare: runs failed: " + ", ".join(failed))
     return files
