@@ -337,7 +337,7 @@ def run(args):
         "seed": args.seed,
         "backend": args.backend,
         "fixed_block_impl": fixed_impl,
-        "config": {k: v for k, v in vars(args).items() if k not in ("out", "data_cache")},
+        "config": {k: v for k, v in vars(args).items() if k not in ("out", "data_cache", "note")},
         "parameters": sum(p.numel() for p in model.parameters()),
         "curve": curve,
         "train_loss_first": sum(train_losses[:10]) / len(train_losses[:10]),
@@ -348,6 +348,8 @@ def run(args):
         "seconds_per_step": step_time / args.steps,
         "cpu_seconds_per_step": step_cpu / args.steps,
         "torch": torch.__version__,
+        "plsh_module": plsh_module_file(args.backend),
+        "note": args.note,
     }
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
@@ -356,6 +358,14 @@ def run(args):
             json.dump(record, f, indent=1)
         os.replace(tmp, args.out)
     return record
+
+
+def plsh_module_file(backend):
+    if backend != "plsh":
+        return None
+    import plsh
+
+    return os.path.dirname(os.path.abspath(plsh.__file__))
 
 
 def parser():
@@ -385,6 +395,7 @@ def parser():
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--data-cache", default=None, help="cache file for the stripped text")
     p.add_argument("--out", default=None, help="JSON result file")
+    p.add_argument("--note", default="", help="free text stored in the result file (e.g. the build)")
     return p
 
 
