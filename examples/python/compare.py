@@ -140,7 +140,10 @@ def write_table(records, path):
         "Times are wall-clock on a 2-core machine shared with other jobs, two runs at a time with "
         "one thread each (time per run includes the evaluations); CPU per step is the process's "
         "CPU time for one training step (forward, backward, optimiser), which the sharing "
-        "disturbs less.",
+        "disturbs less. Module build: `scripts/python.sh` builds plsh's Python module without "
+        "-march (SSE2 code on x86-64); runs marked -march=native used the same sources compiled "
+        "with CMAKE_CXX_FLAGS=-march=native, whose backward kernels are far faster. The build "
+        "changes rounding only, not the model, data or kernels.",
         "",
         "Attention: `none` = plsh.torch.exact_alibi_attention with slopes 0; `alibi` = "
         "plsh.torch.exact_alibi_attention, standard slopes; `plsh` = plsh.torch.AlibiAttention"
@@ -152,8 +155,8 @@ def write_table(records, path):
         "",
         "| variant | seed | trained with | evaluated with | "
         + " | ".join(f"loss @{n} | ppl @{n}" for n in lengths)
-        + " | time per run | time per step | CPU per step |",
-        "|" + "---|" * (4 + 2 * len(lengths) + 3),
+        + " | time per run | time per step | CPU per step | module build |",
+        "|" + "---|" * (4 + 2 * len(lengths) + 4),
     ]
     order = {v: i for i, v in enumerate(("none", "alibi", "plsh", "fixed"))}
     records = sorted(records, key=lambda r: (order[r["variant"]], r["seed"]))
@@ -163,7 +166,7 @@ def write_table(records, path):
             lines.append(
                 f"| {r['variant']} | {r['seed']} | {NAMES[r['variant']]} | {NAMES[method]} | {cells} | "
                 f"{fmt_time(r['seconds_total'])} | {r['seconds_per_step'] * 1000:.0f} ms | "
-                f"{r['cpu_seconds_per_step'] * 1000:.0f} ms |")
+                f"{r['cpu_seconds_per_step'] * 1000:.0f} ms | {r.get('note') or 'scripts/python.sh'} |")
     lines += ["", "## Mean over seeds (± half the spread between seeds)", "",
               "| trained with | evaluated with | seeds | " + " | ".join(f"loss @{n}" for n in lengths) + " |",
               "|" + "---|" * (3 + len(lengths))]
