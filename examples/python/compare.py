@@ -221,6 +221,8 @@ def main():
     p.add_argument("--jobs", type=int, default=2, help="runs at once (each uses one thread)")
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "training"))
     p.add_argument("--fixed-seeds", type=int, default=2, help="seeds of the fixed-block variant")
+    p.add_argument("--seeds", type=int, default=0,
+                   help="seeds 1..N of every variant (default: the runs listed in RUNS)")
     p.add_argument("--report-only", action="store_true", help="only rewrite the table and plot")
     args, extra = p.parse_known_args()
 
@@ -245,6 +247,9 @@ def main():
         return
 
     runs = RUNS + [("fixed", s) for s in range(2, args.fixed_seeds + 1)]
+    if args.seeds:
+        runs += [(v, s) for s in range(1, args.seeds + 1) for v in ("alibi", "plsh", "none", "fixed")
+                 if (v, s) not in runs]
     runs_dir = os.path.join(args.out, "runs")
     os.makedirs(runs_dir, exist_ok=True)
     if args.report_only:
