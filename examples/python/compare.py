@@ -252,12 +252,13 @@ def main():
                  if (v, s) not in runs]
     runs_dir = os.path.join(args.out, "runs")
     os.makedirs(runs_dir, exist_ok=True)
-    if args.report_only:
-        files = {(v, s): os.path.join(runs_dir, f"{v}-s{s}.json") for v, s in runs
-                 if os.path.exists(os.path.join(runs_dir, f"{v}-s{s}.json"))}
-    else:
-        files = run_all(runs, runs_dir, extra, args.jobs, env)
-    records = load(files)
+    if not args.report_only:
+        run_all(runs, runs_dir, extra, args.jobs, env)
+    # The table holds every finished run in the folder (also seeds added with --seeds).
+    records = load({name: os.path.join(runs_dir, name) for name in sorted(os.listdir(runs_dir))
+                    if name.endswith(".json")})
+    if not records:
+        sys.exit(f"compare: no results in {runs_dir}")
     write_table(records, os.path.join(args.out, "results.md"))
     write_curves(records, os.path.join(args.out, "curves.png"))
     print(f"compare: wrote {os.path.relpath(os.path.join(args.out, 'results.md'))} and curves.png "
