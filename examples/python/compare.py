@@ -137,13 +137,13 @@ def write_table(records, path):
         f"over all positions of every window, in nats per byte; perplexity = exp(loss) per byte. "
         f"Positional LSH in evaluation uses fixed partitions (s = {cfg['samples']}).",
         "",
-        "Times are wall-clock on a 2-core machine shared with other jobs, two runs at a time with "
-        "one thread each (time per run includes the evaluations); CPU per step is the process's "
-        "CPU time for one training step (forward, backward, optimiser), which the sharing "
-        "disturbs less. Module build: `scripts/python.sh` builds plsh's Python module without "
-        "-march (SSE2 code on x86-64); runs marked -march=native used the same sources compiled "
-        "with CMAKE_CXX_FLAGS=-march=native, whose backward kernels are far faster. The build "
-        "changes rounding only, not the model, data or kernels.",
+        "Times are wall-clock on a 2-core machine shared with other jobs (builds of other work), "
+        "several runs side by side with one thread each (`--jobs`; time per run includes the "
+        "evaluations); CPU per step is the process's CPU time for one training step (forward, "
+        "backward, optimiser), which the sharing disturbs less. Module build: `scripts/python.sh` "
+        "builds plsh's Python module without -march (SSE2 code on x86-64), whose backward kernels "
+        "are several times slower; runs marked -march=native used the same sources built with "
+        "`CXXFLAGS=-march=native` (rounding differs, the model, data and kernels do not).",
         "",
         "Attention: `none` = plsh.torch.exact_alibi_attention with slopes 0; `alibi` = "
         "plsh.torch.exact_alibi_attention, standard slopes; `plsh` = plsh.torch.AlibiAttention"
