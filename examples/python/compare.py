@@ -151,7 +151,10 @@ def write_table(records, path):
         "blocks of " + str(cfg["block_size"]) + " tokens, "
         + ("plsh.torch.fixed_block_attention." if fixed_impl == {"plsh"}
            else "pure PyTorch (dense within each block; plsh.torch had no fixed_block_attention "
-                "with a backward when these runs were made)."),
+                "with a backward when these runs were made).")
+        + " Blocks sit at fixed absolute positions and every validation window starts at a "
+          "multiple of the block size, so the fixed-block model sees the same blocks at every "
+          "length and its loss does not depend on the window length.",
         "",
         "| variant | seed | trained with | evaluated with | "
         + " | ".join(f"loss @{n} | ppl @{n}" for n in lengths)
@@ -167,7 +170,7 @@ def write_table(records, path):
                 f"| {r['variant']} | {r['seed']} | {NAMES[r['variant']]} | {NAMES[method]} | {cells} | "
                 f"{fmt_time(r['seconds_total'])} | {r['seconds_per_step'] * 1000:.0f} ms | "
                 f"{r['cpu_seconds_per_step'] * 1000:.0f} ms | {r.get('note') or 'scripts/python.sh'} |")
-    lines += ["", "## Mean over seeds (± half the spread between seeds)", "",
+    lines += ["", "## Mean over seeds (± half the spread between seeds; perplexity of the mean)", "",
               "| trained with | evaluated with | seeds | " + " | ".join(f"loss @{n}" for n in lengths) + " |",
               "|" + "---|" * (3 + len(lengths))]
     groups = {}
@@ -180,7 +183,8 @@ def write_table(records, path):
             values = [x[n] for x in items]
             mean = sum(values) / len(values)
             spread = (max(values) - min(values)) / 2
-            cells.append(f"{mean:.4f}" + (f" ± {spread:.4f}" if len(values) > 1 else ""))
+            cells.append(f"{mean:.4f}" + (f" ± {spread:.4f}" if len(values) > 1 else "")
+                         + f" ({math.exp(mean):.3f})")
         lines.append(f"| {NAMES[variant]} | {NAMES[method]} | {len(items)} | " + " | ".join(cells) + " |")
     lines += ["", "The paper's figures for comparison (Qwen3-0.6B from scratch at 8k context, "
               "Wikitext-103 perplexity per token): "
