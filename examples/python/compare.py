@@ -152,9 +152,9 @@ def write_table(records, path):
         + ("plsh.torch.fixed_block_attention." if fixed_impl == {"plsh"}
            else "pure PyTorch (dense within each block; plsh.torch had no fixed_block_attention "
                 "with a backward when these runs were made).")
-        + " Blocks sit at fixed absolute positions and every validation window starts at a "
-          "multiple of the block size, so the fixed-block model sees the same blocks at every "
-          "length and its loss does not depend on the window length.",
+        + " Blocks are positions 0-63, 64-127, ... of a window, and the windows of every length "
+          "tile the same validation bytes from its start, so the fixed-block model sees the same "
+          "blocks of text at L, 2L and 4L and its loss is the same at every length.",
         "",
         "| variant | seed | trained with | evaluated with | "
         + " | ".join(f"loss @{n} | ppl @{n}" for n in lengths)
