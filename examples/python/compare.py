@@ -202,7 +202,7 @@ def write_curves(records, path):
 
     colors = {"none": "tab:gray", "alibi": "tab:blue", "plsh": "tab:red", "fixed": "tab:green"}
     styles = {1: "-", 2: "--", 3: ":"}
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(10, 5))
     for r in sorted(records, key=lambda r: (r["variant"], r["seed"])):
         steps, losses = zip(*r["curve"])
         ax.plot(steps, losses, styles.get(r["seed"], "-."), color=colors[r["variant"]],
@@ -214,7 +214,7 @@ def write_curves(records, path):
     low = min(min(x for _, x in r["curve"]) for r in records)
     ax.set_ylim(low - 0.05, low + 1.0)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
