@@ -1,0 +1,403 @@
+"""A byte-level decoder-only transformer trained with plsh's attention kernels.
+
+The model has no positional embedding: position enters only through the attention, so the
+attention variant is the only difference between the runs of one seed (same initialisation,
+same data order, same optimiser). Variants:
+
+  none   plsh.torch.exact_alibi_attention with slopes 0 (plain causal attention, no bias)
+  alibi  plsh.torch.exact_alibi_attention with the standard ALiBi slopes (Press et al.)
+  plsh   plsh.torch.plsh_attention, s = 20 partitions, through plsh.torch.AlibiAttention:
+         fresh partitions at every training step, fixed ones (the module's seed) in eval mode
+  fixed  causal attention within fixed blocks of 64 tokens (plsh.torch.fixed_block_attention
+         when the module provides it, otherwise the pure PyTorch block attention below; the
+         result file records which one ran)
+
+Data: the King James Bible as shipped by Debian's bible-kjv package, dumped with
+`bible -f gen1:1-rev22:21`, verse references ("Ge1:1 ") stripped, one verse per line;
+the first 90% of the bytes train, the last 10% validate.
+
+Training windows are drawn at random offsets from a generator seeded by the run's seed, so
+every variant of one seed sees the same windows in the same order. Validation uses a fixed
+prefix of the validation text cut into non-overlapping windows of length L, 2L and 4L (the
+same bytes at every length); the loss is averaged over all positions of every window, in
+nats per byte.
+
+Usage (from the repository root, after `bash scripts/python.sh build`):
+  PYTHONPATH=build/python /usr/bin/python3 examples/python/lm.py --variant plsh --seed 1 \
+      --out docs/training/runs/plsh-s1.json
+examples/python/compare.py runs all variants and writes docs/training/.
+"""
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VARIANTS = ("none", "alibi", "plsh", "fixed")
+VERSE_REFERENCE = re.compile(rb"^[0-9]?[A-Za-z]+[0-9]+:[0-9]+ ", re.MULTILINE)
+
+
+# ----------------------------------------------------------------------------------- data
+
+
+def load_bible(cache=None):
+    """Returns the King James Bible as bytes, one verse per line, references stripped."""
+    if cache and os.path.exists(cache):
+        with open(cache, "rb") as f:
+            return f.read()
+    try:
+        raw = subprocess.run(
+            ["bible", "-f", "gen1:1-rev22:21"], check=True, capture_output=True
+        ).stdout
+    except FileNotFoundError:
+        sys.exit("lm.py: the `bible` program is missing; install it with: apt-get install bible-kjv")
+    text = VERSE_REFERENCE.sub(b"", raw)
+    if VERSE_REFERENCE.search(text) or len(text) < 4_000_000:
+        sys.exit("lm.py: unexpected output of `bible -f gen1:1-rev22:21`")
+    if cache:
+        os.makedirs(os.path.dirname(cache) or ".", exist_ok=True)
+        with open(cache, "wb") as f:
+            f.write(text)
+    return text
+
+
+def split(text):
+    data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+    cut = int(len(data) * 0.9)
+    return data[:cut], data[cut:]
+
+
+def validation_windows(valid, length, total):
+    """The first `total` validation bytes as non-overlapping windows of `length` (+1 target)."""
+    count = total // length
+    assert count * length + 1 <= len(valid), "validation text too short"
+    x = valid[: count * length].view(count, length)
+    y = valid[1 : count * length + 1].view(count, length)
+    return x, y
+
+
+# ---------------------------------------------------------------------------------- model
+
+
+def fixed_block_attention_torch(q, k, v, block_size):
+    """Causal softmax attention within fixed blocks [b*block_size, (b+1)*block_size).
+
+    q, k, v: [B, T, H, D]; pure PyTorch (autograd), cost O(T * block_size * D) per head.
+    """
+    batch, tokens, heads, dim = q.shape
+    pad = (-tokens) % block_size
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
+    blocks = (tokens + pad) // block_size
+
+    def to_blocks(t):  # [B, T, H, D] -> [B, H, blocks, block, D]
+        return t.view(batch, blocks, block_size, heads, dim).permute(0, 3, 1, 2, 4)
+
+    out = _dense_causal(to_blocks(q), to_blocks(k), to_blocks(v))
+    out = out.permute(0, 2, 3, 1, 4).reshape(batch, tokens + pad, heads, dim)
+    return out[:, :tokens]
+
+
+def _dense_causal(q, k, v, bias=None):
+    """softmax(q k^T / sqrt(d) + bias, causal) v over the last two axes [..., T, D]."""
+    tokens = q.shape[-2]
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if bias is not None:
+        scores = scores + bias
+    mask = torch.ones(tokens, tokens, dtype=torch.bool, device=q.device).triu(1)
+    scores = scores.masked_fill(mask, float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+def dense_alibi_attention_torch(q, k, v, slopes):
+    """Dense ALiBi attention in PyTorch, q, k, v [B, T, H, D] (development stand-in only)."""
+    tokens = q.shape[1]
+    pos = torch.arange(tokens, dtype=q.dtype)
+    distance = (pos[:, None] - pos[None, :]).abs()
+    bias = -torch.tensor(slopes, dtype=q.dtype)[:, None, None] * distance
+    out = _dense_causal(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bias)
+    return out.transpose(1, 2)
+
+
+def fixed_block_has_backward(pt):
+    """Whether plsh.torch.fixed_block_attention exists and is differentiable."""
+    if not hasattr(pt, "fixed_block_attention"):
+        return False
+    q = torch.zeros(1, 4, 1, 2, requires_grad=True)
+    try:
+        pt.fixed_block_attention(q, q, q, 2, causal=True).sum().backward()
+    except NotImplementedError:
+        return False
+    return True
+
+
+class Attention(nn.Module):
+    """Dispatches to the attention kernel of `method`; the method can be changed for evaluation.
+
+    backend "plsh" uses plsh.torch (the real kernels); backend "torch" is a dense PyTorch
+    stand-in used only to develop and test this script without the module ("plsh" then falls
+    back to exact ALiBi).
+    """
+
+    def __init__(self, heads, method, layer, run_seed, backend, samples, block_size):
+        super().__init__()
+        self.heads, self.method, self.backend = heads, method, backend
+        self.samples, self.block_size = samples, block_size
+        self.fixed_impl = "torch"
+        if backend == "plsh":
+            import plsh
+            import plsh.torch as pt
+
+            self.pt = pt
+            self.slopes = list(plsh.alibi_slopes(heads))
+            # Seeds of different layers are far apart: training forward t of layer l uses
+            # seed base + t, and these ranges never overlap.
+            base = (run_seed * 64 + layer) * 10_000_000
+            self.plsh_module = pt.AlibiAttention(heads, method="plsh", samples=samples, seed=base)
+            if fixed_block_has_backward(pt):
+                self.fixed_impl = "plsh"
+        else:
+            self.slopes = [2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)]
+
+    def forward(self, q, k, v):
+        method = self.method
+        if method == "fixed":
+            if self.fixed_impl == "plsh":
+                return self.pt.fixed_block_attention(q, k, v, self.block_size, causal=True)
+            return fixed_block_attention_torch(q, k, v, self.block_size)
+        if self.backend == "torch":
+            slopes = [0.0] * self.heads if method == "none" else self.slopes
+            return dense_alibi_attention_torch(q, k, v, slopes)
+        if method == "none":
+            return self.pt.exact_alibi_attention(q, k, v, [0.0] * self.heads, causal=True)
+        if method == "alibi":
+            return self.pt.exact_alibi_attention(q, k, v, self.slopes, causal=True)
+        if method == "plsh":
+            self.plsh_module.train(self.training)
+            return self.plsh_module(q, k, v)
+        raise ValueError(f"unknown attention method {method!r}")
+
+
+class Block(nn.Module):
+    def __init__(self, d_model, heads, attention):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.norm2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)
+        )
+        self.attention = attention
+
+    def forward(self, x):
+        batch, tokens, d_model = x.shape
+        qkv = self.qkv(self.norm1(x)).view(batch, tokens, 3, self.heads, d_model // self.heads)
+        q, k, v = qkv.unbind(2)  # each [B, T, H, D], strided views
+        a = self.attention(q, k, v).reshape(batch, tokens, d_model)
+        x = x + self.proj(a)
+        return x + self.mlp(self.norm2(x))
+
+
+class ByteLM(nn.Module):
+    """Pre-LayerNorm decoder-only transformer over bytes, tied input/output embedding."""
+
+    def __init__(self, args, seed):
+        super().__init__()
+        torch.manual_seed(seed)  # identical initialisation for every variant of a seed
+        self.embed = nn.Embedding(256, args.d_model)
+        attentions = [
+            Attention(args.heads, args.variant, layer, seed, args.backend, args.samples, args.block_size)
+            for layer in range(args.layers)
+        ]
+        self.blocks = nn.ModuleList(Block(args.d_model, args.heads, a) for a in attentions)
+        self.norm = nn.LayerNorm(args.d_model)
+        for name, p in self.named_parameters():
+            if name.endswith("weight") and p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+        for block in self.blocks:  # scaled residual projections (GPT-2)
+            for p in (block.proj.weight, block.mlp[2].weight):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * args.layers))
+
+    def attentions(self):
+        return [block.attention for block in self.blocks]
+
+    def set_method(self, method):
+        for a in self.attentions():
+            a.method = method
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.norm(h) @ self.embed.weight.t()
+
+
+# ----------------------------------------------------------------------------- train/eval
+
+
+@torch.no_grad()
+def evaluate(model, x, y, batch):
+    """Mean loss in nats/byte over all positions of all windows."""
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for i in range(0, len(x), batch):
+        logits = model(x[i : i + batch])
+        total += F.cross_entropy(
+            logits.reshape(-1, 256), y[i : i + batch].reshape(-1), reduction="sum"
+        ).item()
+    model.train(was_training)
+    return total / y.numel()
+
+
+def learning_rate(step, args):
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def run(args):
+    torch.set_num_threads(args.threads)
+    text = load_bible(args.data_cache)
+    train, valid = split(text)
+    model = ByteLM(args, args.seed)
+    fixed_impl = model.attentions()[0].fixed_impl if args.variant == "fixed" else None
+    decay = [p for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.dim() == 2 and "embed" not in n)]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=args.lr, betas=(0.9, 0.95),
+    )
+    data_rng = torch.Generator().manual_seed(1_000_003 * args.seed + 17)
+    curve_x, curve_y = validation_windows(valid, args.length, args.curve_bytes)
+    curve, train_losses = [], []
+    lengths = [args.length * m for m in (1, 2, 4)]
+    print(f"[{args.variant} seed {args.seed}] {sum(p.numel() for p in model.parameters())} parameters, "
+          f"train {len(train)} bytes, valid {len(valid)} bytes", flush=True)
+
+    step_time = step_cpu = 0.0
+    start = time.time()
+    for step in range(args.steps):
+        if step % args.eval_every == 0:
+            curve.append((step, evaluate(model, curve_x, curve_y, args.eval_batch)))
+        offsets = torch.randint(0, len(train) - args.length - 1, (args.batch,), generator=data_rng)
+        window = torch.stack([train[o : o + args.length + 1] for o in offsets.tolist()])
+        t0, c0 = time.time(), time.process_time()
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, args)
+        logits = model(window[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, 256), window[:, 1:].reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        optimizer.step()
+        step_time += time.time() - t0
+        step_cpu += time.process_time() - c0
+        train_losses.append(loss.item())
+        if step % args.log_every == 0 or step == args.steps - 1:
+            print(f"[{args.variant} seed {args.seed}] step {step} loss {loss.item():.4f} "
+                  f"valid {curve[-1][1]:.4f} {step_time / (step + 1) * 1000:.0f} ms/step", flush=True)
+    curve.append((args.steps, evaluate(model, curve_x, curve_y, args.eval_batch)))
+    train_seconds = time.time() - start
+
+    eval_methods = [args.variant]
+    if args.variant == "plsh":
+        eval_methods.append("alibi")
+    elif args.variant == "alibi":
+        eval_methods.append("plsh")
+    results = {}
+    for method in eval_methods:
+        if method == "plsh" and args.backend == "torch":
+            continue
+        model.set_method(method)
+        results[method] = {}
+        for length in lengths:
+            x, y = validation_windows(valid, length, args.eval_bytes)
+            loss = evaluate(model, x, y, max(1, args.eval_batch * args.length // length))
+            results[method][str(length)] = loss
+            print(f"[{args.variant} seed {args.seed}] eval {method} at {length}: {loss:.4f} nats/byte, "
+                  f"perplexity {math.exp(loss):.3f}", flush=True)
+    model.set_method(args.variant)
+
+    record = {
+        "variant": args.variant,
+        "seed": args.seed,
+        "backend": args.backend,
+        "fixed_block_impl": fixed_impl,
+        "config": {k: v for k, v in vars(args).items() if k not in ("out", "data_cache", "note")},
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "curve": curve,
+        "train_loss_first": sum(train_losses[:10]) / len(train_losses[:10]),
+        "train_loss_last": sum(train_losses[-10:]) / len(train_losses[-10:]),
+        "eval": results,
+        "seconds_total": time.time() - start,
+        "seconds_train": train_seconds,
+        "seconds_per_step": step_time / args.steps,
+        "cpu_seconds_per_step": step_cpu / args.steps,
+        "torch": torch.__version__,
+        "plsh_module": plsh_module_file(args.backend),
+        "note": args.note,
+    }
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        tmp = args.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(record, f, indent=1)
+        os.replace(tmp, args.out)
+    return record
+
+
+def plsh_module_file(backend):
+    if backend != "plsh":
+        return None
+    import plsh
+
+    return os.path.dirname(os.path.abspath(plsh.__file__))
+
+
+def parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variant", choices=VARIANTS, required=True)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--backend", choices=("plsh", "torch"), default="plsh",
+                   help="plsh: the plsh.torch kernels (default); torch: dense PyTorch stand-in "
+                        "for development only")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=96)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--length", type=int, default=128, help="training length L")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--samples", type=int, default=20, help="Positional LSH partitions s")
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--log-every", type=int, default=100)
+    p.add_argument("--eval-batch", type=int, default=32)
+    p.add_argument("--curve-bytes", type=int, default=16384, help="validation bytes for the curves")
+    p.add_argument("--eval-bytes", type=int, default=131072, help="validation bytes for the table")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--data-cache", default=None, help="cache file for the stripped text")
+    p.add_argument("--out", default=None, help="JSON result file")
+    p.add_argument("--note", default="", help="free text stored in the result file (e.g. the build)")
+    return p
+
+
+if __name__ == "__main__":
+    run(parser().parse_args())
