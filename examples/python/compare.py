@@ -140,10 +140,10 @@ def write_table(records, path):
         "Times are wall-clock on a 2-core machine shared with other jobs (builds of other work), "
         "several runs side by side with one thread each (`--jobs`; time per run includes the "
         "evaluations); CPU per step is the process's CPU time for one training step (forward, "
-        "backward, optimiser), which the sharing disturbs less. Module build: `scripts/python.sh` "
-        "builds plsh's Python module without -march (SSE2 code on x86-64), whose backward kernels "
-        "are several times slower; runs marked -march=native used the same sources built with "
-        "`CXXFLAGS=-march=native` (rounding differs, the model, data and kernels do not).",
+        "backward, optimiser), which the sharing disturbs less. Module build: runs marked -march=native used "
+        "plsh's Python module compiled for this machine, as `scripts/python.sh` builds it by "
+        "default (a portable build, `PLSH_NATIVE=0`, changes rounding and speed, not the model, "
+        "data or kernels).",
         "",
         "Attention: `none` = plsh.torch.exact_alibi_attention with slopes 0; `alibi` = "
         "plsh.torch.exact_alibi_attention, standard slopes; `plsh` = plsh.torch.AlibiAttention"
