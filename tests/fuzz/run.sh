@@ -7,7 +7,8 @@
 #
 #   tests/fuzz/run.sh
 #
-# Environment: PLSH_FUZZ_SECONDS (fuzzing time, default 60), PLSH_FUZZ_CXX (default clang++),
+# Environment: PLSH_FUZZ_SECONDS (fuzzing time, default 60), PLSH_FUZZ_SEED (libFuzzer seed,
+# default 1, so that a run is repeatable up to its time limit), PLSH_FUZZ_CXX (default clang++),
 # PLSH_JOBS (build jobs, default 2). Without clang++ and libFuzzer, installs them when running as
 # root (or with password-less sudo); otherwise says so and exits 0.
 set -euo pipefail
@@ -71,7 +72,7 @@ echo "plsh fuzz: ${regressions} regression inputs run, ${#failed[@]} failed"
 cp tests/fuzz/corpus/* "${build}/corpus/"
 status=0
 start=${SECONDS}
-"${fuzzer}" -max_total_time="${seconds}" -timeout=10 -print_final_stats=1 \
+"${fuzzer}" -max_total_time="${seconds}" -seed="${PLSH_FUZZ_SEED:-1}" -timeout=10 -print_final_stats=1 \
   -artifact_prefix="${findings}/" "${build}/corpus" 2>&1 | tee "${build}/fuzz.log" ||
   status=$?
 executions="$(sed -n 's/^stat::number_of_executed_units: *//p' "${build}/fuzz.log")"
