@@ -575,7 +575,7 @@ PYBIND11_MODULE(_plsh, m) {
   m.def("head_seed", &plsh::head_seed, "seed"_a, "head"_a,
         "The seed of head `head` in a kernel run with `seed`: head h, draw t uses "
         "RandomBinning(slopes[h], head_seed(seed, h))(t).");
-  m.def("draw_head_grids", &plsh::detail::draw_head_grids, "slopes"_a, "samples"_a, "seed"_a,
+  m.def("draw_head_grids", &plsh::draw_head_grids, "slopes"_a, "samples"_a, "seed"_a,
         "The grids the Positional LSH kernels use: [head][draw].");
 
   py::class_<plsh::MaskError>(m, "MaskError", "Norms of the mean mask minus the Laplacian kernel.")
