@@ -399,9 +399,9 @@ def test_option_errors_are_value_errors_with_the_cpp_message(inputs):
         plsh.plsh_attention(q, k, v, samples=0)
     with pytest.raises(ValueError, match=r'^kernel must be "fused" or "passes" \(got "dense"\)'):
         plsh.plsh_attention(q, k, v, kernel="dense")
-    with pytest.raises(ValueError, match=r"options.query_position must be non-negative"):
+    with pytest.raises(ValueError, match=r"options.query_position \+ q.tokens must lie in \[0, kMaxPosition = 2\^53\]"):
         plsh.exact_alibi_attention(q, k, v, query_position=-1)
-    with pytest.raises(ValueError, match=r"options.key_position must be non-negative"):
+    with pytest.raises(ValueError, match=r"options.key_position \+ k.tokens must lie in \[0, kMaxPosition = 2\^53\]"):
         plsh.plsh_attention_backward(q, k, v, q[..., :6], q[..., :6], key_position=-1)
     with pytest.raises(ValueError, match=r"options.scale must be finite"):
         plsh.exact_alibi_attention(q, k, v, scale=math.inf)
