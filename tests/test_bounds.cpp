@@ -422,3 +422,29 @@ TEST_CASE("argument checks that pass allocate nothing", "[bounds][allocations]")
                     std::invalid_argument);
   REQUIRE(allocations.load() - before > 0);  // the counter sees the failing check's message
 }
+
+TEST_CASE("Passes visits only the blocks that hold a query, however far the keys are",
+          "[bounds][positions]") {
+  // The pass kernel walked every block from the first query to the last key: with queries at 0
+  // and keys near kMaxPosition, about 2^52 blocks of slope 1. No key shares a block with a query
+  // there, so every row is zero, as in the fused kernel.
+  plsh_test::Problem<double> problem(plsh_test::Shape{4, 4, 1, 1, 3, 2}, 3);
+  plsh_test::Buffer<double> passes = problem.output();
+  plsh_test::Buffer<double> fused = problem.output();
+  plsh::PlshOptions options;
+  options.causal = false;
+  options.samples = 4;
+  options.key_position = plsh::kMaxPosition - 4;
+  options.kernel = plsh::Kernel::Passes;
+  plsh::plsh_attention<double>(problem.q.in(), problem.k.in(), problem.v.in(), passes.view, {1.0},
+                               options);
+  options.kernel = plsh::Kernel::Fused;
+  plsh::plsh_attention<double>(problem.q.in(), problem.k.in(), problem.v.in(), fused.view, {1.0},
+                               options);
+  for (Index t = 0; t < 4; ++t) {
+    for (Index e = 0; e < 2; ++e) {
+      CHECK(passes.at(t, 0, e) == 0.0);
+      CHECK(fused.at(t, 0, e) == 0.0);
+    }
+  }
+}
