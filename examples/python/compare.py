@@ -195,7 +195,11 @@ def write_table(records, path):
 
 
 def write_curves(records, path):
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        sys.exit("compare.py: the plot needs matplotlib; install it with: "
+                 "apt-get install python3-matplotlib")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
