@@ -171,6 +171,14 @@ struct Problem {
   Buffer<Scalar> output() const { return Buffer<Scalar>(shape.n_q, shape.heads, shape.value_dim); }
 };
 
+/// Whether every element of row (t, h) of a buffer is finite.
+template <class Scalar>
+bool row_finite(const Buffer<Scalar>& buffer, Index t, Index h) {
+  for (Index e = 0; e < buffer.view.dim; ++e)
+    if (!std::isfinite(buffer.at(t, h, e))) return false;
+  return true;
+}
+
 /// \f$\max_{t,h,e} |a - b|\f$; infinity when the shapes differ or a value is NaN.
 template <class A, class B>
 double max_abs_difference(const plsh::HeadsView<A>& a, const plsh::HeadsView<B>& b) {

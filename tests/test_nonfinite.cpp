@@ -89,13 +89,6 @@ bool all_nan(const Buffer<Scalar>& a, Index t, Index h) {
 }
 
 template <class Scalar>
-bool row_finite(const Buffer<Scalar>& a, Index t, Index h) {
-  for (Index e = 0; e < a.view.dim; ++e)
-    if (!std::isfinite(a.at(t, h, e))) return false;
-  return true;
-}
-
-template <class Scalar>
 void set_row(Buffer<Scalar>& buffer, Index t, Scalar value) {
   for (Index h = 0; h < buffer.view.heads; ++h)
     for (Index e = 0; e < buffer.view.dim; ++e) buffer.at(t, h, e) = value;

@@ -248,13 +248,6 @@ Buffer<Scalar> zeroed(const Buffer<Scalar>& buffer) {
 }
 
 template <class Scalar>
-bool row_finite(const Buffer<Scalar>& buffer, Index t, Index h) {
-  for (Index e = 0; e < buffer.view.dim; ++e)
-    if (!std::isfinite(buffer.at(t, h, e))) return false;
-  return true;
-}
-
-template <class Scalar>
 double max_abs_finite(const Buffer<Scalar>& buffer) {
   double largest = 0;
   for (Index t = 0; t < buffer.view.tokens; ++t)
