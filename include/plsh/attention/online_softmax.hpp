@@ -33,16 +33,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "../detail/storage.hpp"
 #include "../tensor.hpp"
 
 namespace plsh {
 namespace detail {
-
-/// Scratch of tiles: aligned like Eigen's own storage, so that the vectorised reductions over a
-/// tile's rows (sums, maxima) split the same way whatever address the allocation gets, and a
-/// result does not depend on the heap's layout or on the thread that computed it.
-template <class Scalar>
-using AlignedVector = std::vector<Scalar, Eigen::aligned_allocator<Scalar>>;
 
 /// Below this many keys a product of a tile is evaluated coefficient-wise: packing the operands
 /// for Eigen's blocked GEMM costs more than it saves.

@@ -1,0 +1,133 @@
+#ifndef PLSH_DETAIL_STORAGE_HPP
+#define PLSH_DETAIL_STORAGE_HPP
+
+/// \file storage.hpp
+/// Storage and compute types of the kernels. A kernel on storage type S reads its inputs and
+/// writes its outputs in S and computes in `Compute<S>`: float for the 16-bit types
+/// `Eigen::bfloat16` and `Eigen::half`, S itself for float and double. Rows are converted once
+/// per tile (compute_rows, OutputRows); for float and double nothing is copied.
+///
+/// Tested in tests/test_storage.cpp.
+
+#include <Eigen/Core>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "../tensor.hpp"
+
+namespace plsh {
+namespace detail {
+
+template <class Scalar>
+struct ComputeTypeOf {
+  using type = Scalar;
+};
+template <>
+struct ComputeTypeOf<Eigen::bfloat16> {
+  using type = float;
+};
+template <>
+struct ComputeTypeOf<Eigen::half> {
+  using type = float;
+};
+
+/// The arithmetic type of a kernel whose inputs and outputs are stored as `Storage`.
+template <class Storage>
+using Compute = typename ComputeTypeOf<std::remove_const_t<Storage>>::type;
+
+/// The storage types the kernels accept: float, double, Eigen::bfloat16, Eigen::half.
+template <class Storage>
+constexpr bool is_storage_type =
+    std::is_same<std::remove_const_t<Storage>, float>::value ||
+    std::is_same<std::remove_const_t<Storage>, double>::value ||
+    std::is_same<std::remove_const_t<Storage>, Eigen::bfloat16>::value ||
+    std::is_same<std::remove_const_t<Storage>, Eigen::half>::value;
+
+/// Scratch of tiles: aligned like Eigen's own storage, so that the vectorised reductions over a
+/// tile's rows (sums, maxima) split the same way whatever address the allocation gets, and a
+/// result does not depend on the heap's layout or on the thread that computed it.
+template <class Scalar>
+using AlignedVector = std::vector<Scalar, Eigen::aligned_allocator<Scalar>>;
+
+/// Converts `count` values to the compute type: bfloat16 by a 16-bit shift (exact), half by
+/// Eigen's conversion (exact), others by static_cast.
+template <class Storage>
+void convert_to_compute(const Storage* from, Index count, Compute<Storage>* to) {
+  if constexpr (std::is_same<Storage, Eigen::bfloat16>::value) {
+    for (Index i = 0; i < count; ++i) {
+      const std::uint32_t bits = Eigen::numext::bit_cast<std::uint16_t>(from[i]);
+      to[i] = Eigen::numext::bit_cast<float>(bits << 16);
+    }
+  } else {
+    for (Index i = 0; i < count; ++i) to[i] = static_cast<Compute<Storage>>(from[i]);
+  }
+}
+
+/// Rows of a head map as the compute type. When `Storage` is the compute type this is the map
+/// itself; otherwise the rows are converted into `scratch` (packed, row stride = cols), which
+/// must outlive the returned map.
+template <class Storage>
+ConstHeadMap<Compute<Storage>> compute_rows(const ConstHeadMap<Storage>& rows,
+                                            AlignedVector<Compute<Storage>>& scratch) {
+  if constexpr (std::is_same<Storage, Compute<Storage>>::value) {
+    return rows;
+  } else {
+    const Index cols = rows.cols();
+    const std::size_t needed = static_cast<std::size_t>(rows.rows() * cols);
+    if (scratch.size() < needed) scratch.resize(needed);
+    for (Index r = 0; r < rows.rows(); ++r) {
+      convert_to_compute(rows.row(r).data(), cols, scratch.data() + r * cols);
+    }
+    return ConstHeadMap<Compute<Storage>>(scratch.data(), rows.rows(), cols,
+                                          Eigen::OuterStride<>(cols));
+  }
+}
+
+/// Output rows written in the compute type: `rows()` is the output map itself when `Storage` is
+/// the compute type, otherwise a packed scratch in the compute type that `store()` rounds (to
+/// nearest even) into the output.
+template <class Storage>
+class OutputRows {
+ public:
+  using Scalar = Compute<Storage>;
+
+  /// Binds the output rows `out`; the scratch is reused across calls.
+  HeadMap<Scalar> bind(HeadMap<Storage> out) {
+    out_ = out.data();
+    rows_ = out.rows();
+    cols_ = out.cols();
+    stride_ = out.outerStride();
+    if constexpr (std::is_same<Storage, Scalar>::value) {
+      return out;
+    } else {
+      const std::size_t needed = static_cast<std::size_t>(rows_ * cols_);
+      if (scratch_.size() < needed) scratch_.resize(needed);
+      return HeadMap<Scalar>(scratch_.data(), rows_, cols_, Eigen::OuterStride<>(cols_));
+    }
+  }
+
+  /// Writes the bound compute-type rows to the output (nothing to do for float and double).
+  void store() {
+    if constexpr (!std::is_same<Storage, Scalar>::value) {
+      for (Index r = 0; r < rows_; ++r) {
+        for (Index c = 0; c < cols_; ++c) {
+          out_[r * stride_ + c] =
+              static_cast<Storage>(scratch_[static_cast<std::size_t>(r * cols_ + c)]);
+        }
+      }
+    }
+  }
+
+ private:
+  Storage* out_ = nullptr;
+  Index rows_ = 0;
+  Index cols_ = 0;
+  Index stride_ = 0;
+  AlignedVector<Scalar> scratch_;
+};
+
+}  // namespace detail
+}  // namespace plsh
+
+#endif  // PLSH_DETAIL_STORAGE_HPP
