@@ -94,7 +94,7 @@ class KvCache {
     detail::require(options.key_position >= 0 && options.key_position <= kMaxPosition, function,
                     "options.key_position must lie in [0, kMaxPosition = 2^53]");
     detail::validate_scale<Scalar>(function, options, dim);
-    grids_ = draw_head_grids(slopes_, options.samples, options.seed);
+    grids_ = detail::kernel_grids(slopes_, options, function);
     position_ = options.key_position;
     oldest_ = options.key_position;
     // No block is known yet: the first append looks up every (head, draw).

@@ -30,11 +30,24 @@ enum class Kernel {
   Passes,  ///< one regular attention pass per draw and block, merged by log-sum-exp
 };
 
+/// How the s partitions of a head are drawn (kernel_grids). Every single draw has the Random
+/// Binning law (pitch Gamma(2, 1/m), shift uniform on [0, pitch)), so \f$E[\hat K] = K\f$ either
+/// way; they differ in how the s draws depend on one another.
+enum class Sampling {
+  /// Independent draws: head h, draw t is RandomBinning(slopes[h], head_seed(seed, h))(t).
+  Independent,
+  /// The s draws of a head jointly, as a Latin hypercube over the three uniforms of a draw:
+  /// each uniform takes exactly one value in each of the s strata [k/s, (k+1)/s)
+  /// (latin_hypercube_grids). Lower mask and attention errors at equal s.
+  LatinHypercube,
+};
+
 /// Options of plsh_attention.
 struct PlshOptions : AttentionOptions {
   Index samples = 20;      ///< number of random partitions s, 1 to kMaxSamples
-  std::uint64_t seed = 0;  ///< head h uses RandomBinning(slopes[h], head_seed(seed, h))
+  std::uint64_t seed = 0;  ///< head h draws with head_seed(seed, h)
   Kernel kernel = Kernel::Fused;
+  Sampling sampling = Sampling::Independent;  ///< how the s partitions of a head are drawn
 };
 
 }  // namespace plsh

@@ -424,7 +424,7 @@ void batched_plsh_attention_backward(
   const char* function = "plsh_attention_backward";
   validate_backward(function, q[0], k[0], v[0], out[0], dout[0], dq[0], dk[0], dv[0], options);
   validate_slopes(function, slopes, q.heads);
-  const auto grids = draw_head_grids(slopes, options.samples, options.seed);
+  const auto grids = kernel_grids(slopes, options, function);
   block_counts_backward(q, k, v, out, dout, dq, dk, dv, slopes, grids, options);
 }
 

@@ -500,7 +500,7 @@ void batched_plsh_attention(const BatchedHeadsView<const Scalar>& q,
                             const PlshOptions& options, RegularKernel&&... kernel) {
   static_assert(sizeof...(RegularKernel) <= 1, "at most one regular kernel");
   validate_plsh("plsh_attention", q[0], k[0], v[0], out[0], slopes, options);
-  const auto grids = draw_head_grids(slopes, options.samples, options.seed);
+  const auto grids = kernel_grids(slopes, options, "plsh_attention");
   if constexpr (sizeof...(RegularKernel) == 1) {
     pass_attention(q, k, v, out, grids, options, kernel...);
   } else if (options.kernel == Kernel::Passes) {
