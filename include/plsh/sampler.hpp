@@ -5,6 +5,7 @@
 /// Random Binning Features (Rahimi and Recht, 2007) for the Laplacian kernel on the line.
 
 #include <Eigen/Core>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -72,15 +73,34 @@ inline std::vector<Index> random_permutation(const CounterRandom& random, Index 
   return permutation;
 }
 
+/// The uniforms of latin_hypercube_grids: element t holds \f$u_c = (\pi_c(t) + V_{t,c})/s\f$,
+/// c = 0, 1, 2, for `count` = s >= 1 draws, with \f$V_{t,c}\f$ = `CounterRandom(seed).unit(t, c)`
+/// and \f$\pi_c\f$ = `random_permutation(CounterRandom(seed), s, 3 + c, 3)`.
+inline std::vector<std::array<double, 3>> latin_hypercube_uniforms(std::uint64_t seed,
+                                                                   Index count) {
+  const CounterRandom random(seed);
+  constexpr std::uint64_t kUniforms = 3;
+  std::vector<std::array<double, 3>> uniforms(static_cast<std::size_t>(count));
+  const double s = static_cast<double>(count);
+  for (std::uint64_t c = 0; c < kUniforms; ++c) {
+    const std::vector<Index> strata = random_permutation(random, count, kUniforms + c, kUniforms);
+    for (Index t = 0; t < count; ++t) {
+      const auto k = static_cast<std::size_t>(t);
+      const double u =
+          (static_cast<double>(strata[k]) + random.unit(static_cast<std::uint64_t>(t), c)) / s;
+      uniforms[k][c] = u < 1 ? u : 1 - 0x1p-53;  // (s - 1 + V)/s can round up to 1
+    }
+  }
+  return uniforms;
+}
+
 /// A sampling choice must be one of the enumerators of Sampling.
 inline void require_sampling(Sampling sampling, const char* function,
                              const char* name = "sampling") {
-  require(sampling == Sampling::Independent || sampling == Sampling::LatinHypercube, function,
-          [&] {
-            return std::string(name) +
-                   " must be Sampling::Independent or Sampling::LatinHypercube (got " +
-                   std::to_string(static_cast<long long>(sampling)) + ")";
-          });
+  require(sampling == Sampling::Independent || sampling == Sampling::LatinHypercube, function, [&] {
+    return std::string(name) + " must be Sampling::Independent or Sampling::LatinHypercube (got " +
+           std::to_string(static_cast<long long>(sampling)) + ")";
+  });
 }
 
 /// A number of draws per head of the multi-head kernels: 1 to kMaxSamples.
@@ -189,23 +209,10 @@ inline std::vector<Grid> latin_hypercube_grids(double slope, std::uint64_t seed,
   const char* function = "latin_hypercube_grids";
   detail::require_slope(slope, function);
   detail::require_samples(count, function, "count");
-  const detail::CounterRandom random(seed);
-  constexpr std::uint64_t kUniforms = 3;
-  std::vector<std::vector<Index>> strata;
-  for (std::uint64_t c = 0; c < kUniforms; ++c) {
-    strata.push_back(detail::random_permutation(random, count, kUniforms + c, kUniforms));
-  }
-  const double s = static_cast<double>(count);
-  const auto uniform = [&](Index t, std::uint64_t c) {
-    const double u = (static_cast<double>(strata[c][static_cast<std::size_t>(t)]) +
-                      random.unit(static_cast<std::uint64_t>(t), c)) /
-                     s;
-    return u < 1 ? u : 1 - 0x1p-53;  // (s - 1 + V)/s can round up to 1
-  };
   std::vector<Grid> grids;
   grids.reserve(static_cast<std::size_t>(count));
-  for (Index t = 0; t < count; ++t) {
-    grids.push_back(detail::binning_grid(slope, uniform(t, 0), uniform(t, 1), uniform(t, 2)));
+  for (const auto& u : detail::latin_hypercube_uniforms(seed, count)) {
+    grids.push_back(detail::binning_grid(slope, u[0], u[1], u[2]));
   }
   return grids;
 }
