@@ -118,10 +118,15 @@ TEST_CASE("mask_error closed forms", "[metrics]") {
   }
 }
 
-TEST_CASE("mask errors decay like s^(-1/2)", "[metrics]") {
-  // E = (1/s) sum_t (M_t - K) is a mean of s independent zero-mean matrices, so both norms fall
-  // like s^(-1/2). Averaged over 16 independent seeds, the errors must fall strictly from one s
-  // to the next and the fitted log-log slope must lie within 0.15 of -1/2.
+TEST_CASE("mask errors decay like s^(-1/2), independent and Latin hypercube draws", "[metrics]") {
+  // E = (1/s) sum_t (M_t - K) is a mean of s zero-mean matrices, so both norms fall like
+  // s^(-1/2): independent draws, or Latin hypercube draws, which remove the additive part of the
+  // variance but leave the rest at order 1/s. Averaged over 16 independent seeds, the errors must
+  // fall strictly from one s to the next and the fitted log-log slope must lie within 0.15 of
+  // -1/2.
+  const plsh::Sampling sampling =
+      GENERATE(plsh::Sampling::Independent, plsh::Sampling::LatinHypercube);
+  INFO((sampling == plsh::Sampling::Independent ? "independent" : "Latin hypercube") << " draws");
   const Index n = 256;
   const double slope = 1.0 / 16;
   const std::vector<Index> sample_counts = {4, 16, 64, 256};
@@ -132,8 +137,14 @@ TEST_CASE("mask errors decay like s^(-1/2)", "[metrics]") {
     const plsh::RandomBinning sampler(slope, plsh::head_seed(2024, seed));
     std::uint64_t first = 0;  // disjoint draws for every s
     for (std::size_t k = 0; k < sample_counts.size(); ++k) {
-      const plsh::MaskError error =
-          plsh::mask_error(n, slope, sampler.draw(sample_counts[k], first));
+      // Latin hypercube: an independent joint set for every s, seeded as head k of the seed.
+      const std::vector<Grid> grids =
+          sampling == plsh::Sampling::Independent
+              ? sampler.draw(sample_counts[k], first)
+              : plsh::latin_hypercube_grids(
+                    slope, plsh::head_seed(plsh::head_seed(2024, seed), static_cast<Index>(k)),
+                    sample_counts[k]);
+      const plsh::MaskError error = plsh::mask_error(n, slope, grids);
       first += static_cast<std::uint64_t>(sample_counts[k]);
       spectral[k] += error.spectral / seeds;
       max[k] += error.max / seeds;
