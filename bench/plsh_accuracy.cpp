@@ -14,7 +14,7 @@
 /// The fused kernel runs with independent draws ("fused") and with Latin hypercube draws
 /// ("fused_lhs", PlshOptions::sampling = Sampling::LatinHypercube).
 ///
-/// Sampler study (after the table; `--seeds=S`, default 32, 0 skips it): the seed-to-seed mean
+/// Sampler study (after the table; `--seeds=S`, default 64, 0 skips it): the seed-to-seed mean
 /// and standard deviation, over seeds 0 .. S-1, of
 ///   - the mask error of one head, mask_error(n_mask, m, grids) (spectral and max norm, dense;
 ///     n_mask = `--mask-n`, default 1024) for m = 1/2, 1/16, 1/256, and
@@ -404,7 +404,7 @@ void write_json(const std::string& path, Index n, const std::vector<Result>& res
   std::fprintf(stderr,
                "usage: %s [--n=N] [--seeds=S] [--mask-n=M] [--json=FILE]\n"
                "  N: tokens, at least 1 (default 4096)\n"
-               "  S: seeds of the sampler study, 0 skips it (default 32)\n"
+               "  S: seeds of the sampler study, 0 skips it (default 64)\n"
                "  M: positions of the study's mask errors, at least 1 (default 1024)\n",
                program);
   std::exit(2);
@@ -427,7 +427,7 @@ bool integer_option(const std::string& argument, const std::string& name, long l
 
 int main(int argc, char** argv) {
   Index n = 4096;
-  int seeds = 32;
+  int seeds = 64;
   Index mask_n = 1024;
   std::string json_path;
   for (int i = 1; i < argc; ++i) {
