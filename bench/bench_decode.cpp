@@ -28,11 +28,8 @@
 
 #include <plsh/plsh.hpp>
 
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
-
 #include "../tests/fill.hpp"
+#include "../tests/thread_count.hpp"
 
 namespace {
 
@@ -73,32 +70,9 @@ const TokenPool<Scalar>& token_pool() {
   return pool;
 }
 
-/// Sets the OpenMP threads for the lifetime of the object (nothing without OpenMP).
-class ThreadCount {
- public:
-  explicit ThreadCount(int threads) {
-#if defined(_OPENMP)
-    saved_ = omp_get_max_threads();
-    omp_set_num_threads(threads);
-#else
-    static_cast<void>(threads);
-#endif
-  }
-  ~ThreadCount() {
-#if defined(_OPENMP)
-    omp_set_num_threads(saved_);
-#endif
-  }
-  ThreadCount(const ThreadCount&) = delete;
-  ThreadCount& operator=(const ThreadCount&) = delete;
-
- private:
-  int saved_ = 1;
-};
-
 template <class Scalar>
 void decode_plsh(benchmark::State& state, Index context, int threads) {
-  const ThreadCount thread_count(threads);
+  const plsh_test::ThreadCount thread_count(threads);
   const TokenPool<Scalar>& pool = token_pool<Scalar>();
   plsh::PlshOptions options;
   options.samples = kDecodeSamples;

@@ -15,20 +15,13 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
-#include <new>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <vector>
-
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
 
 #include <plsh/alibi.hpp>
 #include <plsh/attention/plsh_attention.hpp>
@@ -36,42 +29,9 @@
 #include <plsh/partition.hpp>
 #include <plsh/sampler.hpp>
 
+#include "allocation_counter.hpp"
 #include "attention_fixture.hpp"
-
-// Every heap allocation of this executable goes through these: "a decoding step allocates
-// nothing" counts those made by attend. (GCC warns about free() on memory from operator new once
-// both are inlined; here operator new is malloc.)
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-#endif
-namespace {
-std::atomic<long> allocations{0};
-
-void* counted_allocation(std::size_t size) noexcept {
-  allocations.fetch_add(1, std::memory_order_relaxed);
-  return std::malloc(size == 0 ? 1 : size);
-}
-void* counted_allocation_or_throw(std::size_t size) {
-  if (void* pointer = counted_allocation(size)) return pointer;
-  throw std::bad_alloc();
-}
-}  // namespace
-
-// Every form that pairs with the deletes below, so that no memory crosses allocators.
-void* operator new(std::size_t size) { return counted_allocation_or_throw(size); }
-void* operator new[](std::size_t size) { return counted_allocation_or_throw(size); }
-void* operator new(std::size_t size, const std::nothrow_t&) noexcept {
-  return counted_allocation(size);
-}
-void* operator new[](std::size_t size, const std::nothrow_t&) noexcept {
-  return counted_allocation(size);
-}
-void operator delete(void* pointer) noexcept { std::free(pointer); }
-void operator delete[](void* pointer) noexcept { std::free(pointer); }
-void operator delete(void* pointer, std::size_t) noexcept { std::free(pointer); }
-void operator delete[](void* pointer, std::size_t) noexcept { std::free(pointer); }
-void operator delete(void* pointer, const std::nothrow_t&) noexcept { std::free(pointer); }
-void operator delete[](void* pointer, const std::nothrow_t&) noexcept { std::free(pointer); }
+#include "thread_count.hpp"
 
 namespace {
 
@@ -238,29 +198,6 @@ std::vector<Scalar> whole_sequence(const Sequence<Scalar>& sequence,
   return out;
 }
 
-/// Sets the OpenMP threads for the lifetime of the object (nothing without OpenMP).
-class ThreadCount {
- public:
-  explicit ThreadCount(int threads) {
-#if defined(_OPENMP)
-    saved_ = omp_get_max_threads();
-    omp_set_num_threads(threads);
-#else
-    static_cast<void>(threads);
-#endif
-  }
-  ~ThreadCount() {
-#if defined(_OPENMP)
-    omp_set_num_threads(saved_);
-#endif
-  }
-  ThreadCount(const ThreadCount&) = delete;
-  ThreadCount& operator=(const ThreadCount&) = delete;
-
- private:
-  int saved_ = 1;
-};
-
 }  // namespace
 
 TEST_CASE("KvCache::attend equals plsh_attention over the whole sequence", "[kv_cache]") {
@@ -375,7 +312,7 @@ TEST_CASE("KvCache decoding gives identical results at 1, 2 and 3 threads", "[kv
   const std::vector<Index> chunks = chunk_schedule(sequence.tokens, {1, 3, 16, 2, 40});
   std::vector<std::vector<float>> outputs;
   for (const int threads : {1, 2, 3}) {
-    const ThreadCount thread_count(threads);
+    const plsh_test::ThreadCount thread_count(threads);
     outputs.emplace_back();
     const DecodeResult result =
         decode(sequence, slopes, options, chunks, expected, 0, &outputs.back());
@@ -398,7 +335,7 @@ TEST_CASE("a decoding step allocates nothing once the cache is warm", "[kv_cache
   const std::vector<double> slopes = {0.5, 0.25, 0.125, 1.0 / 16, 1.0 / 32, 1.0 / 64, 0.2, 0.01};
   for (const int threads : {1, 2}) {
     for (const Index chunk : {Index{1}, Index{3}}) {
-      const ThreadCount thread_count(threads);
+      const plsh_test::ThreadCount thread_count(threads);
       plsh::KvCache<float> cache(8, 2, 32, 32, slopes);
       std::vector<float> out(static_cast<std::size_t>(chunk * 8 * 32));
       const HeadsView<float> out_view{out.data(), chunk, 8, 32};
@@ -409,10 +346,10 @@ TEST_CASE("a decoding step allocates nothing once the cache is warm", "[kv_cache
         cache.append(sequence.keys(done, chunk), sequence.values(done, chunk));
         const bool grown = cache.bytes() != bytes;
         bytes = cache.bytes();
-        const long before = allocations.load();
+        const long before = plsh_test::allocations.load();
         cache.attend(sequence.queries(done, chunk), out_view);
         if (done >= 800 && !grown) {
-          attend_allocations += allocations.load() - before;
+          attend_allocations += plsh_test::allocations.load() - before;
           ++counted;
         }
       }
