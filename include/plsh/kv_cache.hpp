@@ -450,10 +450,10 @@ class KvCache {
     workspace.first_job.back() = jobs;
     workspace.partial.resize(static_cast<std::size_t>(most_jobs * value_dim_));
     workspace.lse.resize(static_cast<std::size_t>(most_jobs));
-    const bool threaded = jobs > 1 && work >= detail::kDecodeParallelWork;
     Index threads = 1;
 #if defined(_OPENMP)
-    if (threaded) threads = omp_get_max_threads();
+    if (jobs > 1 && work >= detail::kDecodeParallelWork) threads = omp_get_max_threads();
+    const bool threaded = threads > 1;
 #endif
     if (static_cast<Index>(workspace.threads.size()) < threads) {
       workspace.threads.resize(static_cast<std::size_t>(threads));
