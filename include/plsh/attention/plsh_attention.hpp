@@ -183,28 +183,47 @@ struct BlockRun {
 /// The blocks of every draw over the query positions `[first_position, first_position + rows)`
 /// of one head: one BlockRun per draw and block (keys cut to `[key_begin, key_end)`, runs whose
 /// rows see no key left out), appended to `runs`. Returns the union of the keys the rows see,
-/// empty (`begin == end`) when they see none. O(s + blocks) calls of grid_block.
+/// empty (`begin == end`) when they see none.
+///
+/// Per draw, grid_block finds the block of the first row; the blocks that start inside the tile
+/// end where the bin test (detail::same_bin, the test grid_block itself applies) first fails,
+/// found position by position up to the last row, and only the last block's end past the tile
+/// takes another grid_block when not causal (when causal no row sees a key after the last row,
+/// so that end is cut to the last row + 1, which changes no count). O(s) calls of grid_block and
+/// O(s rows) bin tests.
 inline Block tile_block_runs(const std::vector<Grid>& grids, const PositionRange& range,
                              Index first_position, Index rows, Index key_begin, Index key_end,
                              bool causal, std::vector<BlockRun>& runs) {
   const Index last_position = first_position + rows - 1;
   Index union_begin = std::numeric_limits<Index>::max();
   Index union_end = std::numeric_limits<Index>::min();
-  for (const Grid& grid : grids) {
-    for (Index position = first_position; position <= last_position;) {
-      const Block block = grid_block(grid, position, range.first, range.last);
-      const Index run_last = std::min(block.end - 1, last_position);
-      const BlockRun run{position - first_position, run_last + 1 - first_position,
-                         std::max(block.begin, key_begin), std::min(block.end, key_end)};
-      // The last row of the run sees the most keys: [begin, min(end, its position + 1)).
-      const Index visible_end = causal ? std::min(run.end, run_last + 1) : run.end;
-      if (run.begin < visible_end) {
-        runs.push_back(run);
-        union_begin = std::min(union_begin, run.begin);
-        union_end = std::max(union_end, visible_end);
-      }
-      position = run_last + 1;
+  // Rows [row_first, row_last] in block [begin, end).
+  const auto add_run = [&](Index row_first, Index row_last, Index begin, Index end) {
+    const Index run_begin = std::max(begin, key_begin);
+    const Index run_end = std::min(end, key_end);
+    // The last row of the run sees the most keys: [begin, min(end, its position + 1)).
+    const Index visible_end = causal ? std::min(run_end, row_last + 1) : run_end;
+    if (run_begin < visible_end) {
+      runs.push_back(
+          BlockRun{row_first - first_position, row_last + 1 - first_position, run_begin, run_end});
+      union_begin = std::min(union_begin, run_begin);
+      union_end = std::max(union_end, visible_end);
     }
+  };
+  for (const Grid& grid : grids) {
+    Block block = grid_block(grid, first_position, range.first, range.last);
+    Index position = first_position;
+    while (block.end <= last_position) {
+      add_run(position, block.end - 1, block.begin, block.end);
+      position = block.end;
+      Index end = position + 1;
+      while (end <= last_position && same_bin(grid, position, end)) ++end;
+      if (end > last_position) {
+        end = causal ? last_position + 1 : grid_block(grid, position, range.first, range.last).end;
+      }
+      block = Block{position, end};
+    }
+    add_run(position, last_position, block.begin, block.end);
   }
   if (union_begin >= union_end) return Block{key_begin, key_begin};
   return Block{union_begin, union_end};
