@@ -1,20 +1,22 @@
 /// \file bench_decode.cpp
 /// Speed of incremental decoding (Google Benchmark families linked into plsh_bench).
 ///
-/// Problem: 8 heads with plsh::alibi_slopes(8), d = d_v = 64, float, q, k and v uniform in
-/// [-1, 1] from plsh::detail::CounterRandom. One iteration decodes one token:
+/// Problem: 8 heads with plsh::alibi_slopes(8), d = d_v = 64, q, k and v uniform in [-1, 1] from
+/// plsh::detail::CounterRandom. One iteration decodes one token:
 ///
-/// - `decode_plsh/context`: plsh::KvCache (s = 20, fused kernel), prefilled with `context`
+/// - `decode_plsh/context/type/threads`: plsh::KvCache<type> (s = 20, fused kernel; type float
+///   or bf16 = Eigen::bfloat16) run with `threads` OpenMP threads, prefilled with `context`
 ///   tokens in chunks of 1024 outside the timed loop; per iteration one `append` of 1 token and
-///   one `attend` of 1 query. The cache evicts what no later query can reach, so the time per
-///   token should not grow with the context (goal: 65536 within 1.2x of 4096). Counter
-///   `resident`: tokens stored at the end of the run.
+///   one `attend` of 1 query (the single-query path of kv_cache.hpp). The cache evicts what no
+///   later query can reach, so the time per token should not grow with the context (goal:
+///   65536 within 1.2x of 4096). Counters `resident`: tokens stored at the end of the run;
+///   `cache_bytes`: KvCache::bytes() then (key and value buffers).
 /// - `decode_exact/context`: exact ALiBi decoding with a full cache: plsh::exact_alibi_attention
-///   of one query at position `context` against all `context` keys. Counter `resident` =
-///   context.
+///   of one query at position `context` against all `context` keys, float, with
+///   omp_get_max_threads() threads. Counter `resident` = context.
 ///
-/// Counter `tokens_per_second`: decoded tokens per second. Run with OMP_NUM_THREADS=1 for
-/// single-thread figures.
+/// Counter `tokens_per_second`: decoded tokens per second. Goals (issue 10): at most 15 us per
+/// token at context 65536 on 1 thread, 2 threads at least 1.6x faster than 1.
 
 #include <benchmark/benchmark.h>
 
@@ -27,6 +29,7 @@
 #include <plsh/plsh.hpp>
 
 #include "../tests/fill.hpp"
+#include "../tests/thread_count.hpp"
 
 namespace {
 
@@ -41,41 +44,46 @@ constexpr Index kPoolTokens = 1024;
 constexpr Index kPrefillChunk = 1024;
 const std::vector<Index> kContexts = {1024, 4096, 65536};
 
-std::vector<float> uniform_tokens(Index tokens, std::uint64_t seed) {
-  return plsh_test::uniform_values<float>(
+template <class Scalar>
+std::vector<Scalar> uniform_tokens(Index tokens, std::uint64_t seed) {
+  return plsh_test::uniform_values<Scalar>(
       static_cast<std::size_t>(tokens * kDecodeHeads * kDecodeDim), seed);
 }
 
 /// A pool of `kPoolTokens` tokens of q, k and v.
+template <class Scalar>
 struct TokenPool {
-  std::vector<float> q = uniform_tokens(kPoolTokens, 11);
-  std::vector<float> k = uniform_tokens(kPoolTokens, 12);
-  std::vector<float> v = uniform_tokens(kPoolTokens, 13);
+  std::vector<Scalar> q = uniform_tokens<Scalar>(kPoolTokens, 11);
+  std::vector<Scalar> k = uniform_tokens<Scalar>(kPoolTokens, 12);
+  std::vector<Scalar> v = uniform_tokens<Scalar>(kPoolTokens, 13);
 
-  plsh::HeadsView<const float> view(const std::vector<float>& data, Index first,
-                                    Index count) const {
-    return plsh::HeadsView<const float>{data.data(), kPoolTokens, kDecodeHeads, kDecodeDim}.slice(
+  plsh::HeadsView<const Scalar> view(const std::vector<Scalar>& data, Index first,
+                                     Index count) const {
+    return plsh::HeadsView<const Scalar>{data.data(), kPoolTokens, kDecodeHeads, kDecodeDim}.slice(
         first % kPoolTokens, count);
   }
 };
 
-const TokenPool& token_pool() {
-  static const TokenPool pool;
+template <class Scalar>
+const TokenPool<Scalar>& token_pool() {
+  static const TokenPool<Scalar> pool;
   return pool;
 }
 
-void decode_plsh(benchmark::State& state, Index context) {
-  const TokenPool& pool = token_pool();
+template <class Scalar>
+void decode_plsh(benchmark::State& state, Index context, int threads) {
+  const plsh_test::ThreadCount thread_count(threads);
+  const TokenPool<Scalar>& pool = token_pool<Scalar>();
   plsh::PlshOptions options;
   options.samples = kDecodeSamples;
-  plsh::KvCache<float> cache(kDecodeHeads, kDecodeHeads, kDecodeDim, kDecodeDim,
-                             plsh::alibi_slopes(kDecodeHeads), options);
+  plsh::KvCache<Scalar> cache(kDecodeHeads, kDecodeHeads, kDecodeDim, kDecodeDim,
+                              plsh::alibi_slopes(kDecodeHeads), options);
   for (Index done = 0; done < context; done += kPrefillChunk) {
     const Index chunk = std::min(kPrefillChunk, context - done);
     cache.append(pool.view(pool.k, 0, chunk), pool.view(pool.v, 0, chunk));
   }
-  std::vector<float> out(static_cast<std::size_t>(kDecodeHeads * kDecodeDim));
-  const plsh::HeadsView<float> out_view{out.data(), 1, kDecodeHeads, kDecodeDim};
+  std::vector<Scalar> out(static_cast<std::size_t>(kDecodeHeads * kDecodeDim));
+  const plsh::HeadsView<Scalar> out_view{out.data(), 1, kDecodeHeads, kDecodeDim};
   Index token = 0;
   for (auto _ : state) {
     cache.append(pool.view(pool.k, token, 1), pool.view(pool.v, token, 1));
@@ -85,6 +93,8 @@ void decode_plsh(benchmark::State& state, Index context) {
     ++token;
   }
   state.counters["resident"] = static_cast<double>(cache.resident());
+  state.counters["cache_bytes"] = static_cast<double>(cache.bytes());
+  state.counters["threads"] = threads;
   state.counters["tokens_per_second"] =
       benchmark::Counter(static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
 }
@@ -102,14 +112,14 @@ const FullCache& full_cache(Index context) {
     cached.reset();
     cached = std::make_unique<FullCache>();
     cached->context = context;
-    cached->k = uniform_tokens(context, 12);
-    cached->v = uniform_tokens(context, 13);
+    cached->k = uniform_tokens<float>(context, 12);
+    cached->v = uniform_tokens<float>(context, 13);
   }
   return *cached;
 }
 
 void decode_exact(benchmark::State& state, Index context) {
-  const TokenPool& pool = token_pool();
+  const TokenPool<float>& pool = token_pool<float>();
   const FullCache& cache = full_cache(context);
   const std::vector<double> slopes = plsh::alibi_slopes(kDecodeHeads);
   plsh::AttentionOptions options;
@@ -132,11 +142,24 @@ void decode_exact(benchmark::State& state, Index context) {
 }
 
 bool register_decode_benchmarks() {
+#if defined(_OPENMP)
+  const std::vector<int> thread_counts = {1, 2};
+#else
+  const std::vector<int> thread_counts = {1};
+#endif
   for (const Index context : kContexts) {
-    benchmark::RegisterBenchmark(("decode_plsh/" + std::to_string(context)).c_str(), decode_plsh,
-                                 context)
-        ->Unit(benchmark::kMicrosecond)
-        ->UseRealTime();
+    for (const int threads : thread_counts) {
+      const std::string suffix = "/" + std::to_string(threads);
+      const std::string name = "decode_plsh/" + std::to_string(context);
+      benchmark::RegisterBenchmark((name + "/float" + suffix).c_str(), decode_plsh<float>, context,
+                                   threads)
+          ->Unit(benchmark::kMicrosecond)
+          ->UseRealTime();
+      benchmark::RegisterBenchmark((name + "/bf16" + suffix).c_str(), decode_plsh<Eigen::bfloat16>,
+                                   context, threads)
+          ->Unit(benchmark::kMicrosecond)
+          ->UseRealTime();
+    }
   }
   for (const Index context : kContexts) {
     benchmark::RegisterBenchmark(("decode_exact/" + std::to_string(context)).c_str(), decode_exact,

@@ -14,6 +14,10 @@
 // that bound and fails if the cache exceeds it. At the end it checks the last output against
 // plsh_attention over the whole sequence, which the cache reproduces row for row.
 //
+// A second cache, KvCache<Eigen::bfloat16>, decodes the same tokens rounded to bfloat16 (16-bit
+// keys and values: half the bytes; computed in float): the program prints both caches' bytes and
+// how far the bfloat16 outputs are from the float ones.
+//
 // Build it against an installed plsh with
 //   find_package(plsh CONFIG REQUIRED)
 //   target_link_libraries(my_program PRIVATE plsh::plsh)
@@ -40,6 +44,15 @@ int main(int argc, char** argv) {
   const std::vector<double> slopes = plsh::alibi_slopes(heads);
   plsh::PlshOptions options;  // causal, s = 20, seed 0, fused kernel
   plsh::KvCache<float> cache(heads, kv_heads, dim, dim, slopes, options);
+  plsh::KvCache<Eigen::bfloat16> cache16(heads, kv_heads, dim, dim, slopes, options);
+  std::vector<Eigen::bfloat16> q16(static_cast<std::size_t>(heads * dim));
+  std::vector<Eigen::bfloat16> k16(static_cast<std::size_t>(kv_heads * dim));
+  std::vector<Eigen::bfloat16> v16(k16.size());
+  std::vector<Eigen::bfloat16> out16(q16.size());
+  const auto to_bfloat16 = [](const float* from, std::vector<Eigen::bfloat16>& to) {
+    for (std::size_t i = 0; i < to.size(); ++i) to[i] = static_cast<Eigen::bfloat16>(from[i]);
+  };
+  double bfloat16_difference = 0;  // largest |bfloat16 output - float output| over every step
 
   // Every token's q, k, v are kept only for the final check against the whole-sequence kernel;
   // the cache itself needs none of them.
@@ -81,6 +94,16 @@ int main(int argc, char** argv) {
     }
     cache.append({k, 1, kv_heads, dim}, {v, 1, kv_heads, dim});
     cache.attend({q, 1, heads, dim}, {out.data(), 1, heads, dim});
+    to_bfloat16(q, q16);
+    to_bfloat16(k, k16);
+    to_bfloat16(v, v16);
+    cache16.append({k16.data(), 1, kv_heads, dim}, {v16.data(), 1, kv_heads, dim});
+    cache16.attend({q16.data(), 1, heads, dim}, {out16.data(), 1, heads, dim});
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      bfloat16_difference =
+          std::max(bfloat16_difference,
+                   std::abs(static_cast<double>(static_cast<float>(out16[i])) - out[i]));
+    }
     max_resident = std::max(max_resident, cache.resident());
     if ((t + 1) % 1000 == 0) {
       const auto now = std::chrono::steady_clock::now();
@@ -112,5 +135,9 @@ int main(int argc, char** argv) {
               static_cast<long long>(bound));
   std::printf("last output vs plsh_attention over the whole sequence: max |difference| = %.2e\n",
               difference);
+  std::printf(
+      "cache bytes: float %zu, bfloat16 %zu; bfloat16 outputs vs float outputs (inputs "
+      "rounded to bfloat16): max |difference| = %.2e\n",
+      cache.bytes(), cache16.bytes(), bfloat16_difference);
   return max_resident <= bound && difference < 1e-4 ? 0 : 1;
 }

@@ -1,20 +1,26 @@
 // Tests of kv_cache.hpp: KvCache::attend equals the rows of plsh_attention over the whole
-// sequence whatever the chunking of the appends (grouped heads, offsets, both kernels); the
-// number of resident tokens stays within the bound computed from the partitions over a 10^5
-// token run; degenerate slopes; every rejected argument.
+// sequence whatever the chunking of the appends (grouped heads, offsets, both kernels; float,
+// double, bfloat16 and half storage); the single-query path gives identical results at any
+// thread count and allocates nothing once warm; the number of resident tokens stays within the
+// bound computed from the partitions over a 10^5 token run; degenerate slopes; every rejected
+// argument.
 //
 // Accuracy: the cache and the whole-sequence kernel weight the same keys by the same counts, but
 // tile the keys differently, so float sums differ by rounding only. Outputs are convex
 // combinations of values in [-1, 1]; a weighted mean of a few hundred terms in float errs by
-// ~1e-6, below the 2e-5 bound.
+// ~1e-6, below the 2e-5 bound. The 16-bit caches compute in float from the same rounded inputs
+// and round each output once: against the float kernel on those inputs they differ by at most
+// u |o| + 2e-5, u the unit roundoff of the type (2^-8 for bfloat16, 2^-11 for half).
 
 #include <catch2/catch.hpp>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <plsh/alibi.hpp>
@@ -23,33 +29,60 @@
 #include <plsh/partition.hpp>
 #include <plsh/sampler.hpp>
 
+#include "allocation_counter.hpp"
 #include "attention_fixture.hpp"
+#include "thread_count.hpp"
 
 namespace {
 
 using plsh::HeadsView;
 using plsh::Index;
 
-/// Queries, keys and values of a whole sequence: the attention fixture's problem, packed, every
-/// input uniform in [-1, 1].
-struct Sequence : plsh_test::Problem<float> {
+/// Queries, keys and values of a whole sequence, packed, in storage type `Scalar`: the attention
+/// fixture's problem (every input uniform in [-1, 1]), or another sequence rounded to `Scalar`.
+template <class Scalar>
+struct Sequence {
   Index tokens, heads, kv_heads, dim, value_dim;
+  std::vector<Scalar> q, k, v;
 
   Sequence(Index n, Index h, Index h_kv, Index d, Index d_v, std::uint64_t seed)
-      : plsh_test::Problem<float>(plsh_test::Shape{n, n, h, h_kv, d, d_v}, seed,
-                                  plsh_test::Layout::Packed, 1.0),
-        tokens(n),
-        heads(h),
-        kv_heads(h_kv),
-        dim(d),
-        value_dim(d_v) {}
-
-  HeadsView<const float> queries(Index begin, Index count) const {
-    return q.in().slice(begin, count);
+      : tokens(n), heads(h), kv_heads(h_kv), dim(d), value_dim(d_v) {
+    const plsh_test::Problem<Scalar> problem(plsh_test::Shape{n, n, h, h_kv, d, d_v}, seed,
+                                             plsh_test::Layout::Packed, 1.0);
+    const auto copy = [](const HeadsView<const Scalar>& view) {
+      return std::vector<Scalar>(view.data, view.data + view.tokens * view.token_stride);
+    };
+    q = copy(problem.q.in());
+    k = copy(problem.k.in());
+    v = copy(problem.v.in());
   }
-  HeadsView<const float> keys(Index begin, Index count) const { return k.in().slice(begin, count); }
-  HeadsView<const float> values(Index begin, Index count) const {
-    return v.in().slice(begin, count);
+
+  template <class Other>
+  explicit Sequence(const Sequence<Other>& other)
+      : tokens(other.tokens),
+        heads(other.heads),
+        kv_heads(other.kv_heads),
+        dim(other.dim),
+        value_dim(other.value_dim),
+        q(converted(other.q)),
+        k(converted(other.k)),
+        v(converted(other.v)) {}
+
+  template <class Other>
+  static std::vector<Scalar> converted(const std::vector<Other>& values) {
+    std::vector<Scalar> result(values.size());
+    for (std::size_t i = 0; i < values.size(); ++i) result[i] = static_cast<Scalar>(values[i]);
+    return result;
+  }
+
+  HeadsView<const Scalar> queries(Index begin, Index count) const {
+    return HeadsView<const Scalar>{q.data(), tokens, heads, dim}.slice(begin, count);
+  }
+  HeadsView<const Scalar> keys(Index begin, Index count) const {
+    return HeadsView<const Scalar>{k.data(), tokens, kv_heads, dim}.slice(begin, count);
+  }
+  HeadsView<const Scalar> values(Index begin, Index count) const {
+    return HeadsView<const Scalar>{v.data(), tokens, kv_heads, value_dim}.slice(begin, count);
   }
 };
 
@@ -65,15 +98,19 @@ std::vector<Index> chunk_schedule(Index tokens, const std::vector<Index>& patter
   return chunks;
 }
 
-/// Largest |a - b| over the rows `[row_begin, row_begin + rows)` of a `[n][heads][value_dim]`
-/// tensor `b` and the packed rows `a`.
-double max_row_difference(const std::vector<float>& a, const std::vector<float>& b, Index row_begin,
-                          Index rows, Index row_size) {
+/// Largest \f$|a - b| - u|b|\f$ over the rows `[row_begin, row_begin + rows)` of a
+/// `[n][heads][value_dim]` tensor `b` and the packed rows `a`: with u = 0, the largest
+/// difference; with u the unit roundoff of a's storage, the error beyond rounding a once.
+template <class A, class B>
+double max_row_difference(const std::vector<A>& a, const std::vector<B>& b, Index row_begin,
+                          Index rows, Index row_size, double roundoff = 0) {
   double difference = 0;
   for (Index i = 0; i < rows * row_size; ++i) {
-    difference =
-        std::max(difference, std::abs(static_cast<double>(a[static_cast<std::size_t>(i)]) -
-                                      b[static_cast<std::size_t>(row_begin * row_size + i)]));
+    const double expected =
+        static_cast<double>(b[static_cast<std::size_t>(row_begin * row_size + i)]);
+    difference = std::max(difference,
+                          std::abs(static_cast<double>(a[static_cast<std::size_t>(i)]) - expected) -
+                              roundoff * std::abs(expected));
   }
   return difference;
 }
@@ -111,16 +148,20 @@ struct DecodeResult {
 };
 
 /// Appends `sequence` chunk by chunk and, after every append, attends the whole chunk and its
-/// newest token; compares with the rows of `expected` (plsh_attention over the sequence).
-DecodeResult decode(const Sequence& sequence, const std::vector<double>& slopes,
+/// newest token; compares with the rows of `expected` (plsh_attention over the sequence): the
+/// largest difference beyond `roundoff` times the expected value. `outputs`, when given, receives
+/// every attended row in order.
+template <class Scalar, class Expected>
+DecodeResult decode(const Sequence<Scalar>& sequence, const std::vector<double>& slopes,
                     const plsh::PlshOptions& options, const std::vector<Index>& chunks,
-                    const std::vector<float>& expected) {
-  plsh::KvCache<float> cache(sequence.heads, sequence.kv_heads, sequence.dim, sequence.value_dim,
-                             slopes, options);
+                    const std::vector<Expected>& expected, double roundoff = 0,
+                    std::vector<Scalar>* outputs = nullptr) {
+  plsh::KvCache<Scalar> cache(sequence.heads, sequence.kv_heads, sequence.dim, sequence.value_dim,
+                              slopes, options);
   const Index row_size = sequence.heads * sequence.value_dim;
   DecodeResult result;
   Index done = 0;
-  std::vector<float> out;
+  std::vector<Scalar> out;
   for (const Index chunk : chunks) {
     cache.append(sequence.keys(done, chunk), sequence.values(done, chunk));
     done += chunk;
@@ -128,28 +169,31 @@ DecodeResult decode(const Sequence& sequence, const std::vector<double>& slopes,
     REQUIRE(cache.oldest_position() + cache.resident() == cache.position());
     result.max_resident = std::max(result.max_resident, cache.resident());
     for (const Index queries : {chunk, Index{1}}) {
-      out.assign(static_cast<std::size_t>(queries * row_size), 0.0f);
+      out.assign(static_cast<std::size_t>(queries * row_size), Scalar(0));
       cache.attend(sequence.queries(done - queries, queries),
-                   HeadsView<float>{out.data(), queries, sequence.heads, sequence.value_dim});
+                   HeadsView<Scalar>{out.data(), queries, sequence.heads, sequence.value_dim});
       result.max_difference =
           std::max(result.max_difference,
-                   max_row_difference(out, expected, done - queries, queries, row_size));
+                   max_row_difference(out, expected, done - queries, queries, row_size, roundoff));
+      if (outputs != nullptr) outputs->insert(outputs->end(), out.begin(), out.end());
     }
   }
   result.final_resident = cache.resident();
   return result;
 }
 
-std::vector<float> whole_sequence(const Sequence& sequence, const std::vector<double>& slopes,
-                                  const plsh::PlshOptions& options) {
-  std::vector<float> out(
+template <class Scalar>
+std::vector<Scalar> whole_sequence(const Sequence<Scalar>& sequence,
+                                   const std::vector<double>& slopes,
+                                   const plsh::PlshOptions& options) {
+  std::vector<Scalar> out(
       static_cast<std::size_t>(sequence.tokens * sequence.heads * sequence.value_dim));
   plsh::PlshOptions whole = options;
   whole.query_position = options.key_position;
-  plsh::plsh_attention<float>(
+  plsh::plsh_attention<Scalar>(
       sequence.queries(0, sequence.tokens), sequence.keys(0, sequence.tokens),
       sequence.values(0, sequence.tokens),
-      HeadsView<float>{out.data(), sequence.tokens, sequence.heads, sequence.value_dim}, slopes,
+      HeadsView<Scalar>{out.data(), sequence.tokens, sequence.heads, sequence.value_dim}, slopes,
       whole);
   return out;
 }
@@ -159,7 +203,7 @@ std::vector<float> whole_sequence(const Sequence& sequence, const std::vector<do
 TEST_CASE("KvCache::attend equals plsh_attention over the whole sequence", "[kv_cache]") {
   // Eight query heads on two key/value heads. Steep slopes make eviction happen within 500
   // tokens; the standard ALiBi list keeps nearly everything at this length.
-  const Sequence sequence(500, 8, 2, 16, 8, 17);
+  const Sequence<float> sequence(500, 8, 2, 16, 8, 17);
   const std::vector<std::vector<double>> slope_lists = {
       {0.5, 0.25, 0.125, 1.0 / 16, 1.0 / 32, 0.3, 0.2, 0.1}, plsh::alibi_slopes(8)};
   const std::vector<std::vector<Index>> patterns = {{1}, {1, 7, 64, 3}, {5, 1, 2}};
@@ -196,7 +240,7 @@ TEST_CASE("KvCache::attend equals plsh_attention over the whole sequence", "[kv_
 }
 
 TEST_CASE("KvCache with the pass kernel equals plsh_attention", "[kv_cache]") {
-  const Sequence sequence(300, 4, 4, 8, 8, 5);
+  const Sequence<float> sequence(300, 4, 4, 8, 8, 5);
   const std::vector<double> slopes = {0.5, 0.2, 0.05, 0.01};
   plsh::PlshOptions options;
   options.samples = 8;
@@ -208,12 +252,121 @@ TEST_CASE("KvCache with the pass kernel equals plsh_attention", "[kv_cache]") {
   CHECK(result.max_difference <= 2e-5);
 }
 
+TEST_CASE("KvCache in double equals plsh_attention to rounding", "[kv_cache]") {
+  const Sequence<double> sequence(300, 8, 2, 16, 16, 23);
+  const std::vector<double> slopes = {0.5, 0.25, 0.125, 1.0 / 16, 1.0 / 32, 0.3, 0.2, 0.01};
+  plsh::PlshOptions options;
+  options.seed = 9;
+  const std::vector<double> expected = whole_sequence(sequence, slopes, options);
+  for (const auto& pattern : std::vector<std::vector<Index>>{{1}, {1, 7, 64, 3}}) {
+    const DecodeResult result =
+        decode(sequence, slopes, options, chunk_schedule(sequence.tokens, pattern), expected);
+    INFO("chunks of " << pattern.front()
+                      << ": max |cache - whole sequence| = " << result.max_difference);
+    CHECK(result.max_difference <= 1e-12);
+  }
+}
+
+TEMPLATE_TEST_CASE("KvCache in 16 bits: the float kernel's rows rounded once", "[kv_cache][half]",
+                   Eigen::bfloat16, Eigen::half) {
+  // The inputs rounded to the 16-bit type; the reference is the float kernel on those same
+  // (widened, exact) inputs. Chunks of 64 take the fused kernel, the others the single-query
+  // path.
+  const double roundoff =
+      std::is_same<TestType, Eigen::bfloat16>::value ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
+  const Sequence<TestType> stored(Sequence<float>(400, 8, 2, 32, 32, 31));
+  const Sequence<float> widened(stored);
+  const std::vector<double> slopes = {0.5, 0.25, 0.125, 1.0 / 16, 1.0 / 32, 0.3, 0.2, 0.01};
+  for (const plsh::Kernel kernel : {plsh::Kernel::Fused, plsh::Kernel::Passes}) {
+    plsh::PlshOptions options;
+    options.seed = 4;
+    options.kernel = kernel;
+    const std::vector<float> expected = whole_sequence(widened, slopes, options);
+    for (const auto& pattern : std::vector<std::vector<Index>>{{1}, {1, 7, 64, 3}}) {
+      const DecodeResult result = decode(
+          stored, slopes, options, chunk_schedule(stored.tokens, pattern), expected, roundoff);
+      INFO((kernel == plsh::Kernel::Fused ? "fused" : "passes")
+           << ", chunks of " << pattern.front()
+           << ": max (|cache - float kernel| - u |float kernel|) = " << result.max_difference);
+      CHECK(result.max_difference <= 2e-5);
+    }
+  }
+  // Half the bytes of a float cache holding the same tokens.
+  plsh::KvCache<TestType> half_cache(8, 2, 32, 32, slopes);
+  plsh::KvCache<float> float_cache(8, 2, 32, 32, slopes);
+  half_cache.append(stored.keys(0, 100), stored.values(0, 100));
+  float_cache.append(widened.keys(0, 100), widened.values(0, 100));
+  CHECK(half_cache.bytes() > 0);
+  CHECK(2 * half_cache.bytes() == float_cache.bytes());
+}
+
+TEST_CASE("KvCache decoding gives identical results at 1, 2 and 3 threads", "[kv_cache][threads]") {
+  // The standard slopes at d = 64: unions of several hundred keys, split into several jobs per
+  // head, enough work for the parallel region; grouped heads; chunks of up to 16 rows (the
+  // single-query path) and 40 (the fused kernel).
+  const Sequence<float> sequence(700, 8, 2, 64, 64, 41);
+  const std::vector<double> slopes = plsh::alibi_slopes(8);
+  plsh::PlshOptions options;
+  options.seed = 5;
+  const std::vector<float> expected = whole_sequence(sequence, slopes, options);
+  const std::vector<Index> chunks = chunk_schedule(sequence.tokens, {1, 3, 16, 2, 40});
+  std::vector<std::vector<float>> outputs;
+  for (const int threads : {1, 2, 3}) {
+    const plsh_test::ThreadCount thread_count(threads);
+    outputs.emplace_back();
+    const DecodeResult result =
+        decode(sequence, slopes, options, chunks, expected, 0, &outputs.back());
+    INFO(threads << " threads: max |cache - whole sequence| = " << result.max_difference);
+    CHECK(result.max_difference <= 2e-5);
+  }
+  for (std::size_t run = 1; run < outputs.size(); ++run) {
+    INFO("run " << run + 1 << " against the single-thread run, bit for bit");
+    REQUIRE(outputs[run].size() == outputs[0].size());
+    CHECK(std::memcmp(outputs[run].data(), outputs[0].data(), outputs[0].size() * sizeof(float)) ==
+          0);
+  }
+}
+
+TEST_CASE("a decoding step allocates nothing once the cache is warm", "[kv_cache][allocations]") {
+  // One token at a time, then chunks of 3 queries, on 1 and 2 threads: after a warm-up, attend
+  // allocates nothing unless the cache's buffer grew at the append before (its scratch is sized
+  // from the buffer's capacity).
+  const Sequence<float> sequence(1600, 8, 2, 32, 32, 43);
+  const std::vector<double> slopes = {0.5, 0.25, 0.125, 1.0 / 16, 1.0 / 32, 1.0 / 64, 0.2, 0.01};
+  for (const int threads : {1, 2}) {
+    for (const Index chunk : {Index{1}, Index{3}}) {
+      const plsh_test::ThreadCount thread_count(threads);
+      plsh::KvCache<float> cache(8, 2, 32, 32, slopes);
+      std::vector<float> out(static_cast<std::size_t>(chunk * 8 * 32));
+      const HeadsView<float> out_view{out.data(), chunk, 8, 32};
+      long attend_allocations = 0;
+      Index counted = 0;
+      std::size_t bytes = 0;
+      for (Index done = 0; done + chunk <= sequence.tokens; done += chunk) {
+        cache.append(sequence.keys(done, chunk), sequence.values(done, chunk));
+        const bool grown = cache.bytes() != bytes;
+        bytes = cache.bytes();
+        const long before = plsh_test::allocations.load();
+        cache.attend(sequence.queries(done, chunk), out_view);
+        if (done >= 800 && !grown) {
+          attend_allocations += plsh_test::allocations.load() - before;
+          ++counted;
+        }
+      }
+      INFO(threads << " threads, chunks of " << chunk << ": " << attend_allocations
+                   << " allocations in " << counted << " attends");
+      CHECK(counted >= 200);
+      CHECK(attend_allocations == 0);
+    }
+  }
+}
+
 TEST_CASE("KvCache keeps a bounded number of tokens over a long run", "[kv_cache][long]") {
   // 10^5 tokens in chunks of 1, 7, 64, 3. The cache may hold at most
   // max_p (p - E(p) + 1) + chunk - 1 tokens (see kv_cache.hpp), computed here independently from
   // the BlockPartition of every grid.
   const Index tokens = 100000;
-  const Sequence sequence(tokens, 2, 1, 8, 8, 29);
+  const Sequence<float> sequence(tokens, 2, 1, 8, 8, 29);
   const std::vector<double> slopes = {1.0 / 8, 1.0 / 64};
   plsh::PlshOptions options;
   options.samples = 20;
@@ -265,7 +418,7 @@ TEST_CASE("KvCache keeps a bounded number of tokens over a long run", "[kv_cache
 
 TEST_CASE("KvCache with a zero slope keeps every token", "[kv_cache]") {
   // Slope 0 is one block holding everything: no key can ever be evicted.
-  const Sequence sequence(200, 2, 1, 4, 4, 1);
+  const Sequence<float> sequence(200, 2, 1, 4, 4, 1);
   const std::vector<double> slopes = {0.0, 0.5};
   plsh::PlshOptions options;
   const std::vector<float> expected = whole_sequence(sequence, slopes, options);

@@ -15,24 +15,51 @@
 /// sequence length.
 ///
 /// Cost per appended token: amortised O(1) copies (the resident rows slide to the front of their
-/// buffer when it is full) plus O(1) amortised block look-ups per (head, draw). `attend` is the
-/// fused kernel of plsh_attention on the resident keys: per query about
-/// \f$(d + d_v)\f$ times the width of the union of its blocks.
+/// buffer when it is full) plus O(1) amortised block look-ups per (head, draw), which also keep
+/// the block of the newest position of every (head, draw).
+///
+/// `attend` of at most detail::kDecodeRows queries (decoding) takes the single-query path: for a
+/// query at p, the blocks of its draws all end after p, so with \f$b_t\f$ their starts the count
+/// is \f$c_j = \#\{t : b_t \le j\}\f$ on the union \f$[\min_t b_t, p]\f$, and
+/// \f[ o_p = \frac{\sum_j c_j e^{S_{pj}} v_j}{\sum_j c_j e^{S_{pj}}}, \f]
+/// the fused estimator. The union is split into ranges of detail::kDecodeKeyChunk keys; each
+/// (query, head, range) is a job: a matrix-vector product for its scores, \f$\log c_j\f$ added,
+/// an online softmax of one row and a matrix-vector product with its values, giving a partial
+/// (output, lse). The jobs run in one OpenMP region (when the work is worth it) and are merged by
+/// log-sum-exp in job order, so the result is identical for any number of threads. Cost per
+/// query and head: \f$(d + d_v)\f$ times the union width (about \f$(\ln s + \ln\ln s)/m\f$),
+/// plus O(s log s) for the counts; no block look-up for the newest position and no allocation
+/// once the scratch has grown. More queries go to the fused (or pass) kernel of
+/// plsh_attention on the resident keys, whose products are GEMMs over query tiles.
+///
+/// Storage: float, double, Eigen::bfloat16 or Eigen::half keys, values, queries and outputs,
+/// computed in detail::Compute (float for the 16-bit types: each key and value range is
+/// converted once per job, each output row rounded once).
 ///
 /// Tested in tests/test_kv_cache.cpp against plsh_attention over the whole sequence (every chunk
-/// size, grouped heads), and for the resident bound computed from the partitions.
+/// size, grouped heads, float, double, bfloat16 and half), for identical results at 1, 2 and 3
+/// threads, for no allocation in a decoding step, and for the resident bound computed from the
+/// partitions.
 
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <exception>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#include "attention/online_softmax.hpp"
 #include "attention/plsh_attention.hpp"
 #include "attention/regular.hpp"
 #include "detail/check.hpp"
+#include "detail/storage.hpp"
 #include "detail/validate.hpp"
 #include "limits.hpp"
 #include "options.hpp"
@@ -41,6 +68,87 @@
 #include "tensor.hpp"
 
 namespace plsh {
+namespace detail {
+
+/// Query rows up to which KvCache::attend takes the single-query path, whatever the kernel of the
+/// options (it evaluates the fused estimator); more rows go to the fused or pass kernel, whose
+/// products are GEMMs over query tiles.
+constexpr Index kDecodeRows = 16;
+
+/// Keys per job of the single-query path: a (row, head) whose union is wider is split into
+/// ranges of this many keys, so that one wide head does not leave the other threads idle.
+constexpr Index kDecodeKeyChunk = 128;
+
+/// Estimated multiply-adds from which the single-query path opens a parallel region. A region of
+/// warm threads costs about a microsecond, the time of some 10^4 multiply-adds.
+constexpr double kDecodeParallelWork = 1 << 15;
+
+/// Keys `[begin, end)` (absolute positions) of query row `row` and head `head`.
+struct DecodeJob {
+  Index row;
+  Index head;
+  Index begin;
+  Index end;
+};
+
+/// Scratch of one thread of the single-query path.
+template <class Storage>
+struct DecodeThreadState {
+  using Scalar = Compute<Storage>;
+  OnlineSoftmax<Scalar> softmax;
+  AlignedVector<Scalar> keys;    // a chunk of keys in the compute type (16-bit storage)
+  AlignedVector<Scalar> values;  // a chunk of values in the compute type (16-bit storage)
+  alignas(64) Scalar scores[kDecodeKeyChunk];
+};
+
+/// Scratch of the single-query path of one calling thread, reused across calls: after the first
+/// calls of a given size, a call allocates nothing.
+template <class Storage>
+struct DecodeWorkspace {
+  using Scalar = Compute<Storage>;
+  std::vector<Index> begins;     // [row][head][draw]: the block starts, sorted per row and head
+  std::vector<Index> first_job;  // [row * heads + head]: its first job; one more at the end
+  std::vector<DecodeJob> jobs;
+  AlignedVector<Scalar> queries;  // [row][head][dim]: the queries times the scale
+  AlignedVector<Scalar> partial;  // [job][value_dim]: normalised output of the job's keys
+  AlignedVector<Scalar> lse;      // [job]: log-sum-exp of the job's logits
+  std::vector<Scalar> log_count;  // log(c) for c = 0..s, log(0) = -inf
+  std::vector<DecodeThreadState<Storage>> threads;
+  OutputRows<Storage> output;
+};
+
+/// The logits of one job, \f$\text{scale}\, q \cdot k_j + \log c_j\f$ over its keys, into an
+/// online softmax of one row: \f$c_j = \#\{t : b_t \le j\}\f$, `begins` the s block starts of
+/// the row's draws, sorted (causal: every block of the row ends after it, so the counts only
+/// step up). Writes the job's normalised output and log-sum-exp.
+template <class Storage>
+void decode_job(const ConstHeadMap<Storage>& keys, const ConstHeadMap<Storage>& values,
+                const Compute<Storage>* query, Index first_position, const Index* begins,
+                Index samples, const std::vector<Compute<Storage>>& log_count,
+                DecodeThreadState<Storage>& state, Compute<Storage>* out, Compute<Storage>* lse) {
+  using Scalar = Compute<Storage>;
+  const Index count = keys.rows();
+  const ConstHeadMap<Scalar> k = compute_rows(keys, state.keys);
+  const ConstHeadMap<Scalar> v = compute_rows(values, state.values);
+  Eigen::Map<RowMatrix<Scalar>> scores(state.scores, 1, count);
+  const Eigen::Map<const RowMatrix<Scalar>> q(query, 1, keys.cols());
+  scores.noalias() = q * k.transpose();
+  // Segments of constant count: [position, next begin) holds c = number of begins <= position.
+  Index draws = std::upper_bound(begins, begins + samples, first_position) - begins;
+  for (Index position = first_position; position < first_position + count;) {
+    const Index next =
+        draws < samples ? std::min(begins[draws], first_position + count) : first_position + count;
+    scores.middleCols(position - first_position, next - position).array() +=
+        log_count[static_cast<std::size_t>(draws)];
+    position = next;
+    while (draws < samples && begins[draws] <= position) ++draws;
+  }
+  state.softmax.reset(1, values.cols());
+  state.softmax.update(scores, v);
+  state.softmax.finish(Eigen::Map<RowMatrix<Scalar>>(out, 1, values.cols()), lse);
+}
+
+}  // namespace detail
 
 /// Key/value cache for incremental causal Positional LSH attention.
 ///
@@ -61,9 +169,13 @@ namespace plsh {
 /// }
 /// \endcode
 ///
-/// \tparam Scalar element type of keys, values, queries and outputs.
+/// \tparam Scalar storage type of keys, values, queries and outputs: float, double,
+/// Eigen::bfloat16 or Eigen::half (the 16-bit types halve the cache's bytes and compute in float).
 template <class Scalar>
 class KvCache {
+  static_assert(detail::is_storage_type<Scalar>,
+                "KvCache stores float, double, Eigen::bfloat16 or Eigen::half");
+
  public:
   /// \param heads query heads H, \param kv_heads key/value heads (H a multiple of it),
   /// \param dim key and query size d, \param value_dim value size d_v,
@@ -72,7 +184,7 @@ class KvCache {
   /// the newest positions); samples, seed and kernel as plsh_attention.
   /// \throws std::invalid_argument for non-positive sizes, H not a multiple of kv_heads, a bad
   /// slope, `samples` outside [1, kMaxSamples], `causal == false`, a key_position outside
-  /// [0, kMaxPosition], or a scale that is not finite and non-zero in Scalar.
+  /// [0, kMaxPosition], or a scale that is not finite and non-zero in the compute type.
   KvCache(Index heads, Index kv_heads, Index dim, Index value_dim, std::vector<double> slopes,
           PlshOptions options = {})
       : heads_(heads),
@@ -93,7 +205,7 @@ class KvCache {
                     "options.causal must be true (a cache serves causal decoding)");
     detail::require(options.key_position >= 0 && options.key_position <= kMaxPosition, function,
                     "options.key_position must lie in [0, kMaxPosition = 2^53]");
-    detail::validate_scale<Scalar>(function, options, dim);
+    detail::validate_scale<detail::Compute<Scalar>>(function, options, dim);
     grids_ = detail::kernel_grids(slopes_, options, function);
     position_ = options.key_position;
     oldest_ = options.key_position;
@@ -121,17 +233,19 @@ class KvCache {
     evict(reachable_from(position_));
     reserve(k.tokens);
     const Index first_row = start_ + resident_;
-    for (Index t = 0; t < k.tokens; ++t) {
-      for (Index g = 0; g < kv_heads_; ++g) {
+    for (Index g = 0; g < kv_heads_; ++g) {
+      for (Index t = 0; t < k.tokens; ++t) {
         std::copy_n(k.data + t * k.token_stride + g * k.head_stride, dim_,
-                    keys_.data() + ((first_row + t) * kv_heads_ + g) * dim_);
+                    keys_.data() + (g * capacity_ + first_row + t) * dim_);
         std::copy_n(v.data + t * v.token_stride + g * v.head_stride, value_dim_,
-                    values_.data() + ((first_row + t) * kv_heads_ + g) * value_dim_);
+                    values_.data() + (g * capacity_ + first_row + t) * value_dim_);
       }
     }
     resident_ += k.tokens;
     position_ += k.tokens;
     last_append_ = k.tokens;
+    // The blocks of the newest position: a one-token attend looks none up.
+    reachable_from(position_ - 1);
   }
 
   /// Outputs of the queries at positions `position() - q.tokens .. position() - 1`.
@@ -157,9 +271,12 @@ class KvCache {
     PlshOptions options = options_;
     options.query_position = position_ - q.tokens;
     options.key_position = oldest_;
-    // The same checks as plsh_attention (out against q and the cache) on the resident views.
-    detail::validate_attention(function, q, keys(), values(), out, options);
-    if (options.kernel == Kernel::Passes) {
+    // The same checks as plsh_attention (out against q and the cache) on the resident views; the
+    // constructor checked the scale in the compute type.
+    detail::validate_attention(function, q, keys(), values(), out, detail::unscaled(options));
+    if (q.tokens <= detail::kDecodeRows) {
+      attend_rows(q, out, detail::resolved_scale(options, dim_));
+    } else if (options.kernel == Kernel::Passes) {
       detail::pass_attention(q, keys(), values(), out, grids_, options, RegularAttention{});
     } else {
       detail::fused_attention(q, keys(), values(), out, grids_, slopes_, options);
@@ -176,18 +293,27 @@ class KvCache {
   /// Absolute position of the oldest stored token (`position() - resident()`).
   Index oldest_position() const { return oldest_; }
 
-  /// The stored keys, `[resident()][kv_heads][dim]`, positions `oldest_position()` on. Valid until
-  /// the next append.
+  /// The stored keys, `[resident()][kv_heads][dim]`, positions `oldest_position()` on (each
+  /// head's rows contiguous: token stride `dim`). Valid until the next append.
   HeadsView<const Scalar> keys() const {
-    return HeadsView<const Scalar>{keys_.data() + start_ * kv_heads_ * dim_, resident_, kv_heads_,
-                                   dim_};
+    return HeadsView<const Scalar>{
+        keys_.data() + start_ * dim_, resident_, kv_heads_, dim_, dim_, capacity_ * dim_};
   }
 
   /// The stored values, `[resident()][kv_heads][value_dim]`. Valid until the next append.
   HeadsView<const Scalar> values() const {
-    return HeadsView<const Scalar>{values_.data() + start_ * kv_heads_ * value_dim_, resident_,
-                                   kv_heads_, value_dim_};
+    return HeadsView<const Scalar>{values_.data() + start_ * value_dim_,
+                                   resident_,
+                                   kv_heads_,
+                                   value_dim_,
+                                   value_dim_,
+                                   capacity_ * value_dim_};
   }
+
+  /// Bytes of the key and value buffers (resident rows and the room for later appends):
+  /// `capacity * kv_heads * (dim + value_dim) * sizeof(Scalar)`, half as much for the 16-bit
+  /// types as for float.
+  std::size_t bytes() const { return (keys_.size() + values_.size()) * sizeof(Scalar); }
 
   Index heads() const { return heads_; }
   Index kv_heads() const { return kv_heads_; }
@@ -227,27 +353,164 @@ class KvCache {
   /// resident rows move to the front; the buffer grows to twice what is needed when they would
   /// fill more than half of it. Each row moved is paid for by at least as many appended rows.
   void reserve(Index count) {
-    const Index capacity = static_cast<Index>(keys_.size()) / (kv_heads_ * dim_);
+    const Index capacity = capacity_;
     const Index needed = resident_ + count;
     if (start_ + needed <= capacity) return;
     const Index new_capacity = 2 * needed > capacity ? 2 * needed : capacity;
-    const auto move = [&](std::vector<Scalar>& buffer, Index width) {
-      const std::ptrdiff_t row = static_cast<std::ptrdiff_t>(kv_heads_ * width);
-      const auto first = buffer.begin() + start_ * row;
-      const auto last = buffer.begin() + (start_ + resident_) * row;
+    // Per key/value head g, rows [start_, start_ + resident_) of its region move to the front of
+    // its region (of new_capacity rows).
+    const auto move = [&](detail::AlignedVector<Scalar>& buffer, Index width) {
+      const auto rows = [&](detail::AlignedVector<Scalar>& b, Index g, Index size, Index row) {
+        return b.begin() + (g * size + row) * width;
+      };
       if (new_capacity == capacity) {
         // Here start_ > capacity - needed >= needed > 0: the rows move towards the front, which
         // std::copy allows within one buffer.
-        std::copy(first, last, buffer.begin());
+        for (Index g = 0; g < kv_heads_; ++g) {
+          std::copy(rows(buffer, g, capacity, start_),
+                    rows(buffer, g, capacity, start_ + resident_), rows(buffer, g, capacity, 0));
+        }
       } else {
-        std::vector<Scalar> grown(static_cast<std::size_t>(new_capacity * row));
-        std::copy(first, last, grown.begin());
+        detail::AlignedVector<Scalar> grown(
+            static_cast<std::size_t>(new_capacity * kv_heads_ * width));
+        for (Index g = 0; g < kv_heads_; ++g) {
+          std::copy(rows(buffer, g, capacity, start_),
+                    rows(buffer, g, capacity, start_ + resident_), rows(grown, g, new_capacity, 0));
+        }
         buffer.swap(grown);
       }
     };
     move(keys_, dim_);
     move(values_, value_dim_);
+    capacity_ = new_capacity;
     start_ = 0;
+  }
+
+  /// The single-query path (file comment): the jobs (row, head, key range), one parallel region
+  /// over them, then per row and head the log-sum-exp merge of its jobs, in job order, so that
+  /// the result does not depend on the number of threads.
+  void attend_rows(const HeadsView<const Scalar>& q, const HeadsView<Scalar>& out,
+                   double scale) const {
+    using Compute = detail::Compute<Scalar>;
+    static thread_local detail::DecodeWorkspace<Scalar> calling_thread_workspace;
+    // A reference: inside the parallel region the name must denote the calling thread's
+    // workspace, not each thread's own.
+    detail::DecodeWorkspace<Scalar>& workspace = calling_thread_workspace;
+    const Index rows = q.tokens;
+    const Index samples = options_.samples;
+    const Index group = heads_ / kv_heads_;
+    const Index first_query = position_ - rows;
+    if (static_cast<Index>(workspace.log_count.size()) != samples + 1) {
+      workspace.log_count.resize(static_cast<std::size_t>(samples + 1));
+      workspace.log_count[0] = -std::numeric_limits<Compute>::infinity();
+      for (Index c = 1; c <= samples; ++c) {
+        workspace.log_count[static_cast<std::size_t>(c)] = std::log(static_cast<Compute>(c));
+      }
+    }
+    // Room for the most jobs the cache's buffer can need, so that calls between two growths of
+    // the buffer allocate nothing.
+    const Index most_jobs = rows * heads_ * (capacity_ / detail::kDecodeKeyChunk + 1);
+    workspace.begins.resize(static_cast<std::size_t>(rows * heads_ * samples));
+    workspace.first_job.resize(static_cast<std::size_t>(rows * heads_ + 1));
+    workspace.jobs.reserve(static_cast<std::size_t>(most_jobs));
+    workspace.jobs.clear();
+    workspace.queries.resize(static_cast<std::size_t>(rows * heads_ * dim_));
+    double work = 0;
+    for (Index r = 0; r < rows; ++r) {
+      const Index position = first_query + r;
+      for (Index h = 0; h < heads_; ++h) {
+        Index* begins = &workspace.begins[static_cast<std::size_t>((r * heads_ + h) * samples)];
+        for (Index t = 0; t < samples; ++t) {
+          const Block& newest = blocks_[static_cast<std::size_t>(h * samples + t)];
+          // Rows before the newest block of a draw: chunks that crossed a block boundary.
+          begins[t] = std::max(
+              oldest_,
+              newest.contains(position)
+                  ? newest.begin
+                  : grid_block(grids_[static_cast<std::size_t>(h)][static_cast<std::size_t>(t)],
+                               position, options_.key_position, kMaxPosition)
+                        .begin);
+        }
+        std::sort(begins, begins + samples);
+        workspace.first_job[static_cast<std::size_t>(r * heads_ + h)] =
+            static_cast<Index>(workspace.jobs.size());
+        for (Index begin = begins[0]; begin <= position; begin += detail::kDecodeKeyChunk) {
+          workspace.jobs.push_back(detail::DecodeJob{
+              r, h, begin, std::min(begin + detail::kDecodeKeyChunk, position + 1)});
+        }
+        work +=
+            static_cast<double>(position + 1 - begins[0]) * static_cast<double>(dim_ + value_dim_);
+        Compute* query = &workspace.queries[static_cast<std::size_t>((r * heads_ + h) * dim_)];
+        detail::convert_to_compute(q.data + r * q.token_stride + h * q.head_stride, dim_, query);
+        Eigen::Map<Eigen::Matrix<Compute, 1, Eigen::Dynamic>>(query, dim_) *=
+            static_cast<Compute>(scale);
+      }
+    }
+    const Index jobs = static_cast<Index>(workspace.jobs.size());
+    workspace.first_job.back() = jobs;
+    workspace.partial.resize(static_cast<std::size_t>(most_jobs * value_dim_));
+    workspace.lse.resize(static_cast<std::size_t>(most_jobs));
+    Index threads = 1;
+#if defined(_OPENMP)
+    if (jobs > 1 && work >= detail::kDecodeParallelWork) threads = omp_get_max_threads();
+    const bool threaded = threads > 1;
+#endif
+    if (static_cast<Index>(workspace.threads.size()) < threads) {
+      workspace.threads.resize(static_cast<std::size_t>(threads));
+    }
+    std::exception_ptr failure;
+#if defined(_OPENMP)
+#pragma omp parallel for schedule(dynamic, 1) if (threaded)
+#endif
+    for (Index j = 0; j < jobs; ++j) {
+      try {
+        Index thread = 0;
+#if defined(_OPENMP)
+        thread = omp_get_thread_num();
+#endif
+        const detail::DecodeJob& job = workspace.jobs[static_cast<std::size_t>(j)];
+        const Index g = job.head / group;
+        const Index first_row = start_ + job.begin - oldest_;
+        const Index count = job.end - job.begin;
+        detail::decode_job<Scalar>(
+            ConstHeadMap<Scalar>(keys_.data() + (g * capacity_ + first_row) * dim_, count, dim_,
+                                 Eigen::OuterStride<>(dim_)),
+            ConstHeadMap<Scalar>(values_.data() + (g * capacity_ + first_row) * value_dim_, count,
+                                 value_dim_, Eigen::OuterStride<>(value_dim_)),
+            &workspace.queries[static_cast<std::size_t>((job.row * heads_ + job.head) * dim_)],
+            job.begin,
+            &workspace.begins[static_cast<std::size_t>((job.row * heads_ + job.head) * samples)],
+            samples, workspace.log_count, workspace.threads[static_cast<std::size_t>(thread)],
+            &workspace.partial[static_cast<std::size_t>(j * value_dim_)],
+            &workspace.lse[static_cast<std::size_t>(j)]);
+      } catch (...) {
+#if defined(_OPENMP)
+#pragma omp critical(plsh_kv_cache_failure)
+#endif
+        if (!failure) failure = std::current_exception();
+      }
+    }
+    if (failure) std::rethrow_exception(failure);
+    for (Index r = 0; r < rows; ++r) {
+      for (Index h = 0; h < heads_; ++h) {
+        HeadMap<Compute> row = workspace.output.bind(
+            HeadMap<Scalar>(out.data + r * out.token_stride + h * out.head_stride, 1, value_dim_,
+                            Eigen::OuterStride<>(value_dim_)));
+        row.setZero();
+        Compute lse = -std::numeric_limits<Compute>::infinity();
+        const Index first = workspace.first_job[static_cast<std::size_t>(r * heads_ + h)];
+        const Index last = workspace.first_job[static_cast<std::size_t>(r * heads_ + h + 1)];
+        for (Index j = first; j < last; ++j) {
+          online_softmax_merge(
+              row, Eigen::Map<Eigen::Matrix<Compute, 1, 1>>(&lse),
+              Eigen::Map<const RowMatrix<Compute>>(
+                  &workspace.partial[static_cast<std::size_t>(j * value_dim_)], 1, value_dim_),
+              Eigen::Map<const Eigen::Matrix<Compute, 1, 1>>(
+                  &workspace.lse[static_cast<std::size_t>(j)]));
+        }
+        workspace.output.store();
+      }
+    }
   }
 
   Index heads_;
@@ -257,9 +520,12 @@ class KvCache {
   std::vector<double> slopes_;
   PlshOptions options_;
   std::vector<std::vector<Grid>> grids_;
-  std::vector<Block> blocks_;  // [head][draw]: the block of the last eviction position
-  std::vector<Scalar> keys_;   // rows [start_, start_ + resident_) hold positions oldest_ on
-  std::vector<Scalar> values_;
+  std::vector<Block> blocks_;  // [head][draw]: the block of the newest position
+  // [kv_head][capacity_][dim]: rows [start_, start_ + resident_) of each head's region hold
+  // positions oldest_ on.
+  detail::AlignedVector<Scalar> keys_;
+  detail::AlignedVector<Scalar> values_;  // [kv_head][capacity_][value_dim]
+  Index capacity_ = 0;
   Index start_ = 0;
   Index resident_ = 0;
   Index oldest_ = 0;

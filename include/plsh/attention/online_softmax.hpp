@@ -55,9 +55,11 @@ void multiply_transposed(const Query& query, const Keys& keys, Scores& scores) {
 
 /// `row = e^{row - shift}` by Eigen's vectorised exp, with exactly 0 where `row` was
 /// \f$-\infty\f$ (the vectorised exp maps \f$-\infty\f$ to a tiny subnormal, not 0).
-/// `scratch` keeps a copy of rows that hold \f$-\infty\f$.
+/// `scratch` keeps a copy of rows that hold \f$-\infty\f$; the zeros are put back by a
+/// branch-free select over contiguous coefficients, which compilers vectorise.
 template <class Row, class Scalar>
 void masked_exp(Row&& row, Scalar shift, Eigen::Array<Scalar, 1, Eigen::Dynamic>& scratch) {
+  static_assert(std::decay_t<Row>::InnerStrideAtCompileTime == 1, "contiguous rows only");
   constexpr Scalar kMinusInfinity = -std::numeric_limits<Scalar>::infinity();
   if (row.template minCoeff<Eigen::PropagateNumbers>() != kMinusInfinity) {
     row = (row - shift).exp();
@@ -65,19 +67,30 @@ void masked_exp(Row&& row, Scalar shift, Eigen::Array<Scalar, 1, Eigen::Dynamic>
   }
   scratch = row;
   row = (row - shift).exp();
+  const Scalar* logits = scratch.data();
+  Scalar* weights = &row.coeffRef(0);
   for (Index c = 0; c < row.size(); ++c) {
-    if (scratch[c] == kMinusInfinity) row[c] = Scalar(0);
+    weights[c] = logits[c] == kMinusInfinity ? Scalar(0) : weights[c];
   }
 }
 
+/// Whether every entry of `operand` is finite, by one vectorised sum: \f$x - x\f$ is 0 for a
+/// finite x and NaN otherwise, and a sum with a NaN term is NaN. (Eigen's allFinite compares
+/// two such differences coefficient by coefficient and does not vectorise.)
+template <class Operand>
+bool all_finite(const Operand& operand) {
+  using Scalar = typename Operand::Scalar;
+  return (operand.array() - operand.array()).sum() == Scalar(0);
+}
+
 /// Indices of the rows of `operand` that hold a non-finite entry (none, the common case, costs
-/// one vectorised test).
+/// one vectorised sum).
 template <class Operand>
 void find_nonfinite_rows(const Operand& operand, std::vector<Index>& rows) {
   rows.clear();
-  if (operand.allFinite()) return;
+  if (all_finite(operand)) return;
   for (Index c = 0; c < operand.rows(); ++c) {
-    if (!operand.row(c).allFinite()) rows.push_back(c);
+    if (!all_finite(operand.row(c))) rows.push_back(c);
   }
 }
 
