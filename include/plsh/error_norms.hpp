@@ -10,7 +10,8 @@
 ///   \f$f_i = x_i + r f_{i-1}\f$, \f$g_i = r(x_{i+1} + g_{i+1})\f$, \f$Kx = f + g\f$.
 /// - \f$\hat Kx\f$ in O(n s): per draw and block, the block's sum of x (prefix sums) added to the
 ///   block's rows.
-/// - \f$\max_{ij}|E_{ij}|\f$ exactly, row by row in O(n s log s): the blocks of row i in the s draws
+/// - \f$\max_{ij}|E_{ij}|\f$ exactly, row by row in O(n s log s): the blocks of row i in the s
+/// draws
 ///   split the row into segments of constant \f$c_{ij}\f$ (draws in which i and j share a block);
 ///   on each side of the diagonal \f$K_{ij}\f$ is monotone in j, so the largest
 ///   \f$|c_{ij}/s - K_{ij}|\f$ of a segment is at one of its ends.
@@ -215,10 +216,10 @@ inline double mask_max_error(Index n, double slope, const std::vector<Grid>& gri
 
 /// Settings of the Lanczos solver (Spectra::SymEigsSolver) behind the spectral norms.
 struct LanczosOptions {
-  Index basis_size = 20;        ///< Lanczos basis (Spectra's ncv), at most n; memory n x basis.
-  Index max_restarts = 1000;    ///< Spectra's maxit.
-  double tolerance = 1e-10;     ///< relative accuracy of the eigenvalue (Spectra's tol).
-  Index dense_below = 32;       ///< an operator with fewer rows is formed and solved densely.
+  Index basis_size = 20;      ///< Lanczos basis (Spectra's ncv), at most n; memory n x basis.
+  Index max_restarts = 1000;  ///< Spectra's maxit.
+  double tolerance = 1e-10;   ///< relative accuracy of the eigenvalue (Spectra's tol).
+  Index dense_below = 32;     ///< an operator with fewer rows is formed and solved densely.
 };
 
 /// A spectral norm and how the solver reached it (a status, not an exception, as in Spectra).
@@ -269,6 +270,51 @@ SpectralNorm symmetric_spectral_norm(SymmetricOperator op, const LanczosOptions&
   result.converged = solver.info() == Spectra::CompInfo::Successful;
   result.products = solver.num_operations();
   if (result.converged) result.value = std::abs(solver.eigenvalues()[0]);
+  return result;
+}
+
+namespace detail {
+
+/// \f$E^\top E\f$ (`normal`) or \f$EE^\top\f$ of an operator with `rows()`, `cols()`,
+/// `product` and `transpose_product`, as a Spectra symmetric operator.
+template <class Operator>
+class GramOperator {
+ public:
+  using Scalar = double;
+  GramOperator(const Operator& op, bool normal)
+      : op_(&op), normal_(normal), middle_(normal ? op.rows() : op.cols()) {}
+  Index rows() const { return normal_ ? op_->cols() : op_->rows(); }
+  Index cols() const { return rows(); }
+  void perform_op(const double* x_in, double* y_out) const {
+    if (normal_) {
+      op_->product(x_in, middle_.data());
+      op_->transpose_product(middle_.data(), y_out);
+    } else {
+      op_->transpose_product(x_in, middle_.data());
+      op_->product(middle_.data(), y_out);
+    }
+  }
+
+ private:
+  const Operator* op_;
+  bool normal_;
+  mutable Eigen::VectorXd middle_;
+};
+
+}  // namespace detail
+
+/// The largest singular value \f$\|E\|_2\f$ of an operator with `rows()`, `cols()`,
+/// `product(x, y)` (\f$y = Ex\f$) and `transpose_product(u, y)` (\f$y = E^\top u\f$): the square
+/// root of the largest eigenvalue of \f$E^\top E\f$ (when cols() <= rows()) or \f$EE^\top\f$, by
+/// symmetric_spectral_norm. `products` counts Gram products (two operator products each). The
+/// squared singular value is found to the Lanczos tolerance, so the value to about half of it
+/// relatively.
+template <class Operator>
+SpectralNorm largest_singular_value(const Operator& op, const LanczosOptions& options = {}) {
+  if (op.rows() == 0 || op.cols() == 0) return SpectralNorm{0, true, 0};
+  SpectralNorm result =
+      symmetric_spectral_norm(detail::GramOperator<Operator>(op, op.cols() <= op.rows()), options);
+  result.value = std::sqrt(result.value);
   return result;
 }
 
