@@ -224,12 +224,24 @@ struct LanczosOptions {
 
 /// A spectral norm and how the solver reached it (a status, not an exception, as in Spectra).
 struct SpectralNorm {
-  double value = 0;        ///< the norm; 0 when the solver did not converge.
+  /// The norm when converged; otherwise the largest Ritz value in magnitude after the last
+  /// restart, a lower bound of the norm (a Rayleigh quotient).
+  double value = 0;
   bool converged = false;  ///< whether the Lanczos solver met its tolerance.
   Index products = 0;      ///< operator products used.
 };
 
 namespace detail {
+
+/// Spectra's SymEigsSolver, with the Ritz value of largest magnitude readable when the solver
+/// stops before convergence (Spectra reports converged eigenvalues only). After compute() the
+/// Ritz values are sorted by the rule, largest magnitude first.
+template <class SymmetricOperator>
+class RitzSolver : public Spectra::SymEigsSolver<SymmetricOperator> {
+ public:
+  using Spectra::SymEigsSolver<SymmetricOperator>::SymEigsSolver;
+  double largest_ritz_value() const { return this->m_ritz_val[0]; }
+};
 
 inline void require_lanczos(const LanczosOptions& options, const char* function) {
   require(options.basis_size >= 2, function, "options.basis_size must be at least 2");
@@ -264,12 +276,12 @@ SpectralNorm symmetric_spectral_norm(SymmetricOperator op, const LanczosOptions&
     return SpectralNorm{solver.eigenvalues().cwiseAbs().maxCoeff(), true, n};
   }
   const Index basis = std::min(options.basis_size, n);
-  Spectra::SymEigsSolver<SymmetricOperator> solver(op, 1, basis);
+  detail::RitzSolver<SymmetricOperator> solver(op, 1, basis);
   solver.init();
   solver.compute(Spectra::SortRule::LargestMagn, options.max_restarts, options.tolerance);
   result.converged = solver.info() == Spectra::CompInfo::Successful;
   result.products = solver.num_operations();
-  if (result.converged) result.value = std::abs(solver.eigenvalues()[0]);
+  result.value = std::abs(result.converged ? solver.eigenvalues()[0] : solver.largest_ritz_value());
   return result;
 }
 
