@@ -17,6 +17,8 @@
 //   (error_norms.hpp)
 //                                     for n = 10^3 .. 10^6, s = 1 .. 1000 and the 8 standard
 //                                     slopes, on the points with n * s <= 10^8, with their times;
+//   error_decay --time OUT.json N S   both norms at one (N, S) for the 8 slopes, Lanczos with its
+//                                     default tolerance 1e-10: the timings;
 //   error_decay --attention QK OUT.json   attention-matrix errors (attention_error.hpp) of the
 //                                     trained q, k that examples/python/qk_dump.py wrote to QK,
 //                                     every layer and head, s = 1 .. 1000.
@@ -39,6 +41,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -77,51 +80,67 @@ const std::vector<plsh::Index> kFigureSamples = {1, 3, 10, 30, 100, 300, 1000};
 
 /// Lanczos settings of the figures: six significant digits are plenty for a log-log plot. A mean
 /// of few masks has clusters of nearly equal top eigenvalues (blocks of equal size), where the
-/// Ritz vectors converge slowly although the value does not move: at most 30 restarts, and the
-/// largest Ritz value (a lower bound of the norm) is kept, flagged "converged": false.
+/// Ritz vectors converge slowly although the value hardly moves: at most 8 restarts of a basis of
+/// 30, after which the largest Ritz value (a lower bound of the norm) is kept, flagged
+/// "converged": false.
 plsh::LanczosOptions figure_lanczos() {
   plsh::LanczosOptions options;
+  options.basis_size = 30;
   options.tolerance = 1e-6;
-  options.max_restarts = 30;
+  options.max_restarts = 8;
   return options;
 }
 
+/// One point of the mask figure: both norms of the first s draws of slope h's stream and their
+/// times, printed and appended to `out` as a JSON object.
+void mask_point(std::ostream& out, plsh::Index n, double slope, plsh::Index h, plsh::Index s,
+                const plsh::LanczosOptions& lanczos) {
+  const plsh::RandomBinning sampler(slope, plsh::head_seed(2024, h));
+  const std::vector<plsh::Grid> grids = sampler.draw(s);
+  auto start = std::chrono::steady_clock::now();
+  const plsh::SpectralNorm spectral = plsh::mask_spectral_error(n, slope, grids, 0, lanczos);
+  const double spectral_seconds = seconds_since(start);
+  start = std::chrono::steady_clock::now();
+  const double max = plsh::mask_max_error(n, slope, grids);
+  const double max_seconds = seconds_since(start);
+  std::printf(
+      "n = %7ld  slope = 1/%-4g  s = %4ld  spectral %.4e (%s, %ld products, %.2f s)  "
+      "max %.4e (%.2f s)\n",
+      static_cast<long>(n), 1 / slope, static_cast<long>(s), spectral.value,
+      spectral.converged ? "converged" : "NOT converged", static_cast<long>(spectral.products),
+      spectral_seconds, max, max_seconds);
+  std::fflush(stdout);
+  out << "{\"n\": " << n << ", \"slope\": " << slope << ", \"s\": " << s
+      << ", \"spectral\": " << spectral.value
+      << ", \"converged\": " << (spectral.converged ? "true" : "false")
+      << ", \"products\": " << spectral.products << ", \"spectral_seconds\": " << spectral_seconds
+      << ", \"max\": " << max << ", \"max_seconds\": " << max_seconds << "}";
+}
+
 /// Mask errors for every (n, slope, s) with n * s <= budget: the first s draws of one stream per
-/// slope (the same draws at every n), spectral norm by Lanczos, max norm exactly.
-int write_mask_figure(const char* path, double budget) {
+/// slope (the same draws at every n), spectral norm by Lanczos (figure_lanczos), max norm exactly.
+/// With `only_n` > 0: that n and that s only, Lanczos with its default (tight) settings: the
+/// timing of the matrix-free norms.
+int write_mask_figure(const char* path, double budget, plsh::Index only_n, plsh::Index only_s) {
   std::ofstream out(path);
   if (!out) return std::fprintf(stderr, "error_decay: cannot write %s\n", path), 1;
   const std::vector<double> slopes = plsh::alibi_slopes(8);
   out << "{\"budget_n_times_s\": " << budget << ", \"points\": [\n";
   bool first = true;
-  for (const plsh::Index n : {1000, 10000, 100000, 1000000}) {
+  const std::vector<plsh::Index> lengths =
+      only_n > 0 ? std::vector<plsh::Index>{only_n}
+                 : std::vector<plsh::Index>{1000, 10000, 100000, 1000000};
+  const std::vector<plsh::Index> samples =
+      only_n > 0 ? std::vector<plsh::Index>{only_s} : kFigureSamples;
+  for (const plsh::Index n : lengths) {
     for (std::size_t h = 0; h < slopes.size(); ++h) {
-      const plsh::RandomBinning sampler(slopes[h],
-                                        plsh::head_seed(2024, static_cast<plsh::Index>(h)));
-      for (const plsh::Index s : kFigureSamples) {
-        if (static_cast<double>(n) * static_cast<double>(s) > budget) continue;
-        const std::vector<plsh::Grid> grids = sampler.draw(s);
-        auto start = std::chrono::steady_clock::now();
-        const plsh::SpectralNorm spectral =
-            plsh::mask_spectral_error(n, slopes[h], grids, 0, figure_lanczos());
-        const double spectral_seconds = seconds_since(start);
-        start = std::chrono::steady_clock::now();
-        const double max = plsh::mask_max_error(n, slopes[h], grids);
-        const double max_seconds = seconds_since(start);
-        std::printf(
-            "n = %7ld  slope = 1/%-4g  s = %4ld  spectral %.4e (%s, %ld products, %.2f s)  "
-            "max %.4e (%.2f s)\n",
-            static_cast<long>(n), 1 / slopes[h], static_cast<long>(s), spectral.value,
-            spectral.converged ? "converged" : "NOT converged",
-            static_cast<long>(spectral.products), spectral_seconds, max, max_seconds);
-        std::fflush(stdout);
-        out << (first ? "" : ",\n") << "{\"n\": " << n << ", \"slope\": " << slopes[h]
-            << ", \"s\": " << s << ", \"spectral\": " << spectral.value
-            << ", \"converged\": " << (spectral.converged ? "true" : "false")
-            << ", \"products\": " << spectral.products
-            << ", \"spectral_seconds\": " << spectral_seconds << ", \"max\": " << max
-            << ", \"max_seconds\": " << max_seconds << "}";
+      for (const plsh::Index s : samples) {
+        if (only_n == 0 && static_cast<double>(n) * static_cast<double>(s) > budget) continue;
+        out << (first ? "" : ",\n");
+        mask_point(out, n, slopes[h], static_cast<plsh::Index>(h), s,
+                   only_n > 0 ? plsh::LanczosOptions{} : figure_lanczos());
         first = false;
+        out.flush();
       }
     }
   }
@@ -221,9 +240,13 @@ int write_attention_figure(const char* qk_path, const char* path) {
 int figure_mode(int argc, char** argv) {
   const bool masks = (argc == 3 || argc == 4) && std::strcmp(argv[1], "--masks") == 0;
   const bool attention = argc == 4 && std::strcmp(argv[1], "--attention") == 0;
-  if (!masks && !attention) return -1;
+  const bool timing = argc == 5 && std::strcmp(argv[1], "--time") == 0;
+  if (!masks && !attention && !timing) return -1;
 #ifdef PLSH_HAS_SPECTRA
-  if (masks) return write_mask_figure(argv[2], argc == 4 ? std::atof(argv[3]) : 1e8);
+  if (masks) return write_mask_figure(argv[2], argc == 4 ? std::atof(argv[3]) : 1e8, 0, 0);
+  if (timing) {
+    return write_mask_figure(argv[2], 0, std::atol(argv[3]), std::atol(argv[4]));
+  }
   return write_attention_figure(argv[2], argv[3]);
 #else
   std::fprintf(stderr, "error_decay: %s needs Spectra (Debian: libspectra-dev)\n", argv[1]);

@@ -2,7 +2,8 @@
 
 Reads masks.json and attention.json (written by `error_decay --masks` and `error_decay
 --attention`, see regenerate.sh) from this directory and writes masks.png, attention.png and
-exponents.md (the least-squares slope of log(error) against log(s) over s >= 10, per slope).
+exponents.md (the least-squares slope of log(error) against log(s) over s >= 3, per slope, and the
+timings of timing.json, `error_decay --time`).
 
 Usage: /usr/bin/python3 docs/accuracy/plot.py [directory]
 """
@@ -20,7 +21,7 @@ try:
 except ImportError:
     sys.exit("plot.py: matplotlib is missing; install it with: apt-get install python3-matplotlib")
 
-FIT_FROM = 10
+FIT_FROM = 3
 
 
 def fit(points, key):
@@ -80,21 +81,26 @@ def masks(directory, lines):
             a, b = exponents.get(("spectral", n, m)), exponents.get(("max", n, m))
             cells.append("—" if a is None else f"{a:+.2f} / {b:+.2f}")
         lines.append(f"| {slope_label(m)} | " + " | ".join(cells) + " |")
+    timing_path = os.path.join(directory, "timing.json")
+    if os.path.exists(timing_path):
+        with open(timing_path) as f:
+            timing = json.load(f)["points"]
+        lines.append("\nMatrix-free timings (`error_decay --time`, Lanczos tolerance 1e-10; one run "
+                     "each, one thread, shared machine):\n")
+        lines.append("| n | s | slope | spectral norm | time | products | converged | max norm | time |")
+        lines.append("|---|---|---|---|---|---|---|---|---|")
+        for p in sorted(timing, key=lambda p: -p["slope"]):
+            lines.append(f"| {p['n']:.0e} | {p['s']} | {slope_label(p['slope'])} | "
+                         f"{p['spectral']:.4g} | {p['spectral_seconds']:.1f} s | {p['products']} | "
+                         f"{'yes' if p['converged'] else 'no'} | {p['max']:.4g} | "
+                         f"{p['max_seconds']:.1f} s |")
     slowest = max(points, key=lambda p: p["spectral_seconds"])
-    big = [p for p in points if p["n"] == max(ns) and p["s"] == 100]
-    if big:
-        lines.append("\nMatrix-free timings at n = 10^6, s = 100 (one run each, seconds): "
-                     "slope: spectral (Lanczos products) / max")
-        lines.append("")
-        lines.append("| slope | spectral norm | products | max norm |")
-        lines.append("|---|---|---|---|")
-        for p in sorted(big, key=lambda p: -p["slope"]):
-            lines.append(f"| {slope_label(p['slope'])} | {p['spectral_seconds']:.1f} s | "
-                         f"{p['products']} | {p['max_seconds']:.1f} s |")
-    lines.append(f"\nSlowest point: n = {slowest['n']}, s = {slowest['s']}, "
+    lines.append(f"\nSlowest figure point: n = {slowest['n']}, s = {slowest['s']}, "
                  f"{slowest['spectral_seconds']:.1f} s (spectral).")
     unconverged = [p for p in points if not p["converged"]]
-    lines.append(f"Points where Lanczos did not converge: {len(unconverged)}.\n")
+    lines.append(f"Figure points where Lanczos stopped before its tolerance (value: largest Ritz "
+                 f"value, a lower bound): {len(unconverged)} of {len(points)} "
+                 f"({', '.join(sorted({'s = %d' % p['s'] for p in unconverged}))}).\n")
 
 
 def attention(directory, lines):

@@ -4,8 +4,8 @@
 #
 #   docs/accuracy/regenerate.sh [masks|attention|plot|all]   (default: all)
 #
-# masks:     error_decay --masks (matrix-free norms for n = 10^3 .. 10^6; about half an hour on
-#            one core of an idle machine)
+# masks:     error_decay --masks with n * s <= 10^7 (matrix-free norms for n = 10^3 .. 10^6), then
+#            error_decay --time at n = 10^6, s = 100 (the timings); tens of minutes on one core
 # attention: trains the miniature model of examples/python/lm.py (ALiBi variant, seed 1, the
 #            script's default 2000 steps) unless build/accuracy/alibi-s1.pt exists, dumps its q, k
 #            on the first 2048 bytes of the validation text (examples/python/qk_dump.py), then
@@ -33,7 +33,9 @@ build_error_decay() {
 
 masks() {
   build_error_decay
-  "${build}/examples/error_decay" --masks "${out}/masks.json" | tee "${work}/masks.log"
+  "${build}/examples/error_decay" --masks "${out}/masks.json" 1e7 | tee "${work}/masks.log"
+  "${build}/examples/error_decay" --time "${out}/timing.json" 1000000 100 |
+    tee "${work}/timing.log"
 }
 
 attention() {
