@@ -10,10 +10,9 @@
 ///   \f$f_i = x_i + r f_{i-1}\f$, \f$g_i = r(x_{i+1} + g_{i+1})\f$, \f$Kx = f + g\f$.
 /// - \f$\hat Kx\f$ in O(n + blocks), at most O(n s): per draw and block, the block's sum of x
 ///   (prefix sums) into a difference array over the rows.
-/// - \f$\max_{ij}|E_{ij}|\f$ exactly, row by row in O(n s log s): the blocks of row i in the s
-/// draws
-///   split the row into segments of constant \f$c_{ij}\f$ (draws in which i and j share a block);
-///   on each side of the diagonal \f$K_{ij}\f$ is monotone in j, so the largest
+/// - \f$\max_{ij}|E_{ij}|\f$ exactly, row by row in O(n s log s): the blocks of row i in the
+///   s draws split the row into segments of constant \f$c_{ij}\f$ (draws in which i and j share a
+///   block); on each side of the diagonal \f$K_{ij}\f$ is monotone in j, so the largest
 ///   \f$|c_{ij}/s - K_{ij}|\f$ of a segment is at one of its ends.
 /// - \f$\|E\|_2\f$, the largest \f$|\lambda|\f$ of the symmetric E, by Spectra's Lanczos solver
 ///   (SymEigsSolver) over products \f$Ex\f$. Spectra is optional: the spectral norms are compiled
