@@ -12,6 +12,18 @@
 // plsh::mask_error is dense (an O(n^3) symmetric eigenvalue solve); it is meant for studies like
 // this one, not for the attention kernels, which never form an n x n matrix.
 //
+// Two further modes write the data of docs/accuracy/ (docs/accuracy/regenerate.sh runs them):
+//   error_decay --masks OUT.json      matrix-free spectral and max-norm mask errors
+//   (error_norms.hpp)
+//                                     for n = 10^3 .. 10^6, s = 1 .. 1000 and the 8 standard
+//                                     slopes, on the points with n * s <= 10^8, with their times;
+//   error_decay --time OUT.json N S   both norms at one (N, S) for the slopes 1/16, 1/256, 1/2,
+//                                     with the figure's Lanczos settings: the timings;
+//   error_decay --attention QK OUT.json   attention-matrix errors (attention_error.hpp) of the
+//                                     trained q, k that examples/python/qk_dump.py wrote to QK,
+//                                     every layer and head, s = 1 .. 1000.
+// Both need Spectra (Debian: libspectra-dev) for the Lanczos solver.
+//
 // Build it against an installed plsh with
 //   find_package(plsh CONFIG REQUIRED)
 //   target_link_libraries(my_program PRIVATE plsh::plsh)
@@ -20,11 +32,18 @@
 
 #include <plsh/plsh.hpp>
 
+#include <Eigen/Core>
+
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <ostream>
+#include <string>
 #include <vector>
 
 namespace {
@@ -51,9 +70,200 @@ struct Setting {
   int seeds;
 };
 
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+/// The sample counts of the figures: 1, 3, 10, ... 1000.
+const std::vector<plsh::Index> kFigureSamples = {1, 3, 10, 30, 100, 300, 1000};
+
+#ifdef PLSH_HAS_SPECTRA
+
+/// Lanczos settings of the figures: six significant digits are plenty for a log-log plot. A mean
+/// of few masks has clusters of nearly equal top eigenvalues (blocks of equal size), where the
+/// Ritz vectors converge slowly although the value hardly moves: at most 8 restarts of a basis of
+/// 30, after which the largest Ritz value (a lower bound of the norm) is kept, flagged
+/// "converged": false.
+plsh::LanczosOptions figure_lanczos() {
+  plsh::LanczosOptions options;
+  options.basis_size = 30;
+  options.tolerance = 1e-6;
+  options.max_restarts = 8;
+  return options;
+}
+
+/// One point of the mask figure: both norms of the first s draws of slope h's stream and their
+/// times, printed and appended to `out` as a JSON object.
+void mask_point(std::ostream& out, plsh::Index n, double slope, plsh::Index h, plsh::Index s,
+                const plsh::LanczosOptions& lanczos) {
+  const plsh::RandomBinning sampler(slope, plsh::head_seed(2024, h));
+  const std::vector<plsh::Grid> grids = sampler.draw(s);
+  auto start = std::chrono::steady_clock::now();
+  const plsh::SpectralNorm spectral = plsh::mask_spectral_error(n, slope, grids, 0, lanczos);
+  const double spectral_seconds = seconds_since(start);
+  start = std::chrono::steady_clock::now();
+  const double max = plsh::mask_max_error(n, slope, grids);
+  const double max_seconds = seconds_since(start);
+  std::printf(
+      "n = %7ld  slope = 1/%-4g  s = %4ld  spectral %.4e (%s, %ld products, %.2f s)  "
+      "max %.4e (%.2f s)\n",
+      static_cast<long>(n), 1 / slope, static_cast<long>(s), spectral.value,
+      spectral.converged ? "converged" : "NOT converged", static_cast<long>(spectral.products),
+      spectral_seconds, max, max_seconds);
+  std::fflush(stdout);
+  out << "{\"n\": " << n << ", \"slope\": " << slope << ", \"s\": " << s
+      << ", \"spectral\": " << spectral.value
+      << ", \"converged\": " << (spectral.converged ? "true" : "false")
+      << ", \"products\": " << spectral.products << ", \"spectral_seconds\": " << spectral_seconds
+      << ", \"max\": " << max << ", \"max_seconds\": " << max_seconds << "}";
+}
+
+/// Mask errors for every (n, slope, s) with n * s <= budget: the first s draws of one stream per
+/// slope (the same draws at every n), spectral norm by Lanczos (figure_lanczos), max norm exactly.
+/// With `only_n` > 0: that n and that s only, for the slopes 1/16, 1/256 and 1/2: the timing of
+/// the matrix-free norms.
+int write_mask_figure(const char* path, double budget, plsh::Index only_n, plsh::Index only_s) {
+  std::ofstream out(path);
+  if (!out) return std::fprintf(stderr, "error_decay: cannot write %s\n", path), 1;
+  // The timing runs three slopes of the 8, the middle one first: 1/16, 1/256, 1/2.
+  const std::vector<double> all_slopes = plsh::alibi_slopes(8);
+  const std::vector<double> slopes =
+      only_n > 0 ? std::vector<double>{all_slopes[3], all_slopes[7], all_slopes[0]} : all_slopes;
+  out << "{\"budget_n_times_s\": " << budget << ", \"points\": [\n";
+  bool first = true;
+  const std::vector<plsh::Index> lengths =
+      only_n > 0 ? std::vector<plsh::Index>{only_n}
+                 : std::vector<plsh::Index>{1000, 10000, 100000, 1000000};
+  const std::vector<plsh::Index> samples =
+      only_n > 0 ? std::vector<plsh::Index>{only_s} : kFigureSamples;
+  for (const plsh::Index n : lengths) {
+    for (std::size_t h = 0; h < slopes.size(); ++h) {
+      for (const plsh::Index s : samples) {
+        if (only_n == 0 && static_cast<double>(n) * static_cast<double>(s) > budget) continue;
+        out << (first ? "" : ",\n");
+        const auto stream = static_cast<plsh::Index>(
+            std::find(all_slopes.begin(), all_slopes.end(), slopes[h]) - all_slopes.begin());
+        mask_point(out, n, slopes[h], stream, s, figure_lanczos());
+        first = false;
+        out.flush();
+      }
+    }
+  }
+  out << "\n]}\n";
+  return 0;
+}
+
+/// E = A_plsh - A_alibi as a dense matrix, with the products largest_singular_value needs.
+struct DenseOperator {
+  const Eigen::MatrixXd& matrix;
+  plsh::Index rows() const { return matrix.rows(); }
+  plsh::Index cols() const { return matrix.cols(); }
+  void product(const double* x, double* y) const {
+    Eigen::Map<Eigen::VectorXd>(y, rows()).noalias() =
+        matrix * Eigen::Map<const Eigen::VectorXd>(x, cols());
+  }
+  void transpose_product(const double* u, double* y) const {
+    Eigen::Map<Eigen::VectorXd>(y, cols()).noalias() =
+        matrix.transpose() * Eigen::Map<const Eigen::VectorXd>(u, rows());
+  }
+};
+
+/// Attention errors of every layer and head of the q, k that qk_dump.py wrote, causal, for
+/// s = 1 .. 1000, with the grids plsh_attention draws for seed 0: the dense matrices of
+/// attention_error.hpp, the spectral norm by Lanczos over dense products. One point per layer is
+/// checked against the matrix-free attention_error (kernel products).
+int write_attention_figure(const char* qk_path, const char* path) {
+  std::ifstream in(qk_path, std::ios::binary);
+  std::int64_t header[4];
+  if (!in.read(reinterpret_cast<char*>(header), sizeof header)) {
+    return std::fprintf(stderr, "error_decay: cannot read %s\n", qk_path), 1;
+  }
+  const plsh::Index layers = header[0], heads = header[1], tokens = header[2], dim = header[3];
+  std::ofstream out(path);
+  if (!out) return std::fprintf(stderr, "error_decay: cannot write %s\n", path), 1;
+  const std::vector<double> slopes = plsh::alibi_slopes(heads);
+  out << "{\"layers\": " << layers << ", \"heads\": " << heads << ", \"tokens\": " << tokens
+      << ", \"dim\": " << dim << ", \"points\": [\n";
+  bool first = true;
+  std::vector<double> q(static_cast<std::size_t>(tokens * dim)), k(q.size());
+  for (plsh::Index layer = 0; layer < layers; ++layer) {
+    for (plsh::Index h = 0; h < heads; ++h) {
+      const auto bytes = static_cast<std::streamsize>(q.size() * sizeof(double));
+      if (!in.read(reinterpret_cast<char*>(q.data()), bytes) ||
+          !in.read(reinterpret_cast<char*>(k.data()), bytes)) {
+        return std::fprintf(stderr, "error_decay: %s is too short\n", qk_path), 1;
+      }
+      const plsh::HeadsView<const double> q_view{q.data(), tokens, 1, dim};
+      const plsh::HeadsView<const double> k_view{k.data(), tokens, 1, dim};
+      const double slope = slopes[static_cast<std::size_t>(h)];
+      const Eigen::MatrixXd alibi = plsh::alibi_attention_matrix<double>(q_view, k_view, slope);
+      for (const plsh::Index s : kFigureSamples) {
+        const auto start = std::chrono::steady_clock::now();
+        const std::vector<plsh::Grid> grids =
+            plsh::draw_head_grids(slopes, s)[static_cast<std::size_t>(h)];
+        const Eigen::MatrixXd error =
+            plsh::plsh_attention_matrix<double>(q_view, k_view, grids) - alibi;
+        const plsh::SpectralNorm spectral =
+            plsh::largest_singular_value(DenseOperator{error}, figure_lanczos());
+        const double max = error.cwiseAbs().maxCoeff();
+        const double frobenius = error.norm();
+        const double seconds = seconds_since(start);
+        std::printf(
+            "layer %ld head %ld slope 1/%-4g s = %4ld  spectral %.4e (%s)  max %.4e  "
+            "frobenius %.4e (%.2f s)\n",
+            static_cast<long>(layer), static_cast<long>(h), 1 / slope, static_cast<long>(s),
+            spectral.value, spectral.converged ? "converged" : "NOT converged", max, frobenius,
+            seconds);
+        std::fflush(stdout);
+        out << (first ? "" : ",\n") << "{\"layer\": " << layer << ", \"head\": " << h
+            << ", \"slope\": " << slope << ", \"s\": " << s << ", \"spectral\": " << spectral.value
+            << ", \"converged\": " << (spectral.converged ? "true" : "false")
+            << ", \"max\": " << max << ", \"frobenius\": " << frobenius;
+        first = false;
+        if (h == 0 && s == 10) {
+          // The matrix-free norms (forward and backward kernels) at one point per layer.
+          const auto check_start = std::chrono::steady_clock::now();
+          const plsh::AttentionError matrix_free =
+              plsh::attention_error<double>(q_view, k_view, slope, grids, {}, figure_lanczos());
+          out << ", \"matrix_free\": {\"spectral\": " << matrix_free.spectral
+              << ", \"max\": " << matrix_free.max << ", \"frobenius\": " << matrix_free.frobenius
+              << ", \"seconds\": " << seconds_since(check_start) << "}";
+          std::printf("  matrix-free: spectral %.10e (dense %.10e), max %.4e\n",
+                      matrix_free.spectral, spectral.value, matrix_free.max);
+        }
+        out << "}";
+      }
+    }
+  }
+  out << "\n]}\n";
+  return 0;
+}
+
+#endif  // PLSH_HAS_SPECTRA
+
+/// The figure modes: 0 or 1 when `argv` asked for one, -1 otherwise.
+int figure_mode(int argc, char** argv) {
+  const bool masks = (argc == 3 || argc == 4) && std::strcmp(argv[1], "--masks") == 0;
+  const bool attention = argc == 4 && std::strcmp(argv[1], "--attention") == 0;
+  const bool timing = argc == 5 && std::strcmp(argv[1], "--time") == 0;
+  if (!masks && !attention && !timing) return -1;
+#ifdef PLSH_HAS_SPECTRA
+  if (masks) return write_mask_figure(argv[2], argc == 4 ? std::atof(argv[3]) : 1e8, 0, 0);
+  if (timing) {
+    return write_mask_figure(argv[2], 0, std::atol(argv[3]), std::atol(argv[4]));
+  }
+  return write_attention_figure(argv[2], argv[3]);
+#else
+  std::fprintf(stderr, "error_decay: %s needs Spectra (Debian: libspectra-dev)\n", argv[1]);
+  return 1;
+#endif
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  const int figure = figure_mode(argc, argv);
+  if (figure >= 0) return figure;
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
   const std::vector<double> samples = {1, 4, 16, 64, 256};
   const double fit_from = 4;

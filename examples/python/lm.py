@@ -351,6 +351,8 @@ def run(args):
         "plsh_module": plsh_module_file(args.backend),
         "note": args.note,
     }
+    if args.save:
+        save_checkpoint(model, args)
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         tmp = args.out + ".tmp"
@@ -358,6 +360,13 @@ def run(args):
             json.dump(record, f, indent=1)
         os.replace(tmp, args.out)
     return record
+
+
+def save_checkpoint(model, args):
+    """Writes the trained weights and the arguments that rebuild the model (see qk_dump.py)."""
+    os.makedirs(os.path.dirname(args.save) or ".", exist_ok=True)
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "data_cache", "note", "save")}
+    torch.save({"state_dict": model.state_dict(), "config": config}, args.save)
 
 
 def plsh_module_file(backend):
@@ -396,6 +405,8 @@ def parser():
     p.add_argument("--data-cache", default=None, help="cache file for the stripped text")
     p.add_argument("--out", default=None, help="JSON result file")
     p.add_argument("--note", default="", help="free text stored in the result file (e.g. the build)")
+    p.add_argument("--save", default=None,
+                   help="checkpoint file for the trained weights (torch.save; read by qk_dump.py)")
     return p
 
 

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Regenerates docs/accuracy/: the mask-error and attention-error figures, their data and the
+# table of fitted exponents.
+#
+#   docs/accuracy/regenerate.sh [masks|attention|plot|all]   (default: all)
+#
+# masks:     error_decay --masks with n * s <= 10^7 (matrix-free norms for n = 10^3 .. 10^6), then
+#            error_decay --time at n = 10^6, s = 100 (the timings); tens of minutes on one core
+# attention: trains the miniature model of examples/python/lm.py (ALiBi variant, seed 1, the
+#            script's default 2000 steps) unless build/accuracy/alibi-s1.pt exists, dumps its q, k
+#            on the first 2048 bytes of the validation text (examples/python/qk_dump.py), then
+#            error_decay --attention
+# plot:      docs/accuracy/plot.py (matplotlib: python3-matplotlib)
+#
+# Environment: PLSH_JOBS (build jobs, default 2), PLSH_PYTHON (default /usr/bin/python3).
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+what=${1:-all}
+jobs=${PLSH_JOBS:-2}
+python=${PLSH_PYTHON:-/usr/bin/python3}
+build=build/release
+work=build/accuracy
+out=docs/accuracy
+mkdir -p "${work}"
+
+build_error_decay() {
+  if [[ ! -f "${build}/CMakeCache.txt" ]]; then
+    cmake -S . -B "${build}" -DCMAKE_BUILD_TYPE=Release
+  fi
+  cmake --build "${build}" --target error_decay -j "${jobs}"
+}
+
+masks() {
+  build_error_decay
+  "${build}/examples/error_decay" --masks "${out}/masks.json" 1e7 | tee "${work}/masks.log"
+  "${build}/examples/error_decay" --time "${out}/timing.json" 1000000 100 |
+    tee "${work}/timing.log"
+}
+
+attention() {
+  build_error_decay
+  bash scripts/python.sh build
+  if [[ ! -f "${work}/alibi-s1.pt" ]]; then
+    PYTHONPATH=build/python "${python}" examples/python/lm.py --variant alibi --seed 1 \
+      --eval-bytes 16384 --data-cache "${work}/bible.txt" --save "${work}/alibi-s1.pt" \
+      --out "${work}/alibi-s1.json" | tee "${work}/train.log"
+    cp "${work}/alibi-s1.json" "${out}/train-alibi-s1.json"
+  fi
+  PYTHONPATH=build/python "${python}" examples/python/qk_dump.py \
+    --checkpoint "${work}/alibi-s1.pt" --length 2048 --data-cache "${work}/bible.txt" \
+    --out "${work}/qk.bin"
+  cp "${work}/qk.bin.json" "${out}/qk.json"
+  "${build}/examples/error_decay" --attention "${work}/qk.bin" "${out}/attention.json" |
+    tee "${work}/attention.log"
+}
+
+case "${what}" in
+  masks) masks ;;
+  attention) attention ;;
+  plot) ;;
+  all)
+    masks
+    attention
+    ;;
+  *)
+    echo "usage: docs/accuracy/regenerate.sh [masks|attention|plot|all]" >&2
+    exit 2
+    ;;
+esac
+"${python}" "${out}/plot.py" "${out}"

@@ -1,0 +1,387 @@
+#ifndef PLSH_ERROR_NORMS_HPP
+#define PLSH_ERROR_NORMS_HPP
+
+/// \file error_norms.hpp
+/// Matrix-free norms of \f$E = \hat K - K\f$, the error of the mean of s block masks
+/// \f$\hat K = \frac1s\sum_t M_t\f$ against the ALiBi factor matrix \f$K_{ij} = e^{-m|i-j|}\f$,
+/// on positions `[first, first + n)`, without an n x n matrix.
+///
+/// - \f$Kx\f$ in O(n) by two first-order recursions with \f$r = e^{-m}\f$:
+///   \f$f_i = x_i + r f_{i-1}\f$, \f$g_i = r(x_{i+1} + g_{i+1})\f$, \f$Kx = f + g\f$.
+/// - \f$\hat Kx\f$ in O(n + blocks), at most O(n s): per draw and block, the block's sum of x
+///   (prefix sums) into a difference array over the rows.
+/// - \f$\max_{ij}|E_{ij}|\f$ exactly, row by row in O(n s log s): the blocks of row i in the
+///   s draws split the row into segments of constant \f$c_{ij}\f$ (draws in which i and j share a
+///   block); on each side of the diagonal \f$K_{ij}\f$ is monotone in j, so the largest
+///   \f$|c_{ij}/s - K_{ij}|\f$ of a segment is at one of its ends.
+/// - \f$\|E\|_2\f$, the largest \f$|\lambda|\f$ of the symmetric E, by Spectra's Lanczos solver
+///   (SymEigsSolver) over products \f$Ex\f$. Spectra is optional: the spectral norms are compiled
+///   when its header `<Spectra/SymEigsSolver.h>` is found and `PLSH_NO_SPECTRA` is not defined;
+///   `PLSH_HAS_SPECTRA` is then defined to 1.
+///
+/// Tested in tests/test_error_norms.cpp against the dense mask_error (metrics.hpp) and dense
+/// masks of partitions of offset positions (partition.hpp), for n <= 2000.
+
+#include <Eigen/Core>
+#include <Eigen/Eigenvalues>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "detail/check.hpp"
+#include "limits.hpp"
+#include "metrics.hpp"
+#include "partition.hpp"
+#include "sampler.hpp"
+
+#if !defined(PLSH_NO_SPECTRA) && defined(__has_include)
+#if __has_include(<Spectra/SymEigsSolver.h>)
+#include <Spectra/SymEigsSolver.h>
+#define PLSH_HAS_SPECTRA 1
+#endif
+#endif
+
+namespace plsh {
+namespace detail {
+
+/// Positions `[first, first + n)` with `n >= 1`, inside [-kMaxPosition, kMaxPosition].
+inline void require_positions(Index n, Index first, const char* function) {
+  require(n >= 1 && n <= kMaxPosition, function, "n must lie in [1, kMaxPosition]");
+  require(first >= -kMaxPosition && first <= kMaxPosition - n, function,
+          "positions [first, first + n) must lie in [-kMaxPosition, kMaxPosition]");
+}
+
+/// Calls `visit(block)` for every block of the partition of `[first, last)` by `grid`, in order,
+/// without storing the partition.
+template <class Visit>
+void for_each_block(const Grid& grid, Index first, Index last, Visit&& visit) {
+  for (Index p = first; p < last;) {
+    const Block block = grid_block(grid, p, first, last);
+    visit(block);
+    p = block.end;
+  }
+}
+
+}  // namespace detail
+
+/// \f$y = Kx\f$ with \f$K_{ij} = e^{-m|i-j|}\f$, by two first-order recursions: O(n), no
+/// cancellation (every term is non-negative times x). `x` and `y` have the same size and must not
+/// alias.
+/// \throws std::invalid_argument for a negative or non-finite slope or sizes that differ.
+inline void laplacian_product(double slope, const Eigen::Ref<const Eigen::VectorXd>& x,
+                              Eigen::Ref<Eigen::VectorXd> y) {
+  const char* function = "laplacian_product";
+  detail::require_slope(slope, function);
+  detail::require(x.size() == y.size(), function, "x and y must have the same size");
+  const Index n = x.size();
+  if (n == 0) return;
+  const double r = std::exp(-slope);
+  double forward = 0;  // f_i = sum_{j <= i} r^(i - j) x_j
+  for (Index i = 0; i < n; ++i) {
+    forward = x[i] + r * forward;
+    y[i] = forward;
+  }
+  double backward = 0;  // g_i = sum_{j > i} r^(j - i) x_j
+  for (Index i = n - 2; i >= 0; --i) {
+    backward = r * (x[i + 1] + backward);
+    y[i] += backward;
+  }
+}
+
+namespace detail {
+
+/// \f$y = \frac1s \sum_t \sum_{\text{blocks } [b, e) \text{ of draw } t} 1_{[b,e)}
+/// \sum_{j=b}^{e-1} x_j\f$: `for_each_block(visit)` calls `visit(b, e)` (offsets from the first
+/// position) for every block of every draw. Block sums from prefix sums of x go into a difference
+/// array, \f$D_b \mathrel{+}= S\f$, \f$D_e \mathrel{-}= S\f$, and \f$y = \frac1s
+/// \mathrm{cumsum}(D)\f$: O(n + blocks).
+template <class ForEachBlock>
+void block_sum_product(Index draws, const Eigen::Ref<const Eigen::VectorXd>& x,
+                       Eigen::Ref<Eigen::VectorXd> y, ForEachBlock&& for_each_block) {
+  const Index n = x.size();
+  Eigen::VectorXd prefix(n + 1);
+  prefix[0] = 0;
+  for (Index i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + x[i];
+  Eigen::VectorXd difference = Eigen::VectorXd::Zero(n + 1);
+  for_each_block([&](Index b, Index e) {
+    const double sum = prefix[e] - prefix[b];
+    difference[b] += sum;
+    difference[e] -= sum;
+  });
+  const double inverse_s = 1.0 / static_cast<double>(draws);
+  double running = 0;
+  for (Index i = 0; i < n; ++i) {
+    running += difference[i];
+    y[i] = running * inverse_s;
+  }
+}
+
+}  // namespace detail
+
+/// \f$y = \hat Kx\f$ with \f$\hat K = \frac1s\sum_t M_t\f$, the mean mask of `grids` on positions
+/// `[first, first + n)`, n = x.size(): block sums of x per draw (detail::block_sum_product), the
+/// blocks found with grid_block. O(n + blocks) time, at most O(n s); O(n) memory.
+/// \throws std::invalid_argument for sizes that differ, n = 0, positions beyond kMaxPosition, or
+/// empty or invalid grids.
+inline void mean_mask_product(const std::vector<Grid>& grids, Index first,
+                              const Eigen::Ref<const Eigen::VectorXd>& x,
+                              Eigen::Ref<Eigen::VectorXd> y) {
+  const char* function = "mean_mask_product";
+  detail::require(x.size() == y.size(), function, "x and y must have the same size");
+  detail::require_positions(x.size(), first, function);
+  detail::require_grids(grids, function);
+  const Index last = first + x.size();
+  detail::block_sum_product(static_cast<Index>(grids.size()), x, y, [&](auto&& visit) {
+    for (const Grid& grid : grids) {
+      detail::for_each_block(grid, first, last, [&](const Block& block) {
+        visit(block.begin - first, block.end - first);
+      });
+    }
+  });
+}
+
+/// The symmetric operator \f$E = \hat K - K\f$ on positions `[first, first + n)`, with the
+/// interface of a Spectra matrix operation (`Scalar`, `rows()`, `cols()`, `perform_op`).
+/// The constructor finds every block of every draw once (grid_block) and keeps their ends, 4 bytes
+/// per block (about \f$4 n m s\f$ bytes for slope m and s draws when \f$m \le 1\f$); one product
+/// then costs O(n + blocks), at most O(n s).
+class MaskErrorOperator {
+ public:
+  using Scalar = double;
+
+  /// \throws std::invalid_argument as mask_max_error.
+  MaskErrorOperator(Index n, double slope, const std::vector<Grid>& grids, Index first = 0)
+      : n_(n), slope_(slope), draws_(static_cast<Index>(grids.size())), kernel_product_(n) {
+    const char* function = "MaskErrorOperator";
+    detail::require_positions(n, first, function);
+    detail::require_slope(slope, function);
+    detail::require_grids(grids, function);
+    detail::require(n <= static_cast<Index>(std::numeric_limits<std::uint32_t>::max()), function,
+                    "n must be below 2^32");
+    for (const Grid& grid : grids) {
+      detail::for_each_block(grid, first, first + n, [&](const Block& block) {
+        ends_.push_back(static_cast<std::uint32_t>(block.end - first));
+      });
+    }
+  }
+
+  Index rows() const { return n_; }
+  Index cols() const { return n_; }
+
+  /// \f$y = Ex\f$ for `x` and `y` of n entries each.
+  void perform_op(const double* x_in, double* y_out) const {
+    const Eigen::Map<const Eigen::VectorXd> x(x_in, n_);
+    Eigen::Map<Eigen::VectorXd> y(y_out, n_);
+    detail::block_sum_product(draws_, x, y, [&](auto&& visit) {
+      Index begin = 0;  // every draw's last block ends at n
+      for (const std::uint32_t end : ends_) {
+        visit(begin, static_cast<Index>(end));
+        begin = static_cast<Index>(end) == n_ ? 0 : static_cast<Index>(end);
+      }
+    });
+    laplacian_product(slope_, x, kernel_product_);
+    y -= kernel_product_;
+  }
+
+ private:
+  Index n_;
+  double slope_;
+  Index draws_;
+  std::vector<std::uint32_t> ends_;  // block ends of every draw, offsets from first, in order
+  mutable Eigen::VectorXd kernel_product_;
+};
+
+/// \f$\max_{ij}|E_{ij}|\f$, \f$E = \hat K - K\f$ on positions `[first, first + n)`, exactly,
+/// without an n x n matrix: O(n s log s) time, O(s) memory.
+///
+/// Row i: the draws' blocks \f$[b_t, e_t)\f$ of i. Left of the diagonal, \f$c_{ij} =
+/// \#\{t: b_t \le j\}\f$ is constant between consecutive sorted \f$b_t\f$; right of it,
+/// \f$c_{ij} = \#\{t: e_t > j\}\f$ between consecutive sorted \f$e_t\f$; beyond the union of the
+/// blocks \f$c_{ij} = 0\f$ and \f$|E_{ij}| = K_{ij}\f$ is largest next to the union. On each
+/// segment \f$K_{ij}\f$ is monotone, so only the two ends of every segment are evaluated.
+/// Equals mask_error(n, slope, grids).max for first = 0 (to rounding: \f$c/s\f$ here, a sum of s
+/// weights \f$1/s\f$ there).
+/// \throws std::invalid_argument if `n` is not positive, the positions exceed kMaxPosition, the
+/// slope is invalid, or `grids` is empty or holds an invalid grid (the message names
+/// mask_max_error).
+inline double mask_max_error(Index n, double slope, const std::vector<Grid>& grids,
+                             Index first = 0) {
+  const char* function = "mask_max_error";
+  detail::require_positions(n, first, function);
+  detail::require_slope(slope, function);
+  detail::require_grids(grids, function);
+  const Index last = first + n;
+  const Index s = static_cast<Index>(grids.size());
+  const double inverse_s = 1.0 / static_cast<double>(s);
+  std::vector<Block> blocks(static_cast<std::size_t>(s), Block{first, first});
+  std::vector<Index> begins(static_cast<std::size_t>(s));
+  std::vector<Index> ends(static_cast<std::size_t>(s));
+  double largest = 0;
+  for (Index i = first; i < last; ++i) {
+    for (Index t = 0; t < s; ++t) {
+      Block& block = blocks[static_cast<std::size_t>(t)];
+      if (i >= block.end) block = grid_block(grids[static_cast<std::size_t>(t)], i, first, last);
+      begins[static_cast<std::size_t>(t)] = block.begin;
+      ends[static_cast<std::size_t>(t)] = block.end;
+    }
+    std::sort(begins.begin(), begins.end());
+    std::sort(ends.begin(), ends.end());
+    const auto error = [&](Index j, Index count) {
+      const double distance = static_cast<double>(i > j ? i - j : j - i);
+      return std::abs(static_cast<double>(count) * inverse_s - std::exp(-slope * distance));
+    };
+    // Left: j in [begins[k-1], begins[k] - 1] has count k (begins[s] taken as i + 1).
+    for (Index k = 1; k <= s; ++k) {
+      const Index low = begins[static_cast<std::size_t>(k - 1)];
+      const Index high = (k < s ? begins[static_cast<std::size_t>(k)] : i + 1) - 1;
+      if (low > high) continue;
+      largest = std::max({largest, error(low, k), error(high, k)});
+    }
+    // Right: j in [ends[k-1], ends[k] - 1] has count s - k (ends[-1] taken as i).
+    for (Index k = 0; k < s; ++k) {
+      const Index low = k > 0 ? ends[static_cast<std::size_t>(k - 1)] : i;
+      const Index high = ends[static_cast<std::size_t>(k)] - 1;
+      if (low > high) continue;
+      largest = std::max({largest, error(low, s - k), error(high, s - k)});
+    }
+    // Outside the union [begins[0], ends[s-1]): count 0, largest next to the union.
+    if (begins.front() > first) largest = std::max(largest, error(begins.front() - 1, 0));
+    if (ends.back() < last) largest = std::max(largest, error(ends.back(), 0));
+  }
+  return largest;
+}
+
+#ifdef PLSH_HAS_SPECTRA
+
+/// Settings of the Lanczos solver (Spectra::SymEigsSolver) behind the spectral norms.
+struct LanczosOptions {
+  Index basis_size = 20;      ///< Lanczos basis (Spectra's ncv), at most n; memory n x basis.
+  Index max_restarts = 1000;  ///< Spectra's maxit.
+  double tolerance = 1e-10;   ///< relative accuracy of the eigenvalue (Spectra's tol).
+  Index dense_below = 32;     ///< an operator with fewer rows is formed and solved densely.
+};
+
+/// A spectral norm and how the solver reached it (a status, not an exception, as in Spectra).
+struct SpectralNorm {
+  /// The norm when converged; otherwise the largest Ritz value in magnitude after the last
+  /// restart, a lower bound of the norm (a Rayleigh quotient).
+  double value = 0;
+  bool converged = false;  ///< whether the Lanczos solver met its tolerance.
+  Index products = 0;      ///< operator products used.
+};
+
+namespace detail {
+
+/// Spectra's SymEigsSolver, with the Ritz value of largest magnitude readable when the solver
+/// stops before convergence (Spectra reports converged eigenvalues only). After compute() the
+/// Ritz values are sorted by the rule, largest magnitude first.
+template <class SymmetricOperator>
+class RitzSolver : public Spectra::SymEigsSolver<SymmetricOperator> {
+ public:
+  using Spectra::SymEigsSolver<SymmetricOperator>::SymEigsSolver;
+  double largest_ritz_value() const { return this->m_ritz_val[0]; }
+};
+
+inline void require_lanczos(const LanczosOptions& options, const char* function) {
+  require(options.basis_size >= 2, function, "options.basis_size must be at least 2");
+  require(options.max_restarts >= 1, function, "options.max_restarts must be at least 1");
+  require(options.tolerance > 0, function, "options.tolerance must be positive");
+}
+
+}  // namespace detail
+
+/// The largest \f$|\lambda|\f$ of a symmetric operator with Spectra's interface (`Scalar` =
+/// double, `rows()`, `perform_op(const double*, double*) const`): Lanczos with
+/// `SortRule::LargestMagn`, one eigenvalue. Below `options.dense_below` rows the operator is
+/// applied to the unit vectors and the dense matrix solved exactly (Spectra needs n > 2). The
+/// operator is taken by value (Spectra keeps a reference to a mutable one).
+/// \throws std::invalid_argument for an operator with no rows or invalid options.
+template <class SymmetricOperator>
+SpectralNorm symmetric_spectral_norm(SymmetricOperator op, const LanczosOptions& options = {}) {
+  const char* function = "symmetric_spectral_norm";
+  detail::require_lanczos(options, function);
+  const Index n = op.rows();
+  detail::require(n >= 1 && op.cols() == n, function, "the operator must be square and non-empty");
+  SpectralNorm result;
+  if (n < std::max<Index>(options.dense_below, 3)) {
+    Eigen::MatrixXd dense(n, n);
+    Eigen::VectorXd unit = Eigen::VectorXd::Zero(n);
+    for (Index j = 0; j < n; ++j) {
+      unit[j] = 1;
+      op.perform_op(unit.data(), dense.col(j).data());
+      unit[j] = 0;
+    }
+    const Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd> solver(dense, Eigen::EigenvaluesOnly);
+    return SpectralNorm{solver.eigenvalues().cwiseAbs().maxCoeff(), true, n};
+  }
+  const Index basis = std::min(options.basis_size, n);
+  detail::RitzSolver<SymmetricOperator> solver(op, 1, basis);
+  solver.init();
+  solver.compute(Spectra::SortRule::LargestMagn, options.max_restarts, options.tolerance);
+  result.converged = solver.info() == Spectra::CompInfo::Successful;
+  result.products = solver.num_operations();
+  result.value = std::abs(result.converged ? solver.eigenvalues()[0] : solver.largest_ritz_value());
+  return result;
+}
+
+namespace detail {
+
+/// \f$E^\top E\f$ (`normal`) or \f$EE^\top\f$ of an operator with `rows()`, `cols()`,
+/// `product` and `transpose_product`, as a Spectra symmetric operator.
+template <class Operator>
+class GramOperator {
+ public:
+  using Scalar = double;
+  GramOperator(const Operator& op, bool normal)
+      : op_(&op), normal_(normal), middle_(normal ? op.rows() : op.cols()) {}
+  Index rows() const { return normal_ ? op_->cols() : op_->rows(); }
+  Index cols() const { return rows(); }
+  void perform_op(const double* x_in, double* y_out) const {
+    if (normal_) {
+      op_->product(x_in, middle_.data());
+      op_->transpose_product(middle_.data(), y_out);
+    } else {
+      op_->transpose_product(x_in, middle_.data());
+      op_->product(middle_.data(), y_out);
+    }
+  }
+
+ private:
+  const Operator* op_;
+  bool normal_;
+  mutable Eigen::VectorXd middle_;
+};
+
+}  // namespace detail
+
+/// The largest singular value \f$\|E\|_2\f$ of an operator with `rows()`, `cols()`,
+/// `product(x, y)` (\f$y = Ex\f$) and `transpose_product(u, y)` (\f$y = E^\top u\f$): the square
+/// root of the largest eigenvalue of \f$E^\top E\f$ (when cols() <= rows()) or \f$EE^\top\f$, by
+/// symmetric_spectral_norm. `products` counts Gram products (two operator products each). The
+/// squared singular value is found to the Lanczos tolerance, so the value to about half of it
+/// relatively.
+template <class Operator>
+SpectralNorm largest_singular_value(const Operator& op, const LanczosOptions& options = {}) {
+  if (op.rows() == 0 || op.cols() == 0) return SpectralNorm{0, true, 0};
+  SpectralNorm result =
+      symmetric_spectral_norm(detail::GramOperator<Operator>(op, op.cols() <= op.rows()), options);
+  result.value = std::sqrt(result.value);
+  return result;
+}
+
+/// \f$\|\hat K - K\|_2\f$ on positions `[first, first + n)` by Lanczos over MaskErrorOperator:
+/// O(n s) per product, O(n x basis_size) memory. Equals mask_error(n, slope, grids).spectral for
+/// first = 0 to the Lanczos tolerance.
+/// \throws std::invalid_argument as mask_max_error, and for invalid options.
+inline SpectralNorm mask_spectral_error(Index n, double slope, const std::vector<Grid>& grids,
+                                        Index first = 0, const LanczosOptions& options = {}) {
+  return symmetric_spectral_norm(MaskErrorOperator(n, slope, grids, first), options);
+}
+
+#endif  // PLSH_HAS_SPECTRA
+
+}  // namespace plsh
+
+#endif  // PLSH_ERROR_NORMS_HPP

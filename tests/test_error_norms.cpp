@@ -1,0 +1,255 @@
+// Tests of error_norms.hpp: the matrix-free products K x and K_hat x, the exact max norm and the
+// Lanczos spectral norm of E = K_hat - K, against dense matrices (metrics.hpp, partition.hpp) for
+// n up to 2000, several slopes, s = 1 and s = 50, and offset positions.
+
+#include <catch2/catch.hpp>
+
+#include <Eigen/Eigenvalues>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <stdexcept>
+#include <vector>
+
+#include <plsh/alibi.hpp>
+#include <plsh/error_norms.hpp>
+#include <plsh/metrics.hpp>
+#include <plsh/partition.hpp>
+#include <plsh/sampler.hpp>
+
+#include "fill.hpp"
+
+namespace {
+
+using plsh::Grid;
+using plsh::Index;
+
+constexpr double kEpsilon = std::numeric_limits<double>::epsilon();
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+/// E = (1/s) sum_t M_t - K on positions [first, first + n), the masks from dense_mask of each
+/// draw's BlockPartition: integer counts (exact in double) divided by s once.
+Eigen::MatrixXd dense_error(Index n, double slope, const std::vector<Grid>& grids, Index first) {
+  Eigen::MatrixXd counts = Eigen::MatrixXd::Zero(n, n);
+  for (const Grid& grid : grids)
+    counts += plsh::dense_mask(plsh::BlockPartition(grid, first, first + n));
+  return counts / static_cast<double>(grids.size()) - plsh::laplacian_kernel<double>(n, slope);
+}
+
+Eigen::VectorXd test_vector(Index n, std::uint64_t seed) {
+  const std::vector<double> values =
+      plsh_test::uniform_values<double>(static_cast<std::size_t>(n), seed);
+  return Eigen::Map<const Eigen::VectorXd>(values.data(), n);
+}
+
+struct Case {
+  Index n;
+  double slope;
+  Index samples;
+  Index first;
+};
+
+/// Slopes of the standard list and beyond it (a pitch below 1: one position per block), s = 1 and
+/// s = 50, positions from 0, negative, and far from 0.
+const std::vector<Case>& cases() {
+  static const std::vector<Case> list{
+      {1, 0.5, 1, 0},
+      {2, 0.5, 50, 0},
+      {37, 0.5, 1, 0},
+      {37, 0.5, 50, -20},
+      {300, 1.0 / 16, 1, 0},
+      {300, 1.0 / 16, 50, 1000},
+      {300, 3.0, 50, 7},
+      {300, 0.0, 5, 0},
+      {700, 1.0 / 256, 50, -350},
+      {700, 1.0 / 256, 1, Index(1) << 40},
+      {2000, 1.0 / 32, 50, 0},
+      {2000, 1.0 / 4, 1, 123457},
+  };
+  return list;
+}
+
+std::vector<Grid> draws(const Case& c, Index number) {
+  return plsh::RandomBinning(c.slope, plsh::head_seed(11, number)).draw(c.samples);
+}
+
+}  // namespace
+
+TEST_CASE("laplacian_product and mean_mask_product equal the dense matrices", "[error_norms]") {
+  Index number = 0;
+  for (const Case& c : cases()) {
+    if (c.n > 700) continue;
+    const std::vector<Grid> grids = draws(c, number++);
+    const Eigen::VectorXd x = test_vector(c.n, 3 + static_cast<std::uint64_t>(number));
+    INFO("n=" << c.n << " slope=" << c.slope << " s=" << c.samples << " first=" << c.first);
+
+    Eigen::VectorXd kernel_x(c.n);
+    plsh::laplacian_product(c.slope, x, kernel_x);
+    const Eigen::VectorXd kernel_reference = plsh::laplacian_kernel<double>(c.n, c.slope) * x;
+    // Every term is non-negative times x: rounding is at most a few eps * sum |x| per entry.
+    CHECK((kernel_x - kernel_reference).cwiseAbs().maxCoeff() <= 8 * kEpsilon * x.lpNorm<1>());
+
+    Eigen::VectorXd mask_x(c.n);
+    plsh::mean_mask_product(grids, c.first, x, mask_x);
+    const Eigen::MatrixXd error = dense_error(c.n, c.slope, grids, c.first);
+    const Eigen::VectorXd mask_reference =
+        (error + plsh::laplacian_kernel<double>(c.n, c.slope)) * x;
+    // Block sums from prefix sums: each within about n eps sum |x|.
+    CHECK((mask_x - mask_reference).cwiseAbs().maxCoeff() <=
+          4 * static_cast<double>(c.n) * kEpsilon * x.lpNorm<1>());
+
+    Eigen::VectorXd error_x(c.n);
+    plsh::MaskErrorOperator(c.n, c.slope, grids, c.first).perform_op(x.data(), error_x.data());
+    CHECK((error_x - error * x).cwiseAbs().maxCoeff() <=
+          8 * static_cast<double>(c.n) * kEpsilon * x.lpNorm<1>());
+  }
+}
+
+TEST_CASE("mask_max_error equals the dense max norm", "[error_norms]") {
+  Index number = 0;
+  for (const Case& c : cases()) {
+    const std::vector<Grid> grids = draws(c, number++);
+    INFO("n=" << c.n << " slope=" << c.slope << " s=" << c.samples << " first=" << c.first);
+    const double dense = dense_error(c.n, c.slope, grids, c.first).cwiseAbs().maxCoeff();
+    const double measured = plsh::mask_max_error(c.n, c.slope, grids, c.first);
+    // Both evaluate count / s - exp(-m|i - j|) the same way: equal up to the rounding of exp.
+    CHECK(std::abs(measured - dense) <= 1e-15);
+    if (c.first == 0) {
+      // mask_error sums s weights 1/s: within (s + 1) eps of count / s.
+      CHECK(std::abs(measured - plsh::mask_error(c.n, c.slope, grids).max) <=
+            static_cast<double>(c.samples + 1) * kEpsilon);
+    }
+  }
+}
+
+TEST_CASE("mask_max_error of a single block and of single positions", "[error_norms]") {
+  // One block holding everything: K_hat = 1, the largest error is 1 - exp(-m (n - 1)), at the
+  // corners.
+  const Index n = 50;
+  const double slope = 0.1;
+  CHECK(plsh::mask_max_error(n, slope, {plsh::fixed_grid(1e9, -5e8)}) ==
+        Approx(1 - std::exp(-slope * (n - 1))).epsilon(1e-14));
+  // Blocks of one position: K_hat = I, the largest error is exp(-m), next to the diagonal.
+  CHECK(plsh::mask_max_error(n, slope, {plsh::fixed_grid(0.5)}, 10) ==
+        Approx(std::exp(-slope)).epsilon(1e-14));
+  // n = 1: K_hat = K = 1.
+  CHECK(plsh::mask_max_error(1, slope, {plsh::fixed_grid(3)}) == 0);
+}
+
+#ifdef PLSH_HAS_SPECTRA
+
+TEST_CASE("mask_spectral_error equals the dense spectral norm", "[error_norms]") {
+  Index number = 0;
+  for (const Case& c : cases()) {
+    const std::vector<Grid> grids = draws(c, number++);
+    INFO("n=" << c.n << " slope=" << c.slope << " s=" << c.samples << " first=" << c.first);
+    const Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd> solver(
+        dense_error(c.n, c.slope, grids, c.first), Eigen::EigenvaluesOnly);
+    const double dense = solver.eigenvalues().cwiseAbs().maxCoeff();
+    const plsh::SpectralNorm measured = plsh::mask_spectral_error(c.n, c.slope, grids, c.first);
+    INFO("dense " << dense << ", Lanczos " << measured.value << " after " << measured.products
+                  << " products");
+    REQUIRE(measured.converged);
+    // Lanczos tolerance 1e-10 relative; the rounding of the products and the dense solver's
+    // backward error, n eps (||K_hat||_2 + ||K||_2) with both norms at most coth(m/2) (n for m =
+    // 0).
+    const double kernel_norm = c.slope == 0
+                                   ? static_cast<double>(c.n)
+                                   : std::min(static_cast<double>(c.n), 1 / std::tanh(c.slope / 2));
+    const double rounding = 4 * static_cast<double>(c.n) * kEpsilon * (1 + dense + kernel_norm);
+    CHECK(std::abs(measured.value - dense) <= 1e-9 * dense + rounding);
+    if (c.first == 0) {
+      const double reference = plsh::mask_error(c.n, c.slope, grids).spectral;
+      CHECK(std::abs(measured.value - reference) <= 1e-9 * reference + rounding);
+    }
+  }
+}
+
+namespace {
+
+/// Eigenvalues 1, 2, ..., n - 1 and -n: the largest magnitude is the negative one.
+struct Diagonal {
+  using Scalar = double;
+  Index n;
+  Index rows() const { return n; }
+  Index cols() const { return n; }
+  void perform_op(const double* x, double* y) const {
+    for (Index i = 0; i < n - 1; ++i) y[i] = static_cast<double>(i + 1) * x[i];
+    y[n - 1] = -static_cast<double>(n) * x[n - 1];
+  }
+};
+
+}  // namespace
+
+TEST_CASE("symmetric_spectral_norm of a diagonal operator with eigenvalues of both signs",
+          "[error_norms]") {
+  for (const Index n : {1, 5, 40, 500}) {
+    INFO("n=" << n);
+    const plsh::SpectralNorm norm = plsh::symmetric_spectral_norm(Diagonal{n});
+    REQUIRE(norm.converged);
+    CHECK(norm.value == Approx(static_cast<double>(n)).epsilon(1e-10));
+  }
+}
+
+TEST_CASE("the spectral norms reject invalid options", "[error_norms]") {
+  const std::vector<Grid> grids{plsh::fixed_grid(4)};
+  plsh::LanczosOptions options;
+  options.basis_size = 1;
+  REQUIRE_THROWS_WITH(plsh::mask_spectral_error(100, 0.1, grids, 0, options),
+                      Catch::Contains("symmetric_spectral_norm") && Catch::Contains("basis_size"));
+  options = plsh::LanczosOptions{};
+  options.max_restarts = 0;
+  REQUIRE_THROWS_AS(plsh::mask_spectral_error(100, 0.1, grids, 0, options), std::invalid_argument);
+  options = plsh::LanczosOptions{};
+  options.tolerance = kNaN;
+  REQUIRE_THROWS_WITH(plsh::mask_spectral_error(100, 0.1, grids, 0, options),
+                      Catch::Contains("tolerance"));
+  REQUIRE_THROWS_WITH(plsh::mask_spectral_error(0, 0.1, grids),
+                      Catch::Contains("MaskErrorOperator") && Catch::Contains("n must"));
+}
+
+#else
+
+TEST_CASE("the matrix-free spectral norms need Spectra", "[error_norms]") {
+  WARN(
+      "plsh: Spectra not found (Debian: libspectra-dev): the matrix-free spectral norm tests are "
+      "skipped");
+  SUCCEED();
+}
+
+#endif  // PLSH_HAS_SPECTRA
+
+TEST_CASE("the matrix-free mask norms reject bad input", "[error_norms]") {
+  const std::vector<Grid> grids{plsh::fixed_grid(4)};
+  const Index huge = plsh::kMaxPosition;
+  REQUIRE_THROWS_WITH(plsh::mask_max_error(0, 0.1, grids),
+                      Catch::Contains("mask_max_error") && Catch::Contains("n must"));
+  REQUIRE_THROWS_WITH(plsh::mask_max_error(10, 0.1, grids, huge - 5),
+                      Catch::Contains("mask_max_error") && Catch::Contains("first + n"));
+  REQUIRE_THROWS_WITH(plsh::mask_max_error(10, 0.1, grids, -huge - 1),
+                      Catch::Contains("first + n"));
+  REQUIRE_THROWS_WITH(plsh::mask_max_error(10, -0.1, grids),
+                      Catch::Contains("mask_max_error") && Catch::Contains("slope"));
+  REQUIRE_THROWS_AS(plsh::mask_max_error(10, kNaN, grids), std::invalid_argument);
+  REQUIRE_THROWS_WITH(plsh::mask_max_error(10, 0.1, {}),
+                      Catch::Contains("mask_max_error") && Catch::Contains("grids"));
+  REQUIRE_THROWS_WITH(plsh::mask_max_error(10, 0.1, {Grid{-1, 0}}), Catch::Contains("pitch"));
+  REQUIRE_THROWS_WITH(plsh::MaskErrorOperator(10, 0.1, {}),
+                      Catch::Contains("MaskErrorOperator") && Catch::Contains("grids"));
+  REQUIRE_THROWS_WITH(plsh::MaskErrorOperator(10, kNaN, grids),
+                      Catch::Contains("MaskErrorOperator") && Catch::Contains("slope"));
+
+  Eigen::VectorXd x = Eigen::VectorXd::Ones(5);
+  Eigen::VectorXd y(4);
+  REQUIRE_THROWS_WITH(plsh::laplacian_product(0.1, x, y),
+                      Catch::Contains("laplacian_product") && Catch::Contains("same size"));
+  REQUIRE_THROWS_WITH(plsh::laplacian_product(-1, x, x), Catch::Contains("slope"));
+  REQUIRE_THROWS_WITH(plsh::mean_mask_product(grids, 0, x, y),
+                      Catch::Contains("mean_mask_product") && Catch::Contains("same size"));
+  Eigen::VectorXd empty(0);
+  REQUIRE_THROWS_WITH(plsh::mean_mask_product(grids, 0, empty, empty), Catch::Contains("n must"));
+  Eigen::VectorXd z(5);
+  REQUIRE_THROWS_WITH(plsh::mean_mask_product({}, 0, x, z), Catch::Contains("grids"));
+  REQUIRE_THROWS_WITH(plsh::mean_mask_product(grids, huge, x, z), Catch::Contains("first + n"));
+}
