@@ -364,7 +364,7 @@ const void* type_tag() {
 }
 
 /// The inputs of the long families: one problem of one type and length is kept (at n = 2^20 the
-/// float tensors take 1 GiB), and the float families' cache is released first.
+/// float tensors take 8 GiB), and the float families' cache is released first.
 template <class Storage>
 StoredProblem<Storage>& long_problem(Index n) {
   LongProblemSlot& slot = long_problem_slot();
