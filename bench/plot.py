@@ -89,7 +89,10 @@ def read_benchmark_file(path, clock):
             continue
         run_name = entry.get("run_name", entry["name"])
         seconds = entry[clock + "_time"] * TIME_UNIT_SECONDS[entry.get("time_unit", "ns")]
-        sample = {"seconds": seconds, "gflops": entry.get("gflops")}
+        gflops = entry.get("gflops")
+        if gflops is not None and clock == "cpu" and entry.get("cpu_time"):
+            gflops *= entry["real_time"] / entry["cpu_time"]  # the counter is per wall second
+        sample = {"seconds": seconds, "gflops": gflops}
         if entry.get("run_type") == "aggregate":
             if entry.get("aggregate_name") == "median":
                 medians[run_name] = sample
