@@ -7,11 +7,16 @@ plsh_accuracy (--json=FILE), and writes:
 
   time_vs_n.png     time per call against n (log-log), one line per method, PLSH methods at
                     one number of samples (--samples, default 20); GFLOP/s against n beside it.
+                    The long-sequence families (long_fused/n/20/type, long_windowed/n/float)
+                    extend the fused and windowed lines (float) and add a bfloat16 fused line;
+                    exact ALiBi is measured up to its largest n and extrapolated beyond it as
+                    n^2 (dashed, labelled so).
   error_vs_time.png relative error against exact ALiBi versus time per call (log-log): the
                     accuracy trade-off of each method.
 
 With repetitions (--benchmark_repetitions=R) the median aggregate is used, or the median of the
-repetitions when only those were written. Needs python3 and matplotlib.
+repetitions when only those were written. --bench may be given several times: a benchmark found
+in a later file replaces the same one of an earlier file. Needs python3 and matplotlib.
 """
 
 import argparse
@@ -22,8 +27,10 @@ import sys
 
 # Benchmark families and the accuracy methods, in plotting order.
 FAMILIES = ["gemm", "gemm_tile", "regular", "exact", "windowed", "passes", "fused",
-            "fixed_blocks"]
-SAMPLED = {"passes", "fused"}
+            "fused_bfloat16", "fixed_blocks"]
+SAMPLED = {"passes", "fused", "fused_bfloat16"}
+# Storage types of the long-sequence families: the float runs extend the float lines.
+LONG_TYPES = {"float": "", "bfloat16": "_bfloat16"}
 STYLE = {
     "gemm": dict(color="0.55", linestyle=":", marker="x"),
     "gemm_tile": dict(color="0.35", linestyle=":", marker="+"),
@@ -32,6 +39,7 @@ STYLE = {
     "windowed": dict(color="tab:orange", marker="v"),
     "passes": dict(color="tab:blue", marker="^"),
     "fused": dict(color="tab:green", marker="D"),
+    "fused_bfloat16": dict(color="tab:olive", marker="d", linestyle="-."),
     "fixed_blocks": dict(color="tab:purple", marker="P"),
 }
 TIME_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
@@ -54,11 +62,24 @@ def parse_name(run_name):
     'real_time' are dropped."""
     parts = run_name.split("/")
     numbers = [int(part) for part in parts[1:] if part.isdigit()]
-    return parts[0], numbers
+    family = parts[0]
+    if family.startswith("long_"):
+        # long_fused/1048576/20/bfloat16 -> fused_bfloat16; half (error only) is not plotted.
+        types = [part for part in parts[1:] if part in LONG_TYPES]
+        family = family[len("long_"):] + LONG_TYPES[types[0]] if types else None
+    return family, numbers
 
 
-def read_benchmarks(path, clock):
-    """{(family, n, s or None): {"seconds": ..., "gflops": ...}} from a Google Benchmark JSON."""
+def read_benchmarks(paths, clock):
+    """{(family, n, s or None): {"seconds": ..., "gflops": ...}} from Google Benchmark JSON files,
+    later files first."""
+    results = {}
+    for path in paths:
+        results.update(read_benchmark_file(path, clock))
+    return results
+
+
+def read_benchmark_file(path, clock):
     with open(path) as file:
         report = json.load(file)
     medians = {}
@@ -68,7 +89,10 @@ def read_benchmarks(path, clock):
             continue
         run_name = entry.get("run_name", entry["name"])
         seconds = entry[clock + "_time"] * TIME_UNIT_SECONDS[entry.get("time_unit", "ns")]
-        sample = {"seconds": seconds, "gflops": entry.get("gflops")}
+        gflops = entry.get("gflops")
+        if gflops is not None and clock == "cpu" and entry.get("cpu_time"):
+            gflops *= entry["real_time"] / entry["cpu_time"]  # the counter is per wall second
+        sample = {"seconds": seconds, "gflops": gflops}
         if entry.get("run_type") == "aggregate":
             if entry.get("aggregate_name") == "median":
                 medians[run_name] = sample
@@ -98,6 +122,7 @@ def plot_time_vs_n(pyplot, results, samples, clock, path):
     figure, (time_axes, rate_axes) = pyplot.subplots(1, 2, figsize=(12, 5))
     plotted = False
     all_lengths = set()
+    exact_points = []
     for family in FAMILIES:
         wanted = samples if family in SAMPLED else None
         points = sorted((n, sample) for (name, n, s), sample in results.items()
@@ -115,6 +140,8 @@ def plot_time_vs_n(pyplot, results, samples, clock, path):
         all_lengths.update(lengths)
         time_axes.loglog(lengths, [1e3 * sample["seconds"] for _, sample in points],
                          label=label, **STYLE[family])
+        if family == "exact":
+            exact_points = points
         rates = [(n, sample["gflops"]) for n, sample in points if sample["gflops"] is not None]
         if rates:
             rate_axes.semilogx([n for n, _ in rates], [rate for _, rate in rates], label=label,
@@ -124,13 +151,21 @@ def plot_time_vs_n(pyplot, results, samples, clock, path):
               file=sys.stderr)
         pyplot.close(figure)
         return
+    if exact_points and exact_points[-1][0] < max(all_lengths):
+        # Exact ALiBi is quadratic: extrapolated from its largest measured n.
+        measured_n, measured = exact_points[-1]
+        lengths = [n for n in sorted(all_lengths) if n >= measured_n]
+        time_axes.loglog(lengths,
+                         [1e3 * measured["seconds"] * (n / measured_n) ** 2 for n in lengths],
+                         color=STYLE["exact"]["color"], linestyle="--",
+                         label=f"exact, extrapolated as n^2 beyond n = {measured_n}")
     for axes in (time_axes, rate_axes):
         axes.set_xticks(sorted(all_lengths))
         axes.set_xticklabels([str(n) for n in sorted(all_lengths)], rotation=30)
         axes.minorticks_off()
     time_axes.set_xlabel("sequence length n")
     time_axes.set_ylabel(f"time per call, ms ({clock} time)")
-    time_axes.set_title("8 heads, d = 64, causal, float")
+    time_axes.set_title("8 heads, d = 64, causal, float (and bfloat16 storage)")
     time_axes.grid(True, which="both", alpha=0.3)
     time_axes.legend(fontsize="small")
     rate_axes.set_xlabel("sequence length n")
@@ -173,7 +208,8 @@ def plot_error_vs_time(pyplot, accuracy, path):
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bench", help="plsh_bench JSON output")
+    parser.add_argument("--bench", action="append",
+                        help="plsh_bench JSON output (may be repeated; later files win)")
     parser.add_argument("--accuracy", help="plsh_accuracy --json output")
     parser.add_argument("--out-dir", default=".", help="where the PNG files go (default: .)")
     parser.add_argument("--samples", type=int, default=20,

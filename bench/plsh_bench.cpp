@@ -16,6 +16,10 @@
 /// - `passes/n/s`, `fused/n/s`: plsh::plsh_attention with Kernel::Passes / Kernel::Fused.
 /// - `fixed_blocks/n`: plsh::fixed_block_attention, block size 64.
 /// - `fused_threads/16384/20/t`: the fused kernel with t OpenMP threads (OpenMP builds only).
+/// - `long_fused/n/20/type`, `long_windowed/n/float`: n = 2^16, 2^18, 2^20, one call each; type
+///   float or bfloat16 (and half at 2^16), the float inputs rounded to it. Extra counters:
+///   `peak_rss_bytes`, `tensor_bytes`, `peak_reset` and, for 16-bit types at 2^16,
+///   `relative_error` (see long_benchmark).
 ///
 /// Counters: `tokens_per_second` (n per second), `scores_per_query` (score entries computed per
 /// query and head, counted from the kernels' own tiling), `gflops` (2 (d + d_v) flops per
@@ -25,11 +29,14 @@
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -81,10 +88,16 @@ struct Problem {
   }
 };
 
+/// The cached inputs of the families on float (the latest length only).
+std::unique_ptr<Problem>& problem_cache() {
+  static std::unique_ptr<Problem> cached;
+  return cached;
+}
+
 /// The inputs of length n. Only the latest length is kept: at n = 65536 the four tensors take
 /// 0.5 GB.
 Problem& problem(Index n) {
-  static std::unique_ptr<Problem> cached;
+  std::unique_ptr<Problem>& cached = problem_cache();
   if (!cached || cached->n != n) {
     cached.reset();
     cached = std::make_unique<Problem>();
@@ -286,6 +299,184 @@ std::string name_of(const std::string& family, Index n, Index samples) {
   return name_of(family, n) + "/" + std::to_string(samples);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Long sequences: the fused (s = 20) and windowed kernels at n = 2^16, 2^18, 2^20 in float and
+// in 16-bit storage, with their peak memory.
+// ---------------------------------------------------------------------------------------------
+
+const std::vector<Index> kLongLengths = {65536, 262144, 1048576};
+constexpr Index kLongSamples = 20;
+/// Length at which the 16-bit outputs are compared with the float output.
+constexpr Index kErrorLength = 65536;
+
+template <class Storage>
+const char* storage_name() {
+  if (std::is_same<Storage, Eigen::bfloat16>::value) return "bfloat16";
+  if (std::is_same<Storage, Eigen::half>::value) return "half";
+  return "float";
+}
+
+/// q, k, v and out of one length in storage type `Storage`: the float inputs of `problem`
+/// (same seeds) rounded to nearest.
+template <class Storage>
+struct StoredProblem {
+  Index n = 0;
+  std::vector<Storage> q, k, v, out;
+
+  plsh::HeadsView<const Storage> view(const std::vector<Storage>& data, Index dim) const {
+    return plsh::HeadsView<const Storage>{data.data(), n, kHeads, dim};
+  }
+  plsh::HeadsView<const Storage> queries() const { return view(q, kDim); }
+  plsh::HeadsView<const Storage> keys() const { return view(k, kDim); }
+  plsh::HeadsView<const Storage> values() const { return view(v, kValueDim); }
+  plsh::HeadsView<Storage> output() {
+    return plsh::HeadsView<Storage>{out.data(), n, kHeads, kValueDim};
+  }
+  double tensor_bytes() const {
+    return static_cast<double>((q.size() + k.size() + v.size() + out.size()) * sizeof(Storage));
+  }
+};
+
+template <class Storage>
+std::vector<Storage> stored_uniform(std::size_t size, std::uint64_t seed) {
+  std::vector<float> values(size);
+  fill_uniform(values, seed);
+  std::vector<Storage> stored(size);
+  for (std::size_t i = 0; i < size; ++i) stored[i] = static_cast<Storage>(values[i]);
+  return stored;
+}
+
+/// The one long problem kept, whatever its type, and a tag of its type.
+struct LongProblemSlot {
+  std::shared_ptr<void> problem;
+  const void* type = nullptr;
+};
+
+LongProblemSlot& long_problem_slot() {
+  static LongProblemSlot slot;
+  return slot;
+}
+
+template <class Storage>
+const void* type_tag() {
+  static const char tag = 0;
+  return &tag;
+}
+
+/// The inputs of the long families: one problem of one type and length is kept (at n = 2^20 the
+/// float tensors take 8 GiB), and the float families' cache is released first.
+template <class Storage>
+StoredProblem<Storage>& long_problem(Index n) {
+  LongProblemSlot& slot = long_problem_slot();
+  if (slot.type != type_tag<Storage>() ||
+      static_cast<StoredProblem<Storage>*>(slot.problem.get())->n != n) {
+    slot.problem.reset();
+    slot.type = nullptr;
+    problem_cache().reset();
+    auto made = std::make_shared<StoredProblem<Storage>>();
+    made->n = n;
+    const auto size = static_cast<std::size_t>(n * kHeads * kDim);
+    made->q = stored_uniform<Storage>(size, 1);
+    made->k = stored_uniform<Storage>(size, 2);
+    made->v = stored_uniform<Storage>(static_cast<std::size_t>(n * kHeads * kValueDim), 3);
+    made->out.assign(made->v.size(), Storage(0));
+    slot.problem = made;
+    slot.type = type_tag<Storage>();
+  }
+  return *static_cast<StoredProblem<Storage>*>(slot.problem.get());
+}
+
+/// A field of /proc/self/status in bytes ("VmHWM:", "VmRSS:"), -1 where there is none.
+double status_bytes(const std::string& field) {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.compare(0, field.size(), field) == 0) {
+      return 1024.0 * std::stod(line.substr(field.size()));
+    }
+  }
+  return -1;
+}
+
+/// Resets the peak resident set size to the current one (Linux 4.0 and later); false where the
+/// kernel does not allow it.
+bool reset_peak_memory() {
+  std::ofstream clear("/proc/self/clear_refs");
+  clear << "5";
+  clear.flush();
+  return static_cast<bool>(clear);
+}
+
+/// \f$\|a - b\|_F / \|b\|_F\f$.
+template <class A>
+double relative_error(const std::vector<A>& approximate, const std::vector<float>& exact) {
+  double error = 0;
+  double norm = 0;
+  for (std::size_t i = 0; i < exact.size(); ++i) {
+    const double difference = static_cast<double>(approximate[i]) - exact[i];
+    error += difference * difference;
+    norm += static_cast<double>(exact[i]) * exact[i];
+  }
+  return std::sqrt(error / norm);
+}
+
+/// Runs `kernel(problem)` on the long problem of length n in `Storage`. Counters as
+/// attention_benchmark, plus `peak_rss_bytes` (the process's peak resident set during the timed
+/// calls, reset before them: inputs, output, the kernel's scratch and the program itself),
+/// `tensor_bytes` (q, k, v, out), `peak_reset` (1 where the peak could be reset; otherwise the
+/// peak is the process's since it started) and, for 16-bit storage at n = kErrorLength,
+/// `relative_error` against the fused kernel on the float inputs.
+template <class Storage, class Kernel>
+void long_benchmark(benchmark::State& state, const std::string& family, Index n, Kernel kernel) {
+  StoredProblem<Storage>& inputs = long_problem<Storage>(n);
+  const double entries = cached_entries(family, n, kLongSamples);
+  const bool reset = reset_peak_memory();
+  for (auto _ : state) {
+    kernel(inputs);
+    benchmark::DoNotOptimize(inputs.out.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["peak_rss_bytes"] = status_bytes("VmHWM:");
+  state.counters["tensor_bytes"] = inputs.tensor_bytes();
+  state.counters["peak_reset"] = reset ? 1 : 0;
+  set_counters(state, n, kHeads, entries);
+  if (!std::is_same<Storage, float>::value && n == kErrorLength && family == "fused") {
+    const std::vector<Storage> stored = inputs.out;
+    Problem& reference = problem(n);
+    plsh::PlshOptions options;
+    options.samples = kLongSamples;
+    plsh::plsh_attention<float>(reference.queries(), reference.keys(), reference.values(),
+                                reference.output(), plsh::alibi_slopes(kHeads), options);
+    state.counters["relative_error"] = relative_error(stored, reference.out);
+    problem_cache().reset();
+  }
+}
+
+template <class Storage>
+void register_long_fused(Index n) {
+  const std::vector<double> slopes = plsh::alibi_slopes(kHeads);
+  plsh::PlshOptions options;
+  options.samples = kLongSamples;
+  const std::string name = "long_fused/" + std::to_string(n) + "/" + std::to_string(kLongSamples) +
+                           "/" + storage_name<Storage>();
+  configure(benchmark::RegisterBenchmark(name.c_str(), [=](benchmark::State& state) {
+    long_benchmark<Storage>(state, "fused", n, [&](StoredProblem<Storage>& p) {
+      plsh::plsh_attention<Storage>(p.queries(), p.keys(), p.values(), p.output(), slopes, options);
+    });
+  }))->Iterations(1);
+}
+
+void register_long_windowed(Index n) {
+  const std::vector<double> slopes = plsh::alibi_slopes(kHeads);
+  const std::string name = "long_windowed/" + std::to_string(n) + "/float";
+  configure(benchmark::RegisterBenchmark(name.c_str(), [=](benchmark::State& state) {
+    long_benchmark<float>(state, "windowed", n, [&](StoredProblem<float>& p) {
+      plsh::windowed_alibi_attention<float>(p.queries(), p.keys(), p.values(), p.output(), slopes,
+                                            kWindowTolerance);
+    });
+  }))->Iterations(1);
+}
+
 /// Registers every family, family by family, sizes increasing.
 bool register_benchmarks() {
   const std::vector<double> slopes = plsh::alibi_slopes(kHeads);
@@ -351,6 +542,12 @@ bool register_benchmarks() {
                                                kFixedBlockSize);
           });
         }));
+  }
+  for (const Index n : kLongLengths) {
+    register_long_fused<float>(n);
+    register_long_fused<Eigen::bfloat16>(n);
+    if (n == kErrorLength) register_long_fused<Eigen::half>(n);
+    register_long_windowed(n);
   }
 #if defined(_OPENMP)
   constexpr Index kThreadsLength = 16384;

@@ -5,7 +5,8 @@
 #   bench.json      plsh_bench, every family (Google Benchmark JSON)
 #   accuracy.json   plsh_accuracy --n=4096, and accuracy.md, its table
 #   time_vs_n.png, error_vs_time.png   bench/plot.py (needs matplotlib: python3-matplotlib)
-# The whole suite takes about 6 minutes on one core. Environment: PLSH_JOBS (build jobs, default
+# The whole suite takes about 8 minutes on one core (the long-sequence families, up to n = 2^20,
+# about 2 of them; they need about 9 GiB of memory). Environment: PLSH_JOBS (build jobs, default
 # 2), PLSH_BENCH_ARGS (extra plsh_bench arguments, e.g. --benchmark_repetitions=3).
 set -euo pipefail
 
