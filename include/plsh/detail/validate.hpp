@@ -149,7 +149,9 @@ void validate_scale(const char* function, const AttentionOptions& options, Index
   const double scale = std::abs(resolved_scale(options, dim));
   require(scale <= static_cast<double>(Eigen::NumTraits<Arithmetic>::highest()) &&
               scale >= static_cast<double>(std::numeric_limits<Arithmetic>::denorm_min()),
-          function, "options.scale must be finite and non-zero in the scalar type of the views");
+          function,
+          "options.scale must be finite and non-zero in the compute type (float for float, "
+          "bfloat16 and half views)");
 }
 
 /// `position + tokens` within [0, kMaxPosition] for both the query and the key rows.
