@@ -30,8 +30,13 @@
 /// by the batch elements (the batched overloads of batch.hpp; an unbatched call is a batch of
 /// one). Every job writes its own rows: the result is identical for any number of threads.
 ///
+/// Storage: float, double, or Eigen::bfloat16 / Eigen::half computed in float (detail::Compute):
+/// the fused kernel converts its query tile and each key and value chunk once, the pass kernel
+/// each block's rows, and both round their output once (detail/storage.hpp).
+///
 /// Tested against plsh::reference::mask_attention (dense \f$D^{-1}(e^S\circ\hat K)V\f$ in
-/// double, same grids) in tests/test_plsh_attention.cpp; fused against passes there too.
+/// double, same grids) in tests/test_plsh_attention.cpp; fused against passes there too; the
+/// 16-bit types against the float kernels in tests/test_fused_half.cpp.
 
 #include <algorithm>
 #include <cmath>
@@ -54,7 +59,7 @@ namespace detail {
 
 /// Rows `[begin, begin + count)` of a head map, as a map of the same type.
 template <class Map>
-Map map_rows(const Map& map, Index begin, Index count) {
+Map map_rows(Map map, Index begin, Index count) {
   return Map(map.data() + begin * map.outerStride(), count, map.cols(),
              Eigen::OuterStride<>(map.outerStride()));
 }
@@ -76,12 +81,17 @@ PositionRange position_range(const View& q, const View& k, const AttentionOption
 /// The pass kernel: per batch element and head, per grid, per block, `kernel` on the block's
 /// queries and keys, merged into `out` by log-sum-exp. `grids[h]` are the partitions of head h,
 /// shared by the batch elements. Parallel over (batch element, head) in one parallel region.
-template <class Scalar, class RegularKernel>
-void pass_attention(const BatchedHeadsView<const Scalar>& q,
-                    const BatchedHeadsView<const Scalar>& k,
-                    const BatchedHeadsView<const Scalar>& v, const BatchedHeadsView<Scalar>& out,
+/// Storage S is read and written through the compute type C = Compute<S>: each block's rows are
+/// converted once (compute_rows) and `kernel` gets `ConstHeadMap<C>` maps; the merged output of a
+/// head is kept in C and rounded to S at the end (OutputRows, a head of scratch per thread when
+/// S is a 16-bit type).
+template <class Storage, class RegularKernel>
+void pass_attention(const BatchedHeadsView<const Storage>& q,
+                    const BatchedHeadsView<const Storage>& k,
+                    const BatchedHeadsView<const Storage>& v, const BatchedHeadsView<Storage>& out,
                     const std::vector<std::vector<Grid>>& grids, const AttentionOptions& options,
                     RegularKernel&& kernel) {
+  using Scalar = Compute<Storage>;
   if (q.batch == 0 || q.tokens == 0) return;
   AttentionOptions resolved = options;
   resolved.scale = resolved_scale(options, q.dim);
@@ -93,16 +103,18 @@ void pass_attention(const BatchedHeadsView<const Scalar>& q,
   parallel_for(q.batch * q.heads, work, [&](Index job) {
     const Index b = job / q.heads;
     const Index h = job % q.heads;
-    const ConstHeadMap<Scalar> q_head = q[b].head(h);
-    const ConstHeadMap<Scalar> k_head = k[b].head(h / group);
-    const ConstHeadMap<Scalar> v_head = v[b].head(h / group);
-    HeadMap<Scalar> out_head = out[b].head(h);
+    const ConstHeadMap<Storage> q_head = q[b].head(h);
+    const ConstHeadMap<Storage> k_head = k[b].head(h / group);
+    const ConstHeadMap<Storage> v_head = v[b].head(h / group);
+    OutputRows<Storage> output;
+    HeadMap<Scalar> out_head = output.bind(out[b].head(h));
     out_head.setZero();
     Eigen::Matrix<Scalar, Eigen::Dynamic, 1> lse =
         Eigen::Matrix<Scalar, Eigen::Dynamic, 1>::Constant(
             q.tokens, -std::numeric_limits<Scalar>::infinity());
     std::vector<Scalar> pass_out;
     std::vector<Scalar> pass_lse;
+    AlignedVector<Scalar> query_rows, key_rows, value_rows;
     for (const Grid& grid : grids[static_cast<std::size_t>(h)]) {
       // Only blocks that hold a query matter: visiting them costs O(q.tokens) per draw, whatever
       // the distance between the query and key ranges.
@@ -118,19 +130,22 @@ void pass_attention(const BatchedHeadsView<const Scalar>& q,
         const Index rows = query_stop - query_begin;
         const Index first_row = query_begin - options.query_position;
         const Index first_key = key_begin - options.key_position;
+        const Index keys = key_stop - key_begin;
         pass_out.resize(static_cast<std::size_t>(rows * v.dim));
         pass_lse.resize(static_cast<std::size_t>(rows));
         HeadMap<Scalar> block_out(pass_out.data(), rows, v.dim, Eigen::OuterStride<>(v.dim));
         AttentionOptions block_options = resolved;
         block_options.query_position = query_begin;
         block_options.key_position = key_begin;
-        kernel(map_rows(q_head, first_row, rows), map_rows(k_head, first_key, key_stop - key_begin),
-               map_rows(v_head, first_key, key_stop - key_begin), block_options, block_out,
-               LseMap<Scalar>(pass_lse.data(), rows));
+        kernel(compute_rows(map_rows(q_head, first_row, rows), query_rows),
+               compute_rows(map_rows(k_head, first_key, keys), key_rows),
+               compute_rows(map_rows(v_head, first_key, keys), value_rows), block_options,
+               block_out, LseMap<Scalar>(pass_lse.data(), rows));
         online_softmax_merge(out_head.middleRows(first_row, rows), lse.segment(first_row, rows),
                              block_out, pass_lse);
       }
     }
+    output.store();
   });
 }
 
@@ -407,49 +422,61 @@ class BlockCounts {
   std::vector<Scalar> log_count_;  // log(c) for c = 0..s, log(0) = -inf
 };
 
-template <class Scalar>
+/// Per-thread scratch of the fused kernel on storage type `Storage`: O(tile) whatever n.
+template <class Storage>
 struct FusedWorkspace {
+  using Scalar = Compute<Storage>;
   BlockCounts<Scalar> counts;
   AlignedVector<Scalar> scores;
   RowMatrix<Scalar> query;
   OnlineSoftmax<Scalar> softmax;
+  AlignedVector<Scalar> query_rows;  // a tile's rows in the compute type (16-bit storage only)
+  AlignedVector<Scalar> key_rows;
+  AlignedVector<Scalar> value_rows;
+  OutputRows<Storage> output;
 };
 
 /// Fused kernel for query rows `[row_begin, row_end)` of one head: logits
 /// \f$S_{ij} + \log c_{ij}\f$ over the union of the rows' blocks (BlockCounts), one online
-/// softmax, in chunks of kFusedKeyTile keys.
-template <class Scalar>
-void fused_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
-                const ConstHeadMap<Scalar>& v, const std::vector<Grid>& grids,
+/// softmax, in chunks of kFusedKeyTile keys. The query tile and each key and value chunk are
+/// converted to the compute type once; the output rows are rounded back once.
+template <class Storage>
+void fused_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
+                const ConstHeadMap<Storage>& v, const std::vector<Grid>& grids,
                 const AttentionOptions& options, const PositionRange& range, Index row_begin,
-                Index row_end, HeadMap<Scalar>& out) {
-  static thread_local FusedWorkspace<Scalar> workspace;
+                Index row_end, HeadMap<Storage>& out) {
+  using Scalar = Compute<Storage>;
+  static thread_local FusedWorkspace<Storage> workspace;
   const Index rows = row_end - row_begin;
   const Block keys = workspace.counts.prepare(grids, range, options.query_position + row_begin,
                                               rows, options.key_position,
                                               options.key_position + k.rows(), options.causal);
   workspace.softmax.reset(rows, v.cols());
   if (keys.begin < keys.end) {
-    workspace.query.noalias() = q.middleRows(row_begin, rows) * static_cast<Scalar>(options.scale);
+    workspace.query.noalias() = compute_rows(map_rows(q, row_begin, rows), workspace.query_rows) *
+                                static_cast<Scalar>(options.scale);
     workspace.scores.resize(static_cast<std::size_t>(rows * kFusedKeyTile));
     for (Index c0 = keys.begin; c0 < keys.end; c0 += kFusedKeyTile) {
       const Index cols = std::min(kFusedKeyTile, keys.end - c0);
       const Index first_key = c0 - options.key_position;
       Eigen::Map<RowMatrix<Scalar>> scores(workspace.scores.data(), rows, cols);
-      multiply_transposed(workspace.query, k.middleRows(first_key, cols), scores);
+      multiply_transposed(workspace.query,
+                          compute_rows(map_rows(k, first_key, cols), workspace.key_rows), scores);
       workspace.counts.add_log_counts(scores, c0);
-      workspace.softmax.update(scores, v.middleRows(first_key, cols));
+      workspace.softmax.update(scores,
+                               compute_rows(map_rows(v, first_key, cols), workspace.value_rows));
     }
   }
-  workspace.softmax.finish(out.middleRows(row_begin, rows), nullptr);
+  workspace.softmax.finish(workspace.output.bind(map_rows(out, row_begin, rows)), nullptr);
+  workspace.output.store();
 }
 
 /// The fused kernel: parallel over (batch element, head, query tile) in one parallel region, tile
 /// height from the head's slope; the grids are shared by the batch elements.
-template <class Scalar>
-void fused_attention(const BatchedHeadsView<const Scalar>& q,
-                     const BatchedHeadsView<const Scalar>& k,
-                     const BatchedHeadsView<const Scalar>& v, const BatchedHeadsView<Scalar>& out,
+template <class Storage>
+void fused_attention(const BatchedHeadsView<const Storage>& q,
+                     const BatchedHeadsView<const Storage>& k,
+                     const BatchedHeadsView<const Storage>& v, const BatchedHeadsView<Storage>& out,
                      const std::vector<std::vector<Grid>>& grids, const std::vector<double>& slopes,
                      const AttentionOptions& options) {
   if (q.batch == 0 || q.tokens == 0) return;
@@ -472,10 +499,10 @@ void fused_attention(const BatchedHeadsView<const Scalar>& q,
   parallel_for(q.batch * element_jobs, work, [&](Index job) {
     const Index b = job / element_jobs;
     const Tile& tile = tiles[static_cast<std::size_t>(job % element_jobs)];
-    HeadMap<Scalar> out_head = out[b].head(tile.head);
-    fused_rows<Scalar>(q[b].head(tile.head), k[b].head(tile.head / group),
-                       v[b].head(tile.head / group), grids[static_cast<std::size_t>(tile.head)],
-                       resolved, range, tile.row_begin, tile.row_end, out_head);
+    HeadMap<Storage> out_head = out[b].head(tile.head);
+    fused_rows<Storage>(q[b].head(tile.head), k[b].head(tile.head / group),
+                        v[b].head(tile.head / group), grids[static_cast<std::size_t>(tile.head)],
+                        resolved, range, tile.row_begin, tile.row_end, out_head);
   });
 }
 
@@ -489,6 +516,15 @@ void fused_attention(const HeadsView<const Scalar>& q, const HeadsView<const Sca
                   slopes, options);
 }
 
+/// `options` with the default scale \f$1/\sqrt d\f$, valid in every storage type: the entry points
+/// check the shapes and positions with it, then the scale itself with validate_scale in the
+/// compute type (a half's range is narrower than the float arithmetic that uses the scale).
+template <class Options>
+Options unscaled(Options options) {
+  options.scale = 0;
+  return options;
+}
+
 /// plsh_attention on a batch whose shapes validate_batch has checked: the checks of one element,
 /// the draws (once, shared by the elements), then the fused or pass kernel, or the pass kernel
 /// with `kernel` when one is given.
@@ -499,7 +535,8 @@ void batched_plsh_attention(const BatchedHeadsView<const Scalar>& q,
                             const BatchedHeadsView<Scalar>& out, const std::vector<double>& slopes,
                             const PlshOptions& options, RegularKernel&&... kernel) {
   static_assert(sizeof...(RegularKernel) <= 1, "at most one regular kernel");
-  validate_plsh("plsh_attention", q[0], k[0], v[0], out[0], slopes, options);
+  validate_plsh("plsh_attention", q[0], k[0], v[0], out[0], slopes, unscaled(options));
+  validate_scale<Compute<Scalar>>("plsh_attention", options, q.dim);
   const auto grids = draw_head_grids(slopes, options.samples, options.seed);
   if constexpr (sizeof...(RegularKernel) == 1) {
     pass_attention(q, k, v, out, grids, options, kernel...);
@@ -519,7 +556,8 @@ void batched_fixed_block_attention(const BatchedHeadsView<const Scalar>& q,
                                    const BatchedHeadsView<Scalar>& out, Index block_size,
                                    const AttentionOptions& options) {
   const char* function = "fixed_block_attention";
-  validate_attention(function, q[0], k[0], v[0], out[0], options);
+  validate_attention(function, q[0], k[0], v[0], out[0], unscaled(options));
+  validate_scale<Compute<Scalar>>(function, options, q.dim);
   require(block_size >= 1, function, "block_size must be at least 1");
   const std::vector<std::vector<Grid>> grids(
       static_cast<std::size_t>(q.heads),
@@ -542,13 +580,17 @@ void batched_fixed_block_attention(const BatchedHeadsView<const Scalar>& q,
 ///                             plsh::alibi_slopes(heads), options);
 /// \endcode
 ///
+/// \tparam Scalar the storage type: float, double, Eigen::bfloat16 or Eigen::half. The 16-bit
+/// types are computed in float (detail::Compute) and the output rounded once to the storage
+/// type (to nearest even: relative error at most \f$2^{-8}\f$ for bfloat16, \f$2^{-11}\f$ for
+/// half, against the float kernel on the same inputs).
 /// \param q `[n_q][H][d]`, \param k `[n_k][H_kv][d]`, \param v `[n_k][H_kv][d_v]`,
 /// \param out `[n_q][H][d_v]`; H a multiple of H_kv. \param slopes one per query head.
 /// \param options causal, scale, absolute positions of the first query and key rows, samples s,
 /// seed, and which kernel evaluates the estimator (Kernel::Fused and Kernel::Passes agree to
 /// rounding). The result is identical for any number of threads.
-/// \throws std::invalid_argument on shapes that disagree, a bad slope, `samples < 1`, or `out`
-/// overlapping an input.
+/// \throws std::invalid_argument on shapes that disagree, a bad slope, `samples < 1`, `out`
+/// overlapping an input, or a scale that is not finite and non-zero in the compute type.
 template <class Scalar>
 void plsh_attention(HeadsView<const detail::NonDeduced<Scalar>> q,
                     HeadsView<const detail::NonDeduced<Scalar>> k,
@@ -561,10 +603,12 @@ void plsh_attention(HeadsView<const detail::NonDeduced<Scalar>> q,
 
 /// Positional LSH with a user-supplied regular attention kernel: always the pass kernel
 /// (`options.kernel` is ignored), calling
-/// `kernel(q, k, v, block_options, out, lse)` once per draw and block with
-/// `ConstHeadMap<Scalar>` q (`rows x d`), k (`keys x d`), v (`keys x d_v`), an AttentionOptions
+/// `kernel(q, k, v, block_options, out, lse)` once per draw and block with, for C =
+/// `detail::Compute<Scalar>` (float for Eigen::bfloat16 and Eigen::half, whose block rows are
+/// converted before the call; Scalar itself otherwise), `ConstHeadMap<C>` q (`rows x d`), k
+/// (`keys x d`), v (`keys x d_v`), an AttentionOptions
 /// whose `scale` is resolved and whose positions are the absolute positions of the first query
-/// and key rows, `HeadMap<Scalar>` out (`rows x d_v`) and `LseMap<Scalar>` lse (`rows`). The
+/// and key rows, `HeadMap<C>` out (`rows x d_v`) and `LseMap<C>` lse (`rows`). The
 /// kernel must write normalised rows and their log-sum-exp (\f$-\infty\f$ and zeros for a row
 /// with no visible key), like RegularAttention. With OpenMP it is called from several threads
 /// at once (one job per head and batch element).
@@ -581,7 +625,8 @@ void plsh_attention(HeadsView<const detail::NonDeduced<Scalar>> q,
 
 /// The fixed-blocks baseline of the paper: every head attends (regularly) within deterministic
 /// blocks of `block_size` positions, `[0, b), [b, 2b), ...` on absolute positions. No bias and no
-/// expectation property; one pass of the pass kernel with `fixed_grid(block_size)`.
+/// expectation property; one pass of the pass kernel with `fixed_grid(block_size)`. Storage
+/// types as plsh_attention.
 /// \throws std::invalid_argument as exact_alibi_attention, and for `block_size < 1`.
 template <class Scalar>
 void fixed_block_attention(HeadsView<const detail::NonDeduced<Scalar>> q,
