@@ -253,21 +253,12 @@ plsh::BatchedHeadsView<S> batch_view(std::vector<S>& storage, Index batch, Index
 }  // namespace
 
 TEMPLATE_TEST_CASE(
-    "Half storage: forward kernels are the float kernel on the rounded inputs, "
-    "rounded",
+    "Half storage: every kernel and backward is the float kernel on the rounded "
+    "inputs, rounded",
     "[half]", Eigen::bfloat16, Eigen::half) {
   using S = TestType;
   for_each_case<S>([](const Problem<float>& problem, const plsh::AttentionOptions& options) {
     check_forward<S>(problem, options);
-  });
-}
-
-TEMPLATE_TEST_CASE(
-    "Half storage: backward kernels are the float kernel on the rounded inputs, "
-    "rounded",
-    "[half]", Eigen::bfloat16, Eigen::half) {
-  using S = TestType;
-  for_each_case<S>([](const Problem<float>& problem, const plsh::AttentionOptions& options) {
     check_backward<S>(problem, options);
   });
 }
@@ -340,10 +331,11 @@ TEMPLATE_TEST_CASE("Half storage: batched kernels equal the loop over the batch 
 namespace {
 
 /// Relative Frobenius errors of the S kernels on inputs rounded from float against the float
-/// kernels on the float inputs: [exact out, windowed out, exact dq, dk, dv].
+/// kernels on the float inputs, causal: [exact out, windowed out, exact dq, dk, dv].
 template <class S>
-std::vector<double> errors_against_float(const Shape& shape,
-                                         const plsh::AttentionOptions& options) {
+std::vector<double> errors_against_float(const Shape& shape) {
+  plsh::AttentionOptions options;
+  options.causal = true;
   const std::vector<double> slopes = plsh::alibi_slopes(shape.heads);
   Problem<float> problem(shape, 21);
   const Stored<S> q(problem.q), k(problem.k), v(problem.v);
@@ -385,10 +377,7 @@ TEMPLATE_TEST_CASE("Half storage: relative error against float inputs", "[half]"
   // relative but mostly cancels in the normalised output; the rounding of v and of out adds
   // u/sqrt(3) rms each: about 0.7u for out (measured 0.72u). The gradients sum products of two
   // such factors (P and dP - D): about 1.0u (measured 1.0-1.1u). Bounds 2u and 3u.
-  plsh::AttentionOptions options;
-  options.causal = true;
-  const std::vector<double> errors =
-      errors_against_float<S>(Shape{512, 512, 4, 2, 64, 64}, options);
+  const std::vector<double> errors = errors_against_float<S>(Shape{512, 512, 4, 2, 64, 64});
   for (std::size_t i = 0; i < errors.size(); ++i) {
     INFO(kErrorNames[i] << " in " << storage_name<S>() << ": " << errors[i] << " = "
                         << errors[i] / unit_roundoff<S>() << " u");
@@ -400,14 +389,25 @@ TEMPLATE_TEST_CASE("Half storage: relative error against float inputs", "[half]"
 TEMPLATE_TEST_CASE("Half storage: error against float inputs on the benchmark problem", "[.report]",
                    Eigen::bfloat16, Eigen::half) {
   using S = TestType;
-  plsh::AttentionOptions options;
-  options.causal = true;
-  const std::vector<double> errors =
-      errors_against_float<S>(Shape{2048, 2048, 8, 8, 64, 64}, options);
+  const std::vector<double> errors = errors_against_float<S>(Shape{2048, 2048, 8, 8, 64, 64});
   for (std::size_t i = 0; i < errors.size(); ++i) {
     WARN(storage_name<S>() << " " << kErrorNames[i] << ": relative error " << errors[i]);
   }
-  CHECK(errors[0] <= (std::is_same<S, Eigen::bfloat16>::value ? 1e-2 : 2e-3));
+  // The fused Positional LSH kernel (s = 20) on the same problem.
+  Problem<float> problem(Shape{2048, 2048, 8, 8, 64, 64}, 21);
+  const std::vector<double> slopes = plsh::alibi_slopes(8);
+  plsh::PlshOptions plsh_options;
+  plsh_options.causal = true;
+  plsh::plsh_attention<float>(problem.q.in(), problem.k.in(), problem.v.in(), problem.out.view,
+                              slopes, plsh_options);
+  const Stored<S> q(problem.q), k(problem.k), v(problem.v);
+  Stored<S> out(problem.out);
+  plsh::plsh_attention<S>(q.in(), k.in(), v.in(), out.view, slopes, plsh_options);
+  const double fused = plsh_test::relative_frobenius_error(out.in(), problem.out.in());
+  WARN(storage_name<S>() << " fused out (s = 20): relative error " << fused);
+  const double bound = std::is_same<S, Eigen::bfloat16>::value ? 1e-2 : 2e-3;
+  CHECK(errors[0] <= bound);
+  CHECK(fused <= bound);
 }
 
 TEMPLATE_TEST_CASE("Half storage: the scale is checked in float, the compute type", "[half]",
