@@ -19,7 +19,7 @@
 ///
 /// Tested in tests/test_batch.cpp against the loop over the batch (1 and 2 threads, strided and
 /// packed layouts, grouped heads, a batch too small to run in parallel) and for every argument
-/// check.
+/// check; the bfloat16 and half overloads in tests/test_half.cpp.
 
 #include <algorithm>
 #include <cstdint>

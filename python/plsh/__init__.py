@@ -1,8 +1,9 @@
 """plsh: attention with linear biases (ALiBi) through Positional LSH.
 
 The kernels of the plsh C++ library on NumPy arrays ``[tokens, heads, dim]`` or
-``[batch, tokens, heads, dim]``, float32 or float64, read through their strides without copying
-when the layout allows. The GIL is released while a kernel runs. C++ argument errors are raised
+``[batch, tokens, heads, dim]``, float32, float64 or float16 (or bfloat16 bit patterns in uint16
+arrays with ``bfloat16=True``; both 16-bit types computed in float32), read through their
+strides without copying when the layout allows. The GIL is released while a kernel runs. C++ argument errors are raised
 as ``ValueError`` with the library's message; a wrong dtype is a ``TypeError``.
 
 ``plsh.torch`` (imported on its own, ``import plsh.torch``) adds autograd functions and an

@@ -2,8 +2,10 @@
 
 The forward and backward passes run plsh's C++ kernels on the tensors' memory (through NumPy views;
 no copies for CPU tensors with positive strides and a contiguous last axis). Tensors must be CPU
-float32 or float64; q ``[B, T, H, D]`` or ``[T, H, D]``, k ``[B, T_k, H_kv, D]``, v
-``[B, T_k, H_kv, D_v]`` with H a multiple of H_kv; the output is ``[B, T, H, D_v]``.
+float32, float64, float16 or bfloat16, all of one dtype; float16 and bfloat16 are computed in
+float32 a tile at a time, and the output and the gradients have the inputs' dtype. q
+``[B, T, H, D]`` or ``[T, H, D]``, k ``[B, T_k, H_kv, D]``, v ``[B, T_k, H_kv, D_v]`` with H a
+multiple of H_kv; the output is ``[B, T, H, D_v]``.
 
 Example (causal self-attention with Positional LSH, 20 draws, gradients through plsh)::
 
@@ -16,6 +18,7 @@ Slopes of 0 give plain softmax attention ("no positional bias"):
 ``exact_alibi_attention(q, k, v, slopes=[0.0] * H)``.
 """
 
+import numpy as _numpy
 import torch as _torch
 
 from . import _plsh
@@ -27,11 +30,11 @@ __all__ = [
     "plsh_attention",
 ]
 
-_DTYPES = (_torch.float32, _torch.float64)
+_DTYPES = (_torch.float32, _torch.float64, _torch.float16, _torch.bfloat16)
 
 
 def _check(name, tensor, like=None):
-    """TypeError unless ``tensor`` is a CPU float32/float64 tensor (of ``like``'s dtype)."""
+    """TypeError unless ``tensor`` is a CPU tensor of a dtype of _DTYPES (``like``'s dtype)."""
     if not isinstance(tensor, _torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor (got {type(tensor).__name__})")
     if tensor.device.type != "cpu":
@@ -39,11 +42,9 @@ def _check(name, tensor, like=None):
             f"{name} is on device {tensor.device}; plsh runs on CPU tensors only "
             f"(move it with .cpu())")
     if tensor.dtype not in _DTYPES:
-        extra = (" (half precision, float16 and bfloat16, is not supported yet)"
-                 if tensor.dtype in (_torch.float16, _torch.bfloat16) else "")
         raise TypeError(
-            f"{name} has dtype {tensor.dtype}; plsh computes in torch.float32 or "
-            f"torch.float64{extra}")
+            f"{name} has dtype {tensor.dtype}; plsh takes torch.float32, torch.float64, "
+            f"torch.float16 or torch.bfloat16")
     if like is not None and tensor.dtype != like.dtype:
         raise TypeError(
             f"{name} has dtype {tensor.dtype} but q has {like.dtype}; q, k and v must share "
@@ -53,8 +54,15 @@ def _check(name, tensor, like=None):
 
 
 def _array(tensor):
-    """A NumPy array sharing the tensor's memory (a copy only for a conjugated or negated view)."""
-    return tensor.detach().resolve_conj().resolve_neg().numpy()
+    """A NumPy array sharing the tensor's memory (a copy only for a conjugated or negated view).
+
+    NumPy has no bfloat16: a bfloat16 tensor becomes a uint16 array of its bit patterns, which the
+    kernels read with ``bfloat16=True``.
+    """
+    tensor = tensor.detach().resolve_conj().resolve_neg()
+    if tensor.dtype == _torch.bfloat16:
+        return tensor.view(_torch.int16).numpy().view(_numpy.uint16)
+    return tensor.numpy()
 
 
 def _check_inputs(q, k, v):
@@ -78,8 +86,9 @@ def _empty_output(q, v):
 def _forward(ctx, kernel, q, k, v, parameter, **kwargs):
     """out = kernel(q, k, v, parameter, **kwargs) into a new tensor, with `parameter` the slopes
     (or the block size of fixed blocks); saves what backward needs."""
+    kwargs["bfloat16"] = q.dtype == _torch.bfloat16
     out = _empty_output(q, v)
-    kernel(_array(q), _array(k), _array(v), parameter, out=out.numpy(), **kwargs)
+    kernel(_array(q), _array(k), _array(v), parameter, out=_array(out), **kwargs)
     ctx.save_for_backward(q, k, v, out)
     ctx.parameter = parameter
     ctx.kwargs = kwargs
@@ -92,7 +101,7 @@ def _backward(ctx, kernel, dout):
     dq, dk, dv = (_torch.empty_like(t, memory_format=_torch.contiguous_format)
                   for t in (q, k, v))
     kernel(_array(q), _array(k), _array(v), _array(out), _array(dout), ctx.parameter,
-           dq=dq.numpy(), dk=dk.numpy(), dv=dv.numpy(), **ctx.kwargs)
+           dq=_array(dq), dk=_array(dk), dv=_array(dv), **ctx.kwargs)
     return dq, dk, dv
 
 

@@ -1,9 +1,12 @@
 // plsh._plsh: the Python binding of plsh (pybind11 + NumPy).
 //
-// Arrays are [tokens, heads, dim] or [batch, tokens, heads, dim], float32 or float64, read through
-// their strides when these are positive multiples of the itemsize with a contiguous last axis
-// (otherwise through a contiguous copy); outputs are new C-contiguous arrays or the `out=` arrays,
-// which must have usable strides. Every kernel runs with the GIL released, through the batched
+// Arrays are [tokens, heads, dim] or [batch, tokens, heads, dim], float32, float64, float16 or
+// bfloat16, read through their strides when these are positive multiples of the itemsize with a
+// contiguous last axis (otherwise through a contiguous copy); outputs are new C-contiguous arrays
+// of the inputs' dtype or the `out=` arrays, which must have usable strides. NumPy has no
+// bfloat16: a kernel called with `bfloat16=True` takes uint16 arrays holding bfloat16 bit
+// patterns and returns such arrays. float16 and bfloat16 compute in float (the kernels' storage
+// types, plsh/detail/storage.hpp). Every kernel runs with the GIL released, through the batched
 // kernels of plsh/batch.hpp (a rank-3 array is a batch of one). C++ std::invalid_argument becomes
 // ValueError with the same message; a wrong dtype is a TypeError and a wrong rank or shape a
 // ValueError, both naming the argument.
@@ -20,6 +23,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -62,14 +66,74 @@ py::array as_ndarray(const py::object& object, const char* name) {
   return py::reinterpret_borrow<py::array>(object);
 }
 
+// The element types of the arrays, and the C++ storage type of each.
+enum class Storage { Float32, Float64, Float16, BFloat16 };
+
+template <class Scalar>
+constexpr Storage storage_of() {
+  if constexpr (std::is_same<Scalar, float>::value) return Storage::Float32;
+  if constexpr (std::is_same<Scalar, double>::value) return Storage::Float64;
+  if constexpr (std::is_same<Scalar, Eigen::half>::value) return Storage::Float16;
+  return Storage::BFloat16;
+}
+
+const char* storage_name(Storage storage) {
+  switch (storage) {
+    case Storage::Float32:
+      return "float32";
+    case Storage::Float64:
+      return "float64";
+    case Storage::Float16:
+      return "float16";
+    case Storage::BFloat16:
+      return "bfloat16 (uint16 bit patterns)";
+  }
+  return "";
+}
+
+// The NumPy dtype holding a storage type: bfloat16 travels as its uint16 bit patterns.
+py::dtype numpy_dtype(Storage storage) {
+  switch (storage) {
+    case Storage::Float32:
+      return py::dtype::of<float>();
+    case Storage::Float64:
+      return py::dtype::of<double>();
+    case Storage::Float16:
+      return py::dtype("float16");
+    case Storage::BFloat16:
+      return py::dtype::of<std::uint16_t>();
+  }
+  return py::dtype::of<float>();
+}
+
+bool has_storage(const py::array& array, Storage storage) {
+  return array.dtype().equal(numpy_dtype(storage));
+}
+
 template <class Scalar>
 bool has_dtype(const py::array& array) {
-  return py::isinstance<py::array_t<Scalar>>(array);
+  return has_storage(array, storage_of<Scalar>());
 }
 
 template <class Scalar>
 const char* dtype_name() {
-  return sizeof(Scalar) == 4 ? "float32" : "float64";
+  return storage_name(storage_of<Scalar>());
+}
+
+// `call(Scalar())` with the C++ storage type of `storage`.
+template <class Call>
+auto dispatch(Storage storage, Call&& call) {
+  switch (storage) {
+    case Storage::Float64:
+      return call(0.0);
+    case Storage::Float16:
+      return call(Eigen::half());
+    case Storage::BFloat16:
+      return call(Eigen::bfloat16());
+    case Storage::Float32:
+      break;
+  }
+  return call(0.0f);
 }
 
 // The element strides of a rank-3 or rank-4 array as a batched view, with rank 3 a batch of one.
@@ -151,7 +215,7 @@ Output<Scalar> output_of(const py::object& out, const char* name,
                          const std::vector<py::ssize_t>& shape) {
   py::array array;
   if (out.is_none()) {
-    array = py::array_t<Scalar>(shape);
+    array = py::array(numpy_dtype(storage_of<Scalar>()), shape);
   } else {
     array = as_ndarray(out, name);
     if (!has_dtype<Scalar>(array)) {
@@ -174,25 +238,18 @@ Output<Scalar> output_of(const py::object& out, const char* name,
 }
 
 // The arrays of one call: checks that they are ndarrays of rank 3 or 4 (all the rank of the
-// first), of one dtype float32 or float64 (TypeError naming the argument), with equal batch sizes.
+// first), of one dtype float32, float64, float16, or uint16 when `bfloat16` says they hold
+// bfloat16 (TypeError naming the argument), with equal batch sizes.
 struct Arrays {
   std::vector<py::array> arrays;
-  bool float64 = false;
+  Storage storage = Storage::Float32;
 
-  Arrays(std::initializer_list<std::pair<const char*, py::object>> named) {
+  Arrays(std::initializer_list<std::pair<const char*, py::object>> named, bool bfloat16 = false) {
     const char* first_name = named.begin()->first;
     for (const auto& [name, object] : named) {
       py::array array = as_ndarray(object, name);
       if (arrays.empty()) {
-        if (has_dtype<double>(array)) {
-          float64 = true;
-        } else if (!has_dtype<float>(array)) {
-          const std::string dtype = dtype_string(array);
-          throw py::type_error(
-              std::string(name) + " has dtype " + dtype + "; plsh computes in float32 or float64" +
-              (dtype == "float16" || dtype == "bfloat16" ? " (half precision is not supported yet)"
-                                                         : ""));
-        }
+        storage = first_storage(array, name, bfloat16);
         if (array.ndim() != 3 && array.ndim() != 4) {
           throw py::value_error(std::string(name) +
                                 " must have 3 dimensions [tokens, heads, dim] or 4 [batch, "
@@ -200,9 +257,9 @@ struct Arrays {
                                 std::to_string(array.ndim()) + ")");
         }
       } else {
-        if (float64 ? !has_dtype<double>(array) : !has_dtype<float>(array)) {
+        if (!has_storage(array, storage)) {
           throw py::type_error(std::string(name) + " has dtype " + dtype_string(array) + " but " +
-                               first_name + " has " + (float64 ? "float64" : "float32") +
+                               first_name + " has " + storage_name(storage) +
                                "; the arrays must share one dtype");
         }
         if (array.ndim() != arrays.front().ndim()) {
@@ -234,6 +291,24 @@ struct Arrays {
   std::vector<py::ssize_t> shape(std::size_t i) const { return shape_of(arrays[i]); }
 
   Index heads() const { return arrays.front().shape(arrays.front().ndim() - 2); }
+
+ private:
+  // The storage type of the first array, named `name`.
+  static Storage first_storage(const py::array& array, const char* name, bool bfloat16) {
+    if (bfloat16) {
+      if (has_storage(array, Storage::BFloat16)) return Storage::BFloat16;
+      throw py::type_error(std::string(name) + " has dtype " + dtype_string(array) +
+                           "; with bfloat16=True the arrays hold bfloat16 bit patterns as uint16");
+    }
+    for (const Storage storage : {Storage::Float32, Storage::Float64, Storage::Float16}) {
+      if (has_storage(array, storage)) return storage;
+    }
+    const std::string dtype = dtype_string(array);
+    throw py::type_error(std::string(name) + " has dtype " + dtype +
+                         "; plsh takes float32, float64, float16, or bfloat16 as uint16 bit "
+                         "patterns with bfloat16=True" +
+                         (dtype == "uint16" ? " (pass bfloat16=True if these are bfloat16)" : ""));
+  }
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -272,8 +347,8 @@ plsh::Kernel kernel_of(const std::string& kernel) {
 // [..., n_q, H, d_v]; returns the output array.
 template <class Run>
 py::array forward(const py::object& q, const py::object& k, const py::object& v,
-                  const py::object& out, Run&& run) {
-  const Arrays arrays({{"q", q}, {"k", k}, {"v", v}});
+                  const py::object& out, bool bfloat16, Run&& run) {
+  const Arrays arrays({{"q", q}, {"k", k}, {"v", v}}, bfloat16);
   const auto call = [&](auto zero) {
     using Scalar = decltype(zero);
     const Input<Scalar> q_in = arrays.input<Scalar>(0);
@@ -287,15 +362,15 @@ py::array forward(const py::object& q, const py::object& k, const py::object& v,
     }
     return result.array;
   };
-  return arrays.float64 ? call(0.0) : call(0.0f);
+  return dispatch(arrays.storage, call);
 }
 
 // A backward kernel `run(q, k, v, out, dout, dq, dk, dv)`; returns (dq, dk, dv).
 template <class Run>
 py::tuple backward(const py::object& q, const py::object& k, const py::object& v,
                    const py::object& out, const py::object& dout, const py::object& dq,
-                   const py::object& dk, const py::object& dv, Run&& run) {
-  const Arrays arrays({{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"dout", dout}});
+                   const py::object& dk, const py::object& dv, bool bfloat16, Run&& run) {
+  const Arrays arrays({{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"dout", dout}}, bfloat16);
   const auto call = [&](auto zero) {
     using Scalar = decltype(zero);
     const Input<Scalar> inputs[] = {arrays.input<Scalar>(0), arrays.input<Scalar>(1),
@@ -311,7 +386,7 @@ py::tuple backward(const py::object& q, const py::object& k, const py::object& v
     }
     return py::make_tuple(dq_out.array, dk_out.array, dv_out.array);
   };
-  return arrays.float64 ? call(0.0) : call(0.0f);
+  return dispatch(arrays.storage, call);
 }
 
 template <class View>
@@ -320,61 +395,64 @@ using ScalarOf = std::remove_const_t<std::remove_reference_t<decltype(*std::decl
 py::array exact_alibi_attention(const py::object& q, const py::object& k, const py::object& v,
                                 const std::optional<std::vector<double>>& slopes, bool causal,
                                 double scale, Index query_position, Index key_position,
-                                const py::object& out) {
+                                const py::object& out, bool bfloat16) {
   const auto options = options_of(causal, scale, query_position, key_position);
-  return forward(q, k, v, out, [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov) {
-    using Scalar = ScalarOf<decltype(ov)>;
-    plsh::exact_alibi_attention<Scalar>(qv, kv, vv, ov, slopes_or_default(slopes, qv.heads),
-                                        options);
-  });
+  return forward(q, k, v, out, bfloat16,
+                 [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov) {
+                   using Scalar = ScalarOf<decltype(ov)>;
+                   plsh::exact_alibi_attention<Scalar>(
+                       qv, kv, vv, ov, slopes_or_default(slopes, qv.heads), options);
+                 });
 }
 
 py::array windowed_alibi_attention(const py::object& q, const py::object& k, const py::object& v,
                                    const std::optional<std::vector<double>>& slopes,
                                    double tolerance, bool causal, double scale,
-                                   Index query_position, Index key_position,
-                                   const py::object& out) {
+                                   Index query_position, Index key_position, const py::object& out,
+                                   bool bfloat16) {
   const auto options = options_of(causal, scale, query_position, key_position);
-  return forward(q, k, v, out, [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov) {
-    using Scalar = ScalarOf<decltype(ov)>;
-    plsh::windowed_alibi_attention<Scalar>(qv, kv, vv, ov, slopes_or_default(slopes, qv.heads),
-                                           tolerance, options);
-  });
+  return forward(q, k, v, out, bfloat16,
+                 [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov) {
+                   using Scalar = ScalarOf<decltype(ov)>;
+                   plsh::windowed_alibi_attention<Scalar>(
+                       qv, kv, vv, ov, slopes_or_default(slopes, qv.heads), tolerance, options);
+                 });
 }
 
 py::array plsh_attention(const py::object& q, const py::object& k, const py::object& v,
                          const std::optional<std::vector<double>>& slopes, bool causal,
                          double scale, Index query_position, Index key_position, Index samples,
-                         std::uint64_t seed, const std::string& kernel, const py::object& out) {
+                         std::uint64_t seed, const std::string& kernel, const py::object& out,
+                         bool bfloat16) {
   auto options = options_of<plsh::PlshOptions>(causal, scale, query_position, key_position);
   options.samples = samples;
   options.seed = seed;
   options.kernel = kernel_of(kernel);
-  return forward(q, k, v, out, [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov) {
-    using Scalar = ScalarOf<decltype(ov)>;
-    plsh::plsh_attention<Scalar>(qv, kv, vv, ov, slopes_or_default(slopes, qv.heads), options);
-  });
+  return forward(
+      q, k, v, out, bfloat16, [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov) {
+        using Scalar = ScalarOf<decltype(ov)>;
+        plsh::plsh_attention<Scalar>(qv, kv, vv, ov, slopes_or_default(slopes, qv.heads), options);
+      });
 }
 
 py::array fixed_block_attention(const py::object& q, const py::object& k, const py::object& v,
                                 Index block_size, bool causal, double scale, Index query_position,
-                                Index key_position, const py::object& out) {
+                                Index key_position, const py::object& out, bool bfloat16) {
   const auto options = options_of(causal, scale, query_position, key_position);
-  return forward(q, k, v, out, [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov) {
-    using Scalar = ScalarOf<decltype(ov)>;
-    plsh::fixed_block_attention<Scalar>(qv, kv, vv, ov, block_size, options);
-  });
+  return forward(q, k, v, out, bfloat16,
+                 [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov) {
+                   using Scalar = ScalarOf<decltype(ov)>;
+                   plsh::fixed_block_attention<Scalar>(qv, kv, vv, ov, block_size, options);
+                 });
 }
 
-py::tuple exact_alibi_attention_backward(const py::object& q, const py::object& k,
-                                         const py::object& v, const py::object& out,
-                                         const py::object& dout,
-                                         const std::optional<std::vector<double>>& slopes,
-                                         bool causal, double scale, Index query_position,
-                                         Index key_position, const py::object& dq,
-                                         const py::object& dk, const py::object& dv) {
+py::tuple exact_alibi_attention_backward(
+    const py::object& q, const py::object& k, const py::object& v, const py::object& out,
+    const py::object& dout, const std::optional<std::vector<double>>& slopes, bool causal,
+    double scale, Index query_position, Index key_position, const py::object& dq,
+    const py::object& dk, const py::object& dv, bool bfloat16) {
   const auto options = options_of(causal, scale, query_position, key_position);
-  return backward(q, k, v, out, dout, dq, dk, dv,
+  return backward(q, k, v, out, dout, dq, dk, dv, bfloat16,
                   [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov,
                       const auto& dov, const auto& dqv, const auto& dkv, const auto& dvv) {
                     using Scalar = ScalarOf<decltype(dqv)>;
@@ -389,11 +467,11 @@ py::tuple plsh_attention_backward(const py::object& q, const py::object& k, cons
                                   const std::optional<std::vector<double>>& slopes, bool causal,
                                   double scale, Index query_position, Index key_position,
                                   Index samples, std::uint64_t seed, const py::object& dq,
-                                  const py::object& dk, const py::object& dv) {
+                                  const py::object& dk, const py::object& dv, bool bfloat16) {
   auto options = options_of<plsh::PlshOptions>(causal, scale, query_position, key_position);
   options.samples = samples;
   options.seed = seed;
-  return backward(q, k, v, out, dout, dq, dk, dv,
+  return backward(q, k, v, out, dout, dq, dk, dv, bfloat16,
                   [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov,
                       const auto& dov, const auto& dqv, const auto& dkv, const auto& dvv) {
                     using Scalar = ScalarOf<decltype(dqv)>;
@@ -408,9 +486,9 @@ py::tuple fixed_block_attention_backward(const py::object& q, const py::object& 
                                          const py::object& dout, Index block_size, bool causal,
                                          double scale, Index query_position, Index key_position,
                                          const py::object& dq, const py::object& dk,
-                                         const py::object& dv) {
+                                         const py::object& dv, bool bfloat16) {
   const auto options = options_of(causal, scale, query_position, key_position);
-  return backward(q, k, v, out, dout, dq, dk, dv,
+  return backward(q, k, v, out, dout, dq, dk, dv, bfloat16,
                   [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov,
                       const auto& dov, const auto& dqv, const auto& dkv, const auto& dvv) {
                     using Scalar = ScalarOf<decltype(dqv)>;
@@ -499,7 +577,7 @@ class KvCacheOf : public KvCacheBase {
   }
 
   static void require_dtype(const Arrays& arrays, const char* name) {
-    if (arrays.float64 != (sizeof(Scalar) == 8)) {
+    if (arrays.storage != storage_of<Scalar>()) {
       throw py::type_error(std::string(name) + " must have the cache's dtype " +
                            dtype_name<Scalar>() + " (got " + dtype_string(arrays.arrays.front()) +
                            ")");
@@ -539,7 +617,9 @@ std::unique_ptr<KvCacheBase> make_kv_cache(Index heads, Index kv_heads, Index di
 PYBIND11_MODULE(_plsh, m) {
   m.doc() =
       "ALiBi attention through Positional LSH: the kernels of the plsh C++ library on NumPy "
-      "arrays [tokens, heads, dim] or [batch, tokens, heads, dim] (float32 or float64).";
+      "arrays [tokens, heads, dim] or [batch, tokens, heads, dim]: float32, float64, float16 "
+      "(computed in float32), or bfloat16 bit patterns as uint16 with bfloat16=True (computed "
+      "in float32, returned as uint16 bfloat16).";
 
   m.def("alibi_slopes", &plsh::alibi_slopes, "num_heads"_a,
         "The ALiBi slopes of Press et al. for `num_heads` heads (geometric, 2^(-8/num_heads) "
@@ -598,37 +678,39 @@ PYBIND11_MODULE(_plsh, m) {
   const auto none = py::none();
   m.def("exact_alibi_attention", &exact_alibi_attention, "q"_a, "k"_a, "v"_a, "slopes"_a = none,
         py::kw_only(), "causal"_a = true, "scale"_a = 0.0, "query_position"_a = 0,
-        "key_position"_a = 0, "out"_a = none,
+        "key_position"_a = 0, "out"_a = none, "bfloat16"_a = false,
         "Exact ALiBi attention. q [.., n_q, H, d], k [.., n_k, H_kv, d], v [.., n_k, H_kv, d_v] -> "
         "out [.., n_q, H, d_v]; slopes=None means alibi_slopes(H); scale 0 means 1/sqrt(d).");
   m.def("windowed_alibi_attention", &windowed_alibi_attention, "q"_a, "k"_a, "v"_a,
         "slopes"_a = none, "tolerance"_a = 1e-6, py::kw_only(), "causal"_a = true, "scale"_a = 0.0,
-        "query_position"_a = 0, "key_position"_a = 0, "out"_a = none,
+        "query_position"_a = 0, "key_position"_a = 0, "out"_a = none, "bfloat16"_a = false,
         "ALiBi attention over the keys whose factor exp(-m |i - j|) is at least `tolerance`.");
   m.def("plsh_attention", &plsh_attention, "q"_a, "k"_a, "v"_a, "slopes"_a = none, py::kw_only(),
         "causal"_a = true, "scale"_a = 0.0, "query_position"_a = 0, "key_position"_a = 0,
-        "samples"_a = 20, "seed"_a = 0, "kernel"_a = "fused", "out"_a = none,
+        "samples"_a = 20, "seed"_a = 0, "kernel"_a = "fused", "out"_a = none, "bfloat16"_a = false,
         "ALiBi attention through Positional LSH: `samples` random block partitions per head "
         "(head h uses RandomBinning(slopes[h], head_seed(seed, h))); kernel \"fused\" or "
         "\"passes\". Every batch element uses the same draws.");
   m.def("fixed_block_attention", &fixed_block_attention, "q"_a, "k"_a, "v"_a, "block_size"_a,
         py::kw_only(), "causal"_a = true, "scale"_a = 0.0, "query_position"_a = 0,
-        "key_position"_a = 0, "out"_a = none,
+        "key_position"_a = 0, "out"_a = none, "bfloat16"_a = false,
         "Attention within fixed blocks of `block_size` absolute positions.");
   m.def("exact_alibi_attention_backward", &exact_alibi_attention_backward, "q"_a, "k"_a, "v"_a,
         "out"_a, "dout"_a, "slopes"_a = none, py::kw_only(), "causal"_a = true, "scale"_a = 0.0,
         "query_position"_a = 0, "key_position"_a = 0, "dq"_a = none, "dk"_a = none, "dv"_a = none,
+        "bfloat16"_a = false,
         "Gradients (dq, dk, dv) of exact ALiBi attention given its output `out` and the gradient "
         "`dout` of a loss with respect to it.");
   m.def("plsh_attention_backward", &plsh_attention_backward, "q"_a, "k"_a, "v"_a, "out"_a, "dout"_a,
         "slopes"_a = none, py::kw_only(), "causal"_a = true, "scale"_a = 0.0,
         "query_position"_a = 0, "key_position"_a = 0, "samples"_a = 20, "seed"_a = 0, "dq"_a = none,
-        "dk"_a = none, "dv"_a = none,
+        "dk"_a = none, "dv"_a = none, "bfloat16"_a = false,
         "Gradients (dq, dk, dv) of plsh_attention with the same slopes, samples and seed.");
 
   m.def("fixed_block_attention_backward", &fixed_block_attention_backward, "q"_a, "k"_a, "v"_a,
         "out"_a, "dout"_a, "block_size"_a, py::kw_only(), "causal"_a = true, "scale"_a = 0.0,
         "query_position"_a = 0, "key_position"_a = 0, "dq"_a = none, "dk"_a = none, "dv"_a = none,
+        "bfloat16"_a = false,
         "Gradients (dq, dk, dv) of fixed_block_attention with the same block size.");
 
   py::class_<KvCacheBase>(m, "KvCache",

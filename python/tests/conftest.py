@@ -91,6 +91,21 @@ def reference_attention(q, k, v, log_factor, causal=True, scale=0.0, query_posit
     return out
 
 
+# Unit roundoff of rounding to nearest: float16 keeps 11 significant bits, bfloat16 8.
+UNIT_ROUNDOFF = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
+
+
+def to_bfloat16_bits(x):
+    """x rounded to bfloat16 (to nearest even), as the uint16 bit patterns the module takes."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def from_bfloat16_bits(bits):
+    """The float32 values of bfloat16 bit patterns (exact)."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
 @pytest.fixture
 def inputs():
     """Batched float64 inputs with grouped heads: q [2, 40, 4, 8], k [2, 40, 2, 8], v [2, 40, 2, 6]."""

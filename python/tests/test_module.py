@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import plsh
-from conftest import (alibi_log_factor, fixed_log_factor, random_inputs, reference_attention,
-                      same_bin)
+from conftest import (UNIT_ROUNDOFF, alibi_log_factor, fixed_log_factor, from_bfloat16_bits,
+                      random_inputs, reference_attention, same_bin, to_bfloat16_bits)
 
 FORWARD_TOLERANCE = {np.float64: 1e-12, np.float32: 3e-5}
 
@@ -318,10 +318,22 @@ def test_dtype_errors_name_the_argument(inputs):
     q, k, v = inputs
     with pytest.raises(TypeError, match=r"^q must be a numpy.ndarray \(got list\)"):
         plsh.exact_alibi_attention(q.tolist(), k, v)
-    with pytest.raises(TypeError, match=r"^q has dtype int64; plsh computes in float32 or float64"):
+    with pytest.raises(TypeError, match=r"^q has dtype int64; plsh takes float32, float64, "
+                                        r"float16, or bfloat16 as uint16"):
         plsh.plsh_attention(q.astype(np.int64), k, v)
-    with pytest.raises(TypeError, match=r"half precision is not supported yet"):
+    with pytest.raises(TypeError, match=r"^q has dtype uint16; .*pass bfloat16=True"):
+        plsh.exact_alibi_attention(q.astype(np.uint16), k, v)
+    with pytest.raises(TypeError, match=r"^q has dtype float32; with bfloat16=True the arrays "
+                                        r"hold bfloat16 bit patterns as uint16"):
+        plsh.exact_alibi_attention(q.astype(np.float32), k, v, bfloat16=True)
+    with pytest.raises(TypeError, match=r"^k has dtype float64 but q has float16"):
         plsh.exact_alibi_attention(q.astype(np.float16), k, v)
+    with pytest.raises(TypeError, match=r"^v has dtype float16 but q has bfloat16"):
+        plsh.exact_alibi_attention(q.astype(np.uint16), k.astype(np.uint16), v.astype(np.float16),
+                                   bfloat16=True)
+    with pytest.raises(TypeError, match=r"^out must have dtype float16 like q \(got float32\)"):
+        plsh.exact_alibi_attention(q.astype(np.float16), k.astype(np.float16),
+                                   v.astype(np.float16), out=np.empty((2, 40, 4, 6), np.float32))
     with pytest.raises(TypeError, match=r"^k has dtype float32 but q has float64"):
         plsh.exact_alibi_attention(q, k.astype(np.float32), v)
     with pytest.raises(TypeError, match=r"^v has dtype float32 but q has float64"):
@@ -493,3 +505,76 @@ def test_the_gil_is_released_while_a_kernel_runs():
     worker.join()
     # With the GIL held for the whole kernel (about 0.1-1 s) the loop would hardly run.
     assert counter > 1000
+
+
+# ---------------------------------------------------------------------------------------------
+# float16 and bfloat16 (uint16 bit patterns with bfloat16=True), computed in float32
+# ---------------------------------------------------------------------------------------------
+
+HALF_TYPES = ["float16", "bfloat16"]
+
+
+def to_storage(x, storage):
+    """x rounded to `storage` as the module takes it: float16, or bfloat16 bits as uint16."""
+    return x.astype(np.float16) if storage == "float16" else to_bfloat16_bits(x)
+
+
+def from_storage(x, storage):
+    return x.astype(np.float32) if storage == "float16" else from_bfloat16_bits(x)
+
+
+def assert_rounded(result, expected, storage, name):
+    """`result` (in `storage`) is the float32 result `expected` rounded: within u |y| (u = 2^-11
+    for float16, 2^-8 for bfloat16) plus the float32 kernel's own error, 3e-5 of the largest
+    |y| (a tile copied to float32 may sum in another order), plus half float16's subnormal step."""
+    x = from_storage(result, storage).astype(np.float64)
+    y = expected.astype(np.float64)
+    bound = UNIT_ROUNDOFF[storage] * np.abs(y) + 3e-5 * np.abs(y).max() + 2.0 ** -25
+    excess = np.abs(x - y) / bound
+    assert excess.max() <= 1, f"{name}: worst |x - y| / bound {excess.max()}"
+
+
+@pytest.mark.parametrize("storage", HALF_TYPES)
+@pytest.mark.parametrize("name", FORWARDS)
+def test_half_forward_is_the_float32_kernel_on_rounded_inputs(name, storage, inputs):
+    stored = [to_storage(x, storage) for x in inputs]
+    rounded = [from_storage(x, storage) for x in stored]
+    bfloat16 = storage == "bfloat16"
+    for options in (dict(query_position=4), dict(causal=False, key_position=3)):
+        result = call_forward(name, *stored, bfloat16=bfloat16, **options)
+        assert result.dtype == stored[0].dtype and result.shape == (2, 40, 4, 6)
+        assert_rounded(result, call_forward(name, *rounded, **options), storage, name)
+        out = np.zeros_like(result)
+        call_forward(name, *stored, bfloat16=bfloat16, out=out, **options)
+        np.testing.assert_array_equal(out, result)
+
+
+@pytest.mark.parametrize("storage", HALF_TYPES)
+@pytest.mark.parametrize("method", ["exact", "plsh", "fixed"])
+def test_half_backward_is_the_float32_kernel_on_rounded_inputs(method, storage, inputs):
+    backward = {"exact": lambda *a, **o: plsh.exact_alibi_attention_backward(*a, **o),
+                "plsh": lambda *a, **o: plsh.plsh_attention_backward(*a, samples=5, seed=2, **o),
+                "fixed": lambda *a, **o: plsh.fixed_block_attention_backward(*a, 8, **o)}[method]
+    out = plsh.exact_alibi_attention(*inputs)  # any out exercises the same arithmetic
+    dout = np.random.default_rng(5).standard_normal(out.shape)
+    stored = [to_storage(x, storage) for x in (*inputs, out, dout)]
+    rounded = [from_storage(x, storage) for x in stored]
+    grads = backward(*stored, query_position=6, bfloat16=storage == "bfloat16")
+    expected = backward(*rounded, query_position=6)
+    for name, result, reference in zip(("dq", "dk", "dv"), grads, expected):
+        assert result.dtype == stored[0].dtype and result.shape == reference.shape
+        assert_rounded(result, reference, storage, name)
+
+
+@pytest.mark.parametrize("storage", HALF_TYPES)
+def test_half_error_against_float32_inputs(storage):
+    """Inputs rounded from float32: relative error against the float32 result. Rounding errs by
+    at most u, u/sqrt(3) rms; the logits scale q.k (q with variance 4, k 1, scale 1/sqrt(d)) move
+    by sqrt(2 * 4) u/sqrt(3) = 1.6u rms, v and out add u/sqrt(3) each: about 1.8u, bound 4u."""
+    q, k, v = random_inputs((1, 256, 4, 32), kv_heads=2, value_dim=32, seed=7, dtype=np.float32)
+    expected = plsh.exact_alibi_attention(q, k, v)
+    result = plsh.exact_alibi_attention(*(to_storage(x, storage) for x in (q, k, v)),
+                                        bfloat16=storage == "bfloat16")
+    error = (np.linalg.norm(from_storage(result, storage) - expected) /
+             np.linalg.norm(expected))
+    assert error <= 4 * UNIT_ROUNDOFF[storage], f"{error / UNIT_ROUNDOFF[storage]} u"

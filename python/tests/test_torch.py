@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 import plsh  # noqa: E402
 import plsh.torch as pt  # noqa: E402
-from conftest import same_bin  # noqa: E402
+from conftest import UNIT_ROUNDOFF, same_bin  # noqa: E402
 
 
 def random_tensors(batch=2, n=24, heads=4, kv_heads=2, dim=8, value_dim=6, n_k=None, seed=0,
@@ -200,11 +200,11 @@ def test_fixed_block_gradcheck_with_grouped_heads_and_offsets():
 
 def test_errors():
     q, k, v = random_tensors(dtype=torch.float32, requires_grad=False)
-    for dtype in (torch.float16, torch.bfloat16):
-        with pytest.raises(TypeError, match=r"q has dtype torch\.(b?float16).*not supported yet"):
-            pt.plsh_attention(q.to(dtype), k.to(dtype), v.to(dtype))
-    with pytest.raises(TypeError, match=r"^q has dtype torch.int64; plsh computes in"):
+    with pytest.raises(TypeError, match=r"^q has dtype torch.int64; plsh takes torch.float32, "
+                                        r"torch.float64, torch.float16 or torch.bfloat16"):
         pt.exact_alibi_attention(q.long(), k, v)
+    with pytest.raises(TypeError, match=r"^k has dtype torch.float16 but q has torch.bfloat16"):
+        pt.exact_alibi_attention(q.bfloat16(), k.half(), v.bfloat16())
     with pytest.raises(TypeError, match=r"^k has dtype torch.float64 but q has torch.float32"):
         pt.exact_alibi_attention(q, k.double(), v)
     with pytest.raises(TypeError, match=r"^v must be a torch.Tensor \(got ndarray\)"):
@@ -276,3 +276,79 @@ def test_alibi_attention_module_methods():
         pt.AlibiAttention(4, slopes=[0.1, 0.2])
     with pytest.raises(ValueError, match=r"q has 4 heads \(shape\[-2\]\), the module 2"):
         pt.AlibiAttention(2)(q, k, v)
+
+
+# float16 and bfloat16 tensors: computed in float32, outputs and gradients in the input dtype.
+
+HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+HALF_METHODS = {
+    "exact": (lambda q, k, v: pt.exact_alibi_attention(q, k, v, **OPTIONS),
+              lambda *a: plsh.exact_alibi_attention_backward(*a, **OPTIONS)),
+    "plsh": (lambda q, k, v: pt.plsh_attention(q, k, v, samples=5, seed=2, **OPTIONS),
+             lambda *a: plsh.plsh_attention_backward(*a, samples=5, seed=2, **OPTIONS)),
+    "fixed": (lambda q, k, v: pt.fixed_block_attention(q, k, v, 8, **OPTIONS),
+              lambda *a: plsh.fixed_block_attention_backward(*a, 8, **OPTIONS)),
+}
+
+
+def assert_rounded(result, expected, storage, name):
+    """`result` is the float32 `expected` rounded to `storage`: within u |y| plus the float32
+    kernel's own error (3e-5 of the largest |y|) plus half float16's subnormal step."""
+    x = result.double()
+    y = torch.as_tensor(np.asarray(expected, dtype=np.float64))
+    bound = UNIT_ROUNDOFF[storage] * y.abs() + 3e-5 * y.abs().max() + 2.0 ** -25
+    worst = ((x - y).abs() / bound).max().item()
+    assert worst <= 1, f"{name}: worst |x - y| / bound {worst}"
+
+
+def half_inputs(dtype, seed=11):
+    """q, k, v rounded to `dtype` (leaf tensors with gradients) and their float32 values."""
+    tensors = random_tensors(dtype=torch.float32, seed=seed, requires_grad=False)
+    half = [t.to(dtype).requires_grad_() for t in tensors]
+    return half, [t.detach().float() for t in half], tensors
+
+
+@pytest.mark.parametrize("storage", HALF_DTYPES)
+@pytest.mark.parametrize("method", HALF_METHODS)
+def test_half_tensors_are_the_float32_kernels_on_rounded_inputs(method, storage):
+    dtype = HALF_DTYPES[storage]
+    forward, backward = HALF_METHODS[method]
+    half, rounded, _ = half_inputs(dtype)
+    out = forward(*half)
+    assert out.dtype == dtype
+    assert_rounded(out, forward(*rounded), storage, "out")
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
+    (out * weights).sum().backward()  # dout = weights, exactly, in dtype
+    # The backward kernel in float32 on what the half backward reads: the rounded q, k, v, the
+    # saved (rounded) out and dout.
+    expected = backward(*(t.numpy() for t in rounded), out.detach().float().numpy(),
+                        weights.float().numpy())
+    for name, tensor, reference in zip(("dq", "dk", "dv"), half, expected):
+        assert tensor.grad.dtype == dtype
+        assert_rounded(tensor.grad, reference, storage, name)
+
+
+@pytest.mark.parametrize("storage", HALF_DTYPES)
+@pytest.mark.parametrize("method", HALF_METHODS)
+def test_half_tensors_against_float32_inputs(method, storage):
+    """Relative error of the half path (inputs rounded from float32) against float32. Each
+    rounding errs by u/sqrt(3) rms; the logits (q with variance 4, k 1, scale 1/sqrt(d)) move by
+    sqrt(2 * 4) u/sqrt(3) = 1.6u, v and out add u/sqrt(3) each: about 1.8u for out, bound 4u; the
+    gradients carry the logit term twice (P and dP - D) and the rounding of out and dout: 6u."""
+    dtype = HALF_DTYPES[storage]
+    forward, _ = HALF_METHODS[method]
+    half, _, floats = half_inputs(dtype)
+    floats = [t.clone().requires_grad_() for t in floats]
+    out_half = forward(*half)
+    out_float = forward(*floats)
+    weights = torch.randn(out_float.shape, generator=torch.Generator().manual_seed(6))
+    (out_half * weights.to(dtype)).sum().backward()
+    (out_float * weights).sum().backward()
+
+    def relative(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+    u = UNIT_ROUNDOFF[storage]
+    assert relative(out_half, out_float) <= 4 * u
+    for name, a, b in zip(("dq", "dk", "dv"), half, floats):
+        assert relative(a.grad, b.grad) <= 6 * u, name

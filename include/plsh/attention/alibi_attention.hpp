@@ -8,11 +8,14 @@
 /// Cost: tiled online softmax (regular.hpp), \f$2(d + d_v)\f$ flops per computed score; causal
 /// key tiles above the diagonal and, for the windowed kernel, tiles outside the band are skipped.
 /// Memory: O(tile) per thread, nothing n x n. Parallel over (batch element, head, query tile)
-/// with OpenMP, in one parallel region (batch.hpp: the batched overloads).
+/// with OpenMP, in one parallel region (batch.hpp: the batched overloads). Views of float,
+/// double, Eigen::bfloat16 or Eigen::half; the 16-bit types computed in float a tile at a time
+/// (regular.hpp).
 ///
 /// Tested against plsh::reference::alibi_attention (dense, double) in
 /// tests/test_alibi_attention.cpp; non-finite inputs (the contract of online_softmax.hpp) and
-/// float accuracy at far absolute positions in tests/test_nonfinite.cpp.
+/// float accuracy at far absolute positions in tests/test_nonfinite.cpp; bfloat16 and half
+/// against the float kernel in tests/test_half.cpp.
 
 #include <cmath>
 #include <limits>

@@ -28,6 +28,13 @@
 /// The Positional LSH visible set and counts of a tile of rows come from BlockCounts, the fused
 /// forward's own.
 ///
+/// Storage types (detail/storage.hpp): q, k, v, out, dout and the gradients may be float, double,
+/// Eigen::bfloat16 or Eigen::half; the sweeps compute in `Compute<S>` (float for the 16-bit
+/// types), lse and D included. A 16-bit tile of an input is converted to float once per use
+/// (compute_rows: sweep 1 the query tile's q, out, dout rows and each key tile's k, v; sweep 2 the
+/// key tile's k, v and each query tile's q, dout) and the gradient rows are rounded back once
+/// (OutputRows): O(tile) scratch per thread. For float and double nothing is copied.
+///
 /// Masked keys: the logits are \f$-\infty\f$, their weights exactly 0 (the forward's masked
 /// exp), and every product skips the terms of a zero weight, so a key no query sees gets
 /// \f$dK = dV = 0\f$ and a non-finite k or v of a masked key changes no other gradient.
@@ -35,7 +42,7 @@
 /// Tested in tests/test_backward.cpp against central finite differences of
 /// exact_alibi_attention and plsh_attention, and against the dense double references
 /// plsh::reference::alibi_attention_backward and plsh::reference::plsh_attention_backward
-/// (reference.hpp).
+/// (reference.hpp); bfloat16 and half storage in tests/test_half.cpp.
 
 #include <Eigen/Core>
 #include <algorithm>
@@ -211,23 +218,28 @@ void score_gradient(Eigen::Map<RowMatrix<Scalar>>& weights,
 /// lse and D. The forward's OnlineSoftmax runs over the logits, with \f$e^{l_{ij} - \mu_i}(dP_{ij}
 /// - D_i)\f$ in place of the weights and \f$k_j\f$ in place of the values: its accumulator holds
 /// \f$\sum_j e^{l_{ij} - \mu_i}(dP_{ij} - D_i) k_j\f$ and its output is \f$dQ_i/\text{scale}\f$.
-template <class Scalar, class Logits>
-void backward_query_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
-                         const ConstHeadMap<Scalar>& v, const ConstHeadMap<Scalar>& out,
-                         const ConstHeadMap<Scalar>& dout, HeadMap<Scalar>& dq,
+template <class Storage, class Logits>
+void backward_query_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
+                         const ConstHeadMap<Storage>& v, const ConstHeadMap<Storage>& out,
+                         const ConstHeadMap<Storage>& dout, HeadMap<Storage>& dq,
                          const AttentionOptions& options, const Logits& logits, Index h,
-                         Index row_begin, Index row_end, Scalar* lse, Scalar* delta) {
+                         Index row_begin, Index row_end, Compute<Storage>* lse,
+                         Compute<Storage>* delta) {
+  using Scalar = Compute<Storage>;
   BackwardWorkspace<Scalar>& workspace = backward_workspace<Scalar>();
+  ConvertedRows<Storage>& converted = converted_rows<Storage>();
   const Index rows = row_end - row_begin;
   const Index first_query = options.query_position + row_begin;
   const Scalar scale = static_cast<Scalar>(options.scale);
-  for (Index r = 0; r < rows; ++r) {
-    delta[row_begin + r] = dout.row(row_begin + r).dot(out.row(row_begin + r));
+  const ConstHeadMap<Scalar> dout_rows = compute_rows(dout, row_begin, rows, converted.dout);
+  {
+    const ConstHeadMap<Scalar> out_rows = compute_rows(out, row_begin, rows, converted.out);
+    for (Index r = 0; r < rows; ++r) delta[row_begin + r] = dout_rows.row(r).dot(out_rows.row(r));
   }
   workspace.softmax.reset(rows, q.cols());
   const Block keys = logits.prepare_rows(h, first_query, rows, workspace);
   if (keys.begin < keys.end) {
-    workspace.query.noalias() = q.middleRows(row_begin, rows) * scale;
+    workspace.query.noalias() = compute_rows(q, row_begin, rows, converted.query) * scale;
     const std::size_t needed = static_cast<std::size_t>(rows * kKeyTile);
     if (workspace.scores.size() < needed) workspace.scores.resize(needed);
     if (workspace.value_scores.size() < needed) workspace.value_scores.resize(needed);
@@ -236,29 +248,34 @@ void backward_query_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scala
       const Index first_key = c0 - options.key_position;
       Eigen::Map<RowMatrix<Scalar>> scores(workspace.scores.data(), rows, cols);
       Eigen::Map<RowMatrix<Scalar>> value_scores(workspace.value_scores.data(), rows, cols);
-      scores.noalias() = workspace.query * k.middleRows(first_key, cols).transpose();
+      const ConstHeadMap<Scalar> k_tile = compute_rows(k, first_key, cols, converted.key);
+      scores.noalias() = workspace.query * k_tile.transpose();
       logits.apply(h, workspace, scores, first_query, c0);
       value_scores.noalias() =
-          dout.middleRows(row_begin, rows) * v.middleRows(first_key, cols).transpose();
+          dout_rows * compute_rows(v, first_key, cols, converted.value).transpose();
       workspace.softmax.exponentiate(scores);
       score_gradient(scores, value_scores, delta + row_begin);
-      workspace.softmax.accumulate(scores, k.middleRows(first_key, cols));
+      workspace.softmax.accumulate(scores, k_tile);
     }
   }
-  workspace.softmax.finish(dq.middleRows(row_begin, rows), lse + row_begin, &scale);
+  workspace.softmax.finish(converted.result.bind(dq, row_begin, rows), lse + row_begin, &scale);
+  converted.result.store();
 }
 
 /// Sweep 2 for key rows `[col_begin, col_end)` of key/value head g of one batch element: writes
 /// those rows of dk and dv, summing over the query heads of the group in order, and their query
 /// tiles in order; `lse` and `delta` are the element's, `[H][n_q]`.
-template <class Scalar, class Logits>
-void backward_key_rows(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
-                       const HeadsView<const Scalar>& v, const HeadsView<const Scalar>& dout,
-                       const HeadsView<Scalar>& dk, const HeadsView<Scalar>& dv,
+template <class Storage, class Logits>
+void backward_key_rows(const HeadsView<const Storage>& q, const HeadsView<const Storage>& k,
+                       const HeadsView<const Storage>& v, const HeadsView<const Storage>& dout,
+                       const HeadsView<Storage>& dk, const HeadsView<Storage>& dv,
                        const AttentionOptions& options, const Logits& logits, Index kv_head,
-                       Index col_begin, Index col_end, const Scalar* lse, const Scalar* delta) {
+                       Index col_begin, Index col_end, const Compute<Storage>* lse,
+                       const Compute<Storage>* delta) {
+  using Scalar = Compute<Storage>;
   constexpr Scalar kMinusInfinity = -std::numeric_limits<Scalar>::infinity();
   BackwardWorkspace<Scalar>& workspace = backward_workspace<Scalar>();
+  ConvertedRows<Storage>& converted = converted_rows<Storage>();
   // An operand row with a non-finite entry adds only where the weight is not 0.
   const auto add_product = [&](RowMatrix<Scalar>& accumulator,
                                const Eigen::Map<RowMatrix<Scalar>>& weights, const auto& operand) {
@@ -271,15 +288,14 @@ void backward_key_rows(const HeadsView<const Scalar>& q, const HeadsView<const S
   const Index cols = col_end - col_begin;
   const Index first_key = options.key_position + col_begin;
   const Scalar scale = static_cast<Scalar>(options.scale);
-  const ConstHeadMap<Scalar> k_head = k.head(kv_head);
-  const ConstHeadMap<Scalar> v_head = v.head(kv_head);
-  const auto k_tile = k_head.middleRows(col_begin, cols);
-  const auto v_tile = v_head.middleRows(col_begin, cols);
+  const ConstHeadMap<Scalar> k_tile = compute_rows(k.head(kv_head), col_begin, cols, converted.key);
+  const ConstHeadMap<Scalar> v_tile =
+      compute_rows(v.head(kv_head), col_begin, cols, converted.value);
   workspace.accumulator.setZero(cols, k.dim);
   workspace.value_accumulator.setZero(cols, v.dim);
   for (Index h = kv_head * group; h < (kv_head + 1) * group; ++h) {
-    const ConstHeadMap<Scalar> q_head = q.head(h);
-    const ConstHeadMap<Scalar> dout_head = dout.head(h);
+    const ConstHeadMap<Storage> q_head = q.head(h);
+    const ConstHeadMap<Storage> dout_head = dout.head(h);
     const Scalar* head_lse = lse + h * q.tokens;
     const Scalar* head_delta = delta + h * q.tokens;
     const Block queries = logits.queries_of_keys(h, first_key, cols);
@@ -294,7 +310,7 @@ void backward_key_rows(const HeadsView<const Scalar>& q, const HeadsView<const S
       if (workspace.value_scores.size() < needed) workspace.value_scores.resize(needed);
       Eigen::Map<RowMatrix<Scalar>> scores(workspace.scores.data(), rows, cols);
       Eigen::Map<RowMatrix<Scalar>> value_scores(workspace.value_scores.data(), rows, cols);
-      workspace.query.noalias() = q_head.middleRows(row_begin, rows) * scale;
+      workspace.query.noalias() = compute_rows(q_head, row_begin, rows, converted.query) * scale;
       scores.noalias() = workspace.query * k_tile.transpose();
       logits.apply(h, workspace, scores, p0, first_key);
       for (Index r = 0; r < rows; ++r) {
@@ -308,20 +324,24 @@ void backward_key_rows(const HeadsView<const Scalar>& q, const HeadsView<const S
       // A softmax weight is at most 1: e^{l - lse} above 1 is the rounding of a logit recomputed
       // in another tiling than sweep 1's, which at huge scales would overflow (NaN stays NaN).
       scores = scores.unaryExpr([](Scalar p) { return p > Scalar(1) ? Scalar(1) : p; });
-      const auto dout_rows = dout_head.middleRows(row_begin, rows);
+      const ConstHeadMap<Scalar> dout_rows =
+          compute_rows(dout_head, row_begin, rows, converted.dout);
       add_product(workspace.value_accumulator, scores, dout_rows);
       value_scores.noalias() = dout_rows * v_tile.transpose();
       score_gradient(scores, value_scores, head_delta + row_begin);
       add_product(workspace.accumulator, scores, workspace.query);
     }
   }
-  dk.head(kv_head).middleRows(col_begin, cols) = workspace.accumulator;
-  dv.head(kv_head).middleRows(col_begin, cols) = workspace.value_accumulator;
+  converted.result.bind(dk.head(kv_head), col_begin, cols) = workspace.accumulator;
+  converted.result.store();
+  converted.value_result.bind(dv.head(kv_head), col_begin, cols) = workspace.value_accumulator;
+  converted.value_result.store();
 }
 
 /// Both sweeps over a batch, each one parallel region over the jobs of every batch element:
 /// sweep 1 over (element, head, query tile), sweep 2 over (element, key/value head, key tile).
-/// `options.scale` must be resolved; the logits are shared by the elements.
+/// `options.scale` must be resolved; the logits are shared by the elements. Views in the storage
+/// type `Scalar`, lse and D in its compute type.
 template <class Scalar, class Logits>
 void attention_backward(const BatchedHeadsView<const Scalar>& q,
                         const BatchedHeadsView<const Scalar>& k,
@@ -334,8 +354,8 @@ void attention_backward(const BatchedHeadsView<const Scalar>& q,
   if (q.batch == 0) return;
   const Index group = q.heads / k.heads;
   const Index element_rows = q.heads * q.tokens;  // lse and D of one element, [H][n_q]
-  std::vector<Scalar> lse(static_cast<std::size_t>(q.batch * element_rows));
-  std::vector<Scalar> delta(lse.size());
+  std::vector<Compute<Scalar>> lse(static_cast<std::size_t>(q.batch * element_rows));
+  std::vector<Compute<Scalar>> delta(lse.size());
   const double work = static_cast<double>(q.batch) * attention_work(q[0], k[0], v[0]);
   struct Tile {
     Index head, begin, end;
@@ -389,7 +409,7 @@ void batched_exact_alibi_attention_backward(
   validate_slopes(function, slopes, q.heads);
   AttentionOptions resolved = options;
   resolved.scale = resolved_scale(options, q.dim);
-  const AlibiLogits<Scalar> logits(slopes, resolved, q.tokens, k.tokens);
+  const AlibiLogits<Compute<Scalar>> logits(slopes, resolved, q.tokens, k.tokens);
   attention_backward(q, k, v, out, dout, dq, dk, dv, resolved, logits);
 }
 
@@ -407,8 +427,8 @@ void block_counts_backward(const BatchedHeadsView<const Scalar>& q,
                            const AttentionOptions& options) {
   AttentionOptions resolved = options;
   resolved.scale = resolved_scale(options, q.dim);
-  const PlshLogits<Scalar> logits(slopes, grids, resolved, position_range(q, k, options), q.tokens,
-                                  k.tokens);
+  const PlshLogits<Compute<Scalar>> logits(slopes, grids, resolved, position_range(q, k, options),
+                                           q.tokens, k.tokens);
   attention_backward(q, k, v, out, dout, dq, dk, dv, resolved, logits);
 }
 

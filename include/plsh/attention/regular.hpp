@@ -14,20 +14,29 @@
 /// one vectorised exp, one product \f$PV\f$: \f$2(d + d_v)\f$ flops per visible score. Key tiles
 /// outside the causal or window range are skipped. Memory: one tile of scores per thread.
 ///
+/// Storage types (detail/storage.hpp): the tiled core reads q, k, v stored as float, double,
+/// Eigen::bfloat16 or Eigen::half and computes in `Compute<S>`; a 16-bit tile of queries, keys or
+/// values is converted to float once per use (compute_rows) and the output rows are rounded back
+/// (OutputRows), O(tile) scratch per thread. For float and double nothing is copied.
+/// regular_attention itself, the inner-kernel contract of the pass kernel, takes float or double.
+///
 /// The bias is formed relative to each row's nearest key (apply_linear_bias), so that its float
 /// accuracy does not depend on the absolute positions. Non-finite inputs follow the contract of
 /// online_softmax.hpp.
 ///
 /// Tested against plsh::reference::factor_attention (dense, double, factor 1) in
-/// tests/test_regular.cpp; non-finite inputs and far positions in tests/test_nonfinite.cpp.
+/// tests/test_regular.cpp; non-finite inputs and far positions in tests/test_nonfinite.cpp;
+/// bfloat16 and half storage (through the ALiBi kernels) in tests/test_half.cpp.
 
 #include <Eigen/Core>
 #include <algorithm>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "../detail/check.hpp"
+#include "../detail/storage.hpp"
 #include "../detail/validate.hpp"
 #include "../tensor.hpp"
 #include "online_softmax.hpp"
@@ -59,6 +68,22 @@ struct TileWorkspace {
   OnlineSoftmax<Scalar> softmax;
   Eigen::Array<Scalar, 1, Eigen::Dynamic> offsets;  // 0, 1, ..., kKeyTile - 1
 };
+
+/// Rows of a storage type converted to its compute type, one scratch per operand, and output
+/// rows rounded back: what a tile of a bfloat16 or half kernel reads and writes (unused, and never
+/// allocated, for float and double).
+template <class Storage>
+struct ConvertedRows {
+  AlignedVector<Compute<Storage>> query, key, value, out, dout;
+  OutputRows<Storage> result, value_result;
+};
+
+/// One ConvertedRows per thread and storage type.
+template <class Storage>
+ConvertedRows<Storage>& converted_rows() {
+  static thread_local ConvertedRows<Storage> rows;
+  return rows;
+}
 
 /// One workspace per thread and scalar type, so kernels allocate nothing per tile.
 template <class Scalar>
@@ -124,13 +149,16 @@ void apply_linear_bias(Eigen::Map<RowMatrix<Scalar>>& scores, Index distance, bo
 
 /// Query rows `[row_begin, row_end)` of `q` against the visible keys of `k`, `v`: writes those
 /// rows of `out` and, when `lse` is not null, `lse[row_begin..row_end)`. `options.scale` must be
-/// resolved (non-zero).
-template <class Scalar>
-void attend_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
-                 const ConstHeadMap<Scalar>& v, const AttentionOptions& options,
-                 const LinearBias& bias, Index row_begin, Index row_end, HeadMap<Scalar>& out,
-                 Scalar* lse) {
+/// resolved (non-zero). Inputs and output in the storage type, arithmetic and lse in the compute
+/// type; the query rows and each key and value tile are converted once.
+template <class Storage>
+void attend_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
+                 const ConstHeadMap<Storage>& v, const AttentionOptions& options,
+                 const LinearBias& bias, Index row_begin, Index row_end, HeadMap<Storage>& out,
+                 Compute<Storage>* lse) {
+  using Scalar = Compute<Storage>;
   TileWorkspace<Scalar>& workspace = tile_workspace<Scalar>();
+  ConvertedRows<Storage>& converted = converted_rows<Storage>();
   const Index rows = row_end - row_begin;
   const Index first_query = options.query_position + row_begin;
   const Index last_query = options.query_position + row_end - 1;
@@ -142,20 +170,22 @@ void attend_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
                      first_query - (options.key_position + k.rows() - 1)};
   workspace.softmax.reset(rows, v.cols());
   if (key_begin < key_end) {
-    workspace.query.noalias() = q.middleRows(row_begin, rows) * static_cast<Scalar>(options.scale);
+    workspace.query.noalias() =
+        compute_rows(q, row_begin, rows, converted.query) * static_cast<Scalar>(options.scale);
     const std::size_t needed = static_cast<std::size_t>(rows * kKeyTile);
     if (workspace.scores.size() < needed) workspace.scores.resize(needed);
     for (Index c0 = key_begin; c0 < key_end; c0 += kKeyTile) {
       const Index cols = std::min(kKeyTile, key_end - c0);
       Eigen::Map<RowMatrix<Scalar>> scores(workspace.scores.data(), rows, cols);
-      multiply_transposed(workspace.query, k.middleRows(c0, cols), scores);
+      multiply_transposed(workspace.query, compute_rows(k, c0, cols, converted.key), scores);
       apply_linear_bias(scores, first_query - (options.key_position + c0), options.causal, bias,
                         span, workspace.offsets);
-      workspace.softmax.update(scores, v.middleRows(c0, cols));
+      workspace.softmax.update(scores, compute_rows(v, c0, cols, converted.value));
     }
   }
   Scalar* row_lse = lse == nullptr ? nullptr : lse + row_begin;
-  workspace.softmax.finish(out.middleRows(row_begin, rows), row_lse);
+  workspace.softmax.finish(converted.result.bind(out, row_begin, rows), row_lse);
+  converted.result.store();
   if (row_lse != nullptr && bias.slope != 0) {
     // The logits were shifted by m r_i (apply_linear_bias): the lse of the true logits.
     for (Index r = 0; r < rows; ++r) {
@@ -166,10 +196,10 @@ void attend_rows(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
 }
 
 /// All rows of a span, tile by tile.
-template <class Scalar>
-void attend_span(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
-                 const ConstHeadMap<Scalar>& v, const AttentionOptions& options,
-                 const LinearBias& bias, HeadMap<Scalar>& out, Scalar* lse) {
+template <class Storage>
+void attend_span(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
+                 const ConstHeadMap<Storage>& v, const AttentionOptions& options,
+                 const LinearBias& bias, HeadMap<Storage>& out, Compute<Storage>* lse) {
   for (Index r0 = 0; r0 < q.rows(); r0 += kQueryTile) {
     attend_rows(q, k, v, options, bias, r0, std::min(q.rows(), r0 + kQueryTile), out, lse);
   }
@@ -184,11 +214,16 @@ void attend_span(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
 ///
 /// \param q `n_q x d`, \param k `n_k x d`, \param v `n_k x d_v`, \param out `n_q x d_v`,
 /// \param lse `n_q`. `options.scale == 0` means \f$1/\sqrt d\f$.
+/// \tparam Scalar float or double: the type the kernels compute in (a bfloat16 or half kernel
+/// calls it on tiles converted to float).
 /// \throws std::invalid_argument when the shapes disagree.
 template <class Scalar>
 void regular_attention(const ConstHeadMap<Scalar>& q, const ConstHeadMap<Scalar>& k,
                        const ConstHeadMap<Scalar>& v, const AttentionOptions& options,
                        HeadMap<Scalar> out, LseMap<Scalar> lse) {
+  static_assert(std::is_same<Scalar, float>::value || std::is_same<Scalar, double>::value,
+                "regular_attention takes float or double; bfloat16 and half go through the "
+                "kernels, which compute in float");
   const char* function = "regular_attention";
   detail::require(k.cols() == q.cols(), function, "k.cols() must equal q.cols()");
   detail::require(v.rows() == k.rows(), function, "v.rows() must equal k.rows()");

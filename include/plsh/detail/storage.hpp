@@ -84,6 +84,15 @@ ConstHeadMap<Compute<Storage>> compute_rows(const ConstHeadMap<Storage>& rows,
   }
 }
 
+/// Rows `[begin, begin + count)` of `rows` as the compute type: compute_rows of those rows.
+template <class Storage>
+ConstHeadMap<Compute<Storage>> compute_rows(const ConstHeadMap<Storage>& rows, Index begin,
+                                            Index count, AlignedVector<Compute<Storage>>& scratch) {
+  return compute_rows(ConstHeadMap<Storage>(rows.data() + begin * rows.outerStride(), count,
+                                            rows.cols(), Eigen::OuterStride<>(rows.outerStride())),
+                      scratch);
+}
+
 /// Output rows written in the compute type: `rows()` is the output map itself when `Storage` is
 /// the compute type, otherwise a packed scratch in the compute type that `store()` rounds (to
 /// nearest even) into the output.
@@ -105,6 +114,12 @@ class OutputRows {
       if (scratch_.size() < needed) scratch_.resize(needed);
       return HeadMap<Scalar>(scratch_.data(), rows_, cols_, Eigen::OuterStride<>(cols_));
     }
+  }
+
+  /// Binds rows `[begin, begin + count)` of `out`.
+  HeadMap<Scalar> bind(HeadMap<Storage> out, Index begin, Index count) {
+    return bind(HeadMap<Storage>(out.data() + begin * out.outerStride(), count, out.cols(),
+                                 Eigen::OuterStride<>(out.outerStride())));
   }
 
   /// Writes the bound compute-type rows to the output (nothing to do for float and double).

@@ -19,6 +19,7 @@
 #include "../sampler.hpp"
 #include "../tensor.hpp"
 #include "check.hpp"
+#include "storage.hpp"
 
 namespace plsh {
 namespace detail {
@@ -138,15 +139,19 @@ inline double resolved_scale(const AttentionOptions& options, Index dim) {
   return options.scale != 0 ? options.scale : 1.0 / std::sqrt(static_cast<double>(dim));
 }
 
-/// The resolved scale must be finite and non-zero in the kernels' scalar type (a double of 1e300
-/// is infinite as a float, 1e-300 is zero).
+/// The resolved scale must be finite and non-zero in the type the kernels compute in for views of
+/// `Scalar` (a double of 1e300 is infinite as a float, 1e-300 is zero; bfloat16 and half views
+/// compute in float).
 template <class Scalar>
 void validate_scale(const char* function, const AttentionOptions& options, Index dim) {
+  using Arithmetic = Compute<Scalar>;
   require(std::isfinite(options.scale), function, "options.scale must be finite");
   const double scale = std::abs(resolved_scale(options, dim));
-  require(scale <= static_cast<double>(Eigen::NumTraits<Scalar>::highest()) &&
-              scale >= static_cast<double>(std::numeric_limits<Scalar>::denorm_min()),
-          function, "options.scale must be finite and non-zero in the scalar type of the views");
+  require(scale <= static_cast<double>(Eigen::NumTraits<Arithmetic>::highest()) &&
+              scale >= static_cast<double>(std::numeric_limits<Arithmetic>::denorm_min()),
+          function,
+          "options.scale must be finite and non-zero in the compute type (float for float, "
+          "bfloat16 and half views)");
 }
 
 /// `position + tokens` within [0, kMaxPosition] for both the query and the key rows.
@@ -166,12 +171,21 @@ void validate_options(const char* function, const AttentionOptions& options, Ind
   validate_scale<Scalar>(function, options, dim);
 }
 
-/// The checks shared by every attention entry point: validate_inputs, validate_output_shape,
-/// out not overlapping itself or an input, validate_options.
+/// Rejects, at compile time, a view type the kernels cannot read.
+template <class Scalar>
+constexpr void require_storage_type() {
+  static_assert(is_storage_type<Scalar>,
+                "plsh: the views must hold float, double, Eigen::bfloat16 or Eigen::half");
+}
+
+/// The checks shared by every attention entry point: a storage type (at compile time),
+/// validate_inputs, validate_output_shape, out not overlapping itself or an input,
+/// validate_options.
 template <class Scalar>
 void validate_attention(const char* function, const HeadsView<const Scalar>& q,
                         const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
                         const HeadsView<Scalar>& out, const AttentionOptions& options) {
+  require_storage_type<Scalar>();
   validate_inputs(function, q, k, v);
   validate_output_shape(function, out, q, v);
   require_injective(out, function, "out");
@@ -220,14 +234,16 @@ void require_same_shape(const char* function, const HeadsView<A>& view, const ch
   }
 }
 
-/// Checks of the backward entry points: q, k, v, out as the forward; dout like out, dq like q,
-/// dk like k, dv like v; no gradient view overlapping itself, an input or another gradient.
+/// Checks of the backward entry points: a storage type (at compile time); q, k, v, out as the
+/// forward; dout like out, dq like q, dk like k, dv like v; no gradient view overlapping itself,
+/// an input or another gradient.
 template <class Scalar>
 void validate_backward(const char* function, const HeadsView<const Scalar>& q,
                        const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
                        const HeadsView<const Scalar>& out, const HeadsView<const Scalar>& dout,
                        const HeadsView<Scalar>& dq, const HeadsView<Scalar>& dk,
                        const HeadsView<Scalar>& dv, const AttentionOptions& options) {
+  require_storage_type<Scalar>();
   validate_inputs(function, q, k, v);
   validate_output_shape(function, out, q, v);
   require_view(dout, function, "dout");
