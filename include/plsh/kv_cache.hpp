@@ -271,9 +271,8 @@ class KvCache {
     PlshOptions options = options_;
     options.query_position = position_ - q.tokens;
     options.key_position = oldest_;
-    // The same checks as plsh_attention (out against q and the cache) on the resident views; the
-    // constructor checked the scale in the compute type.
-    detail::validate_attention(function, q, keys(), values(), out, detail::unscaled(options));
+    // The same checks as plsh_attention (out against q and the cache) on the resident views.
+    detail::validate_attention(function, q, keys(), values(), out, options);
     if (q.tokens <= detail::kDecodeRows) {
       attend_rows(q, out, detail::resolved_scale(options, dim_));
     } else if (options.kernel == Kernel::Passes) {

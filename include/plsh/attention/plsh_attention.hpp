@@ -535,15 +535,6 @@ void fused_attention(const HeadsView<const Scalar>& q, const HeadsView<const Sca
                   slopes, options);
 }
 
-/// `options` with the default scale \f$1/\sqrt d\f$, valid in every storage type: the entry points
-/// check the shapes and positions with it, then the scale itself with validate_scale in the
-/// compute type (a half's range is narrower than the float arithmetic that uses the scale).
-template <class Options>
-Options unscaled(Options options) {
-  options.scale = 0;
-  return options;
-}
-
 /// plsh_attention on a batch whose shapes validate_batch has checked: the checks of one element,
 /// the draws (once, shared by the elements), then the fused or pass kernel, or the pass kernel
 /// with `kernel` when one is given.
@@ -554,8 +545,7 @@ void batched_plsh_attention(const BatchedHeadsView<const Scalar>& q,
                             const BatchedHeadsView<Scalar>& out, const std::vector<double>& slopes,
                             const PlshOptions& options, RegularKernel&&... kernel) {
   static_assert(sizeof...(RegularKernel) <= 1, "at most one regular kernel");
-  validate_plsh("plsh_attention", q[0], k[0], v[0], out[0], slopes, unscaled(options));
-  validate_scale<Compute<Scalar>>("plsh_attention", options, q.dim);
+  validate_plsh("plsh_attention", q[0], k[0], v[0], out[0], slopes, options);
   const auto grids = kernel_grids(slopes, options, "plsh_attention");
   if constexpr (sizeof...(RegularKernel) == 1) {
     pass_attention(q, k, v, out, grids, options, kernel...);
@@ -575,8 +565,7 @@ void batched_fixed_block_attention(const BatchedHeadsView<const Scalar>& q,
                                    const BatchedHeadsView<Scalar>& out, Index block_size,
                                    const AttentionOptions& options) {
   const char* function = "fixed_block_attention";
-  validate_attention(function, q[0], k[0], v[0], out[0], unscaled(options));
-  validate_scale<Compute<Scalar>>(function, options, q.dim);
+  validate_attention(function, q[0], k[0], v[0], out[0], options);
   require(block_size >= 1, function, "block_size must be at least 1");
   const std::vector<std::vector<Grid>> grids(
       static_cast<std::size_t>(q.heads),

@@ -187,7 +187,8 @@ void plsh_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scal
                     const std::vector<double>& slopes, const PlshOptions& options = {}) {
   detail::validate_slopes("reference::plsh_attention", slopes, q.heads);
   detail::require_samples(options.samples, "reference::plsh_attention", "options.samples");
-  mask_attention(q, k, v, out, draw_head_grids(slopes, options.samples, options.seed), options);
+  mask_attention(q, k, v, out, detail::kernel_grids(slopes, options, "reference::plsh_attention"),
+                 options);
 }
 
 /// The log-factor of fixed blocks of `block_size` as a function `(h, p_i, p_j)`: 0 when
@@ -284,7 +285,7 @@ void plsh_attention_backward(const HeadsView<const Scalar>& q, const HeadsView<c
                              const PlshOptions& options = {}) {
   detail::validate_slopes("reference::plsh_attention_backward", slopes, q.heads);
   detail::require_samples(options.samples, "reference::plsh_attention_backward", "options.samples");
-  const auto grids = draw_head_grids(slopes, options.samples, options.seed);
+  const auto grids = detail::kernel_grids(slopes, options, "reference::plsh_attention_backward");
   factor_attention_backward(q, k, v, dout, dq, dk, dv, options, mean_mask_log_factor(grids));
 }
 
