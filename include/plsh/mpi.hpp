@@ -352,6 +352,8 @@ constexpr int kValueTag = 2;
 
 /// Keys and values of the rows `reachable[rank]`, gathered from their owners: this rank sends
 /// its rows that each other rank reaches, and receives the rows of its interval that others hold.
+/// Its own rows of the interval are copied in too, unless `copy_own` is false (the benchmark
+/// counts the messages only).
 template <class Scalar>
 struct GatheredKeys {
   Block rows;
@@ -363,14 +365,20 @@ struct GatheredKeys {
 template <class Scalar>
 GatheredKeys<Scalar> gather_keys(const CallComm& comm, const ChunkLayout& layout,
                                  const std::vector<Block>& reachable,
-                                 const HeadsView<const Scalar>& k,
-                                 const HeadsView<const Scalar>& v) {
+                                 const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
+                                 bool copy_own = true) {
   const int me = comm.rank();
   const Block own = layout.chunk(me);
   GatheredKeys<Scalar> gathered;
   gathered.rows = reachable[static_cast<std::size_t>(me)];
-  gathered.keys = PackedRows<Scalar>(gathered.rows.size(), k.heads, k.dim);
-  gathered.values = PackedRows<Scalar>(gathered.rows.size(), v.heads, v.dim);
+  const Block mine = intersect(own, gathered.rows);
+  // Without the own rows, the buffers hold the rows before and after them only.
+  const Index skipped = copy_own ? 0 : mine.size();
+  const auto at = [&](Index row) {
+    return row - gathered.rows.begin - (row >= mine.end ? skipped : 0);
+  };
+  gathered.keys = PackedRows<Scalar>(gathered.rows.size() - skipped, k.heads, k.dim);
+  gathered.values = PackedRows<Scalar>(gathered.rows.size() - skipped, v.heads, v.dim);
   Messages messages(comm.get());
   std::vector<PackedRows<Scalar>> outgoing_keys(static_cast<std::size_t>(comm.ranks()));
   std::vector<PackedRows<Scalar>> outgoing_values(outgoing_keys.size());
@@ -378,10 +386,10 @@ GatheredKeys<Scalar> gather_keys(const CallComm& comm, const ChunkLayout& layout
     if (r == me) continue;
     const Block incoming = intersect(layout.chunk(r), gathered.rows);
     if (incoming.size() > 0) {
-      const Index at = incoming.begin - gathered.rows.begin;
-      messages.receive(gathered.keys.row(at), incoming.size() * gathered.keys.row_bytes(), r,
+      const Index row = at(incoming.begin);
+      messages.receive(gathered.keys.row(row), incoming.size() * gathered.keys.row_bytes(), r,
                        kKeyTag);
-      messages.receive(gathered.values.row(at), incoming.size() * gathered.values.row_bytes(), r,
+      messages.receive(gathered.values.row(row), incoming.size() * gathered.values.row_bytes(), r,
                        kValueTag);
     }
     const Block outgoing = intersect(own, reachable[static_cast<std::size_t>(r)]);
@@ -396,11 +404,9 @@ GatheredKeys<Scalar> gather_keys(const CallComm& comm, const ChunkLayout& layout
       messages.send(values.row(0), outgoing.size() * values.row_bytes(), r, kValueTag);
     }
   }
-  const Block mine = intersect(own, gathered.rows);
-  if (mine.size() > 0) {
-    const Index at = mine.begin - gathered.rows.begin;
-    pack_rows(k, mine.begin - own.begin, mine.size(), gathered.keys.row(at));
-    pack_rows(v, mine.begin - own.begin, mine.size(), gathered.values.row(at));
+  if (copy_own && mine.size() > 0) {
+    pack_rows(k, mine.begin - own.begin, mine.size(), gathered.keys.row(at(mine.begin)));
+    pack_rows(v, mine.begin - own.begin, mine.size(), gathered.values.row(at(mine.begin)));
   }
   gathered.counts = messages.wait();
   return gathered;
@@ -455,26 +461,7 @@ ExchangeCounts scatter_add(const CallComm& comm, const ChunkLayout& layout,
   return counts;
 }
 
-/// Runs `check` on every rank; if it throws std::invalid_argument on any rank, every rank throws:
-/// the failing ranks their own message, the others one that names the first failing rank.
-template <class Check>
-void collective_check(const CallComm& comm, const char* function, Check&& check) {
-  std::string message;
-  try {
-    check();
-  } catch (const std::invalid_argument& error) {
-    message = error.what();
-  }
-  const int failed = message.empty() ? comm.ranks() : comm.rank();
-  int first_failed = comm.ranks();
-  MPI_Allreduce(&failed, &first_failed, 1, MPI_INT, MPI_MIN, comm.get());
-  if (!message.empty()) throw std::invalid_argument(message);
-  if (first_failed < comm.ranks()) {
-    fail(function, "invalid arguments on rank " + std::to_string(first_failed));
-  }
-}
-
-/// What every rank must agree on, and its chunk size: the heads, sizes, options and slopes.
+/// What every rank must agree on: the heads, sizes, options and slopes.
 struct Signature {
   std::vector<std::int64_t> values;
 
@@ -483,6 +470,18 @@ struct Signature {
     std::int64_t bits = 0;
     std::memcpy(&bits, &value, sizeof bits);
     values.push_back(bits);
+  }
+
+  /// FNV-1a over the words' bytes.
+  std::int64_t hash() const {
+    std::uint64_t hash = 0xcbf29ce484222325ULL;
+    for (const std::int64_t value : values) {
+      for (int byte = 0; byte < 8; ++byte) {
+        hash ^= (static_cast<std::uint64_t>(value) >> (8 * byte)) & 0xffU;
+        hash *= 0x100000001b3ULL;
+      }
+    }
+    return static_cast<std::int64_t>(hash);
   }
 };
 
@@ -503,39 +502,57 @@ inline Signature attention_signature(Index heads, Index kv_heads, Index dim, Ind
   return signature;
 }
 
-/// The layout of the chunks, from every rank's query count, after checking that every rank
-/// passed the same `signature` and as many keys and values as queries. Collective.
-inline ChunkLayout agree_on_layout(const CallComm& comm, const char* function, Index queries,
-                                   Index keys, Index values, const Signature& signature) {
-  const std::int64_t length = static_cast<std::int64_t>(signature.values.size());
-  std::vector<std::int64_t> lengths(static_cast<std::size_t>(comm.ranks()));
-  MPI_Allgather(&length, 1, MPI_INT64_T, lengths.data(), 1, MPI_INT64_T, comm.get());
-  collective_check(comm, function, [&] {
-    require(keys == queries, function, "k.tokens must equal q.tokens (one chunk of the sequence)");
-    require(values == queries, function, "v.tokens must equal q.tokens");
-    for (const std::int64_t other : lengths) {
-      require(other == length, function, "every rank must pass as many slopes");
-    }
-  });
-  std::vector<std::int64_t> mine(signature.values);
-  mine.push_back(queries);
-  const int width = static_cast<int>(mine.size());
-  std::vector<std::int64_t> all(static_cast<std::size_t>(width * comm.ranks()));
-  MPI_Allgather(mine.data(), width, MPI_INT64_T, all.data(), width, MPI_INT64_T, comm.get());
+/// The layout of the chunks, in one collective call: every rank runs `check` on its own
+/// arguments, then shares whether it threw, its query count and the hash of its `signature`.
+/// When any rank's check threw std::invalid_argument, every rank throws: the failing ranks their
+/// own message, the others one that names the first failing rank. When the signatures differ,
+/// every rank throws.
+template <class Check>
+ChunkLayout agree_on_layout(const CallComm& comm, const char* function, Index queries,
+                            const Signature& signature, Check&& check) {
+  std::string message;
+  try {
+    check();
+  } catch (const std::invalid_argument& error) {
+    message = error.what();
+  }
+  const std::int64_t mine[3] = {message.empty() ? 0 : 1, queries, signature.hash()};
+  std::vector<std::int64_t> all(static_cast<std::size_t>(3 * comm.ranks()));
+  MPI_Allgather(mine, 3, MPI_INT64_T, all.data(), 3, MPI_INT64_T, comm.get());
+  if (!message.empty()) throw std::invalid_argument(message);
   std::vector<Index> sizes;
-  collective_check(comm, function, [&] {
-    for (int r = 0; r < comm.ranks(); ++r) {
-      const std::int64_t* other = all.data() + r * width;
-      require(std::equal(mine.begin(), mine.end() - 1, other), function, [&] {
-        return "rank " + std::to_string(r) +
-               " passed other heads, sizes, options or slopes than rank " +
-               std::to_string(comm.rank()) + " (every rank must pass the same)";
-      });
-      require(other[width - 1] >= 0, function, "q.tokens must be non-negative");
-      sizes.push_back(other[width - 1]);
-    }
-  });
+  for (int r = 0; r < comm.ranks(); ++r) {
+    const std::int64_t* other = all.data() + 3 * r;
+    require(other[0] == 0, function,
+            [&] { return "invalid arguments on rank " + std::to_string(r); });
+    require(other[2] == mine[2], function, [&] {
+      return "rank " + std::to_string(r) +
+             " passed other heads, sizes, options or slopes than rank " +
+             std::to_string(comm.rank()) + " (every rank must pass the same)";
+    });
+    sizes.push_back(other[1]);
+  }
   return ChunkLayout(sizes);
+}
+
+/// The checks of a forward on this rank's chunk (positions of the chunk's queries and keys are
+/// checked through those of the whole sequence, by check_sequence).
+template <class Scalar>
+void check_forward(const char* function, const HeadsView<const Scalar>& q,
+                   const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
+                   const HeadsView<Scalar>& out, const std::vector<double>& slopes,
+                   const AttentionOptions& options) {
+  require(k.tokens == q.tokens, function,
+          "k.tokens must equal q.tokens (one chunk of the sequence)");
+  require(v.tokens == q.tokens, function, "v.tokens must equal q.tokens");
+  plsh::detail::validate_attention(function, q, k, v, out, options);
+  plsh::detail::validate_slopes(function, slopes, q.heads);
+}
+
+/// Positions of the whole sequence within [0, kMaxPosition]: the same answer on every rank.
+inline void check_sequence(const char* function, const ChunkLayout& layout,
+                           const AttentionOptions& options) {
+  plsh::detail::validate_positions(function, options, layout.tokens(), layout.tokens());
 }
 
 /// Options of the rank's local call: its queries from `query_row`, its keys from `key_row` of the
@@ -546,18 +563,6 @@ Options local_options(const Options& options, Index query_row, Index key_row) {
   local.query_position = options.query_position + query_row;
   local.key_position = options.key_position + key_row;
   return local;
-}
-
-/// The checks of a forward on this rank's chunk, against the gathered keys' positions; positions
-/// of the whole sequence checked through its last token.
-template <class Scalar>
-void check_forward(const char* function, const ChunkLayout& layout,
-                   const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
-                   const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
-                   const std::vector<double>& slopes, const AttentionOptions& options) {
-  plsh::detail::validate_attention(function, q, k, v, out, options);
-  plsh::detail::validate_slopes(function, slopes, q.heads);
-  plsh::detail::validate_positions(function, options, layout.tokens(), layout.tokens());
 }
 
 }  // namespace detail
@@ -585,14 +590,12 @@ ExchangeCounts plsh_attention(MPI_Comm comm, HeadsView<const plsh::detail::NonDe
   signature.add(options.samples);
   signature.add(static_cast<std::int64_t>(options.seed));
   signature.add(static_cast<std::int64_t>(options.kernel));
-  const ChunkLayout layout =
-      detail::agree_on_layout(call, function, q.tokens, k.tokens, v.tokens, signature);
-  std::vector<std::vector<Grid>> grids;
-  detail::collective_check(call, function, [&] {
-    detail::check_forward(function, layout, q, k, v, out, slopes, options);
+  const ChunkLayout layout = detail::agree_on_layout(call, function, q.tokens, signature, [&] {
+    detail::check_forward(function, q, k, v, out, slopes, options);
     plsh::detail::require_samples(options.samples, function, "options.samples");
-    grids = draw_head_grids(slopes, options.samples, options.seed);
   });
+  detail::check_sequence(function, layout, options);
+  const auto grids = draw_head_grids(slopes, options.samples, options.seed);
   const auto reachable = detail::plsh_reachable_keys(layout, grids, options);
   const auto gathered = detail::gather_keys(call, layout, reachable, k, v);
   const PlshOptions local =
@@ -616,12 +619,11 @@ ExchangeCounts windowed_alibi_attention(MPI_Comm comm,
   detail::Signature signature =
       detail::attention_signature(q.heads, k.heads, q.dim, v.dim, slopes, options);
   signature.add_double(tolerance);
-  const ChunkLayout layout =
-      detail::agree_on_layout(call, function, q.tokens, k.tokens, v.tokens, signature);
-  detail::collective_check(call, function, [&] {
-    detail::check_forward(function, layout, q, k, v, out, slopes, options);
+  const ChunkLayout layout = detail::agree_on_layout(call, function, q.tokens, signature, [&] {
+    detail::check_forward(function, q, k, v, out, slopes, options);
     detail::require(tolerance >= 0 && tolerance <= 1, function, "tolerance must lie in [0, 1]");
   });
+  detail::check_sequence(function, layout, options);
   const auto reachable =
       detail::windowed_reachable_keys(layout, detail::widest_window(slopes, tolerance), options);
   const auto gathered = detail::gather_keys(call, layout, reachable, k, v);
@@ -648,11 +650,10 @@ ExchangeCounts exact_alibi_attention(MPI_Comm comm,
   const char* function = "plsh::mpi::exact_alibi_attention";
   const detail::CallComm call(comm);
   const ChunkLayout layout = detail::agree_on_layout(
-      call, function, q.tokens, k.tokens, v.tokens,
-      detail::attention_signature(q.heads, k.heads, q.dim, v.dim, slopes, options));
-  detail::collective_check(call, function, [&] {
-    detail::check_forward(function, layout, q, k, v, out, slopes, options);
-  });
+      call, function, q.tokens,
+      detail::attention_signature(q.heads, k.heads, q.dim, v.dim, slopes, options),
+      [&] { detail::check_forward(function, q, k, v, out, slopes, options); });
+  detail::check_sequence(function, layout, options);
   const int me = call.rank();
   const int ranks = call.ranks();
   const Index rows = q.tokens;
@@ -747,15 +748,14 @@ ExchangeCounts plsh_attention_backward(MPI_Comm comm,
       detail::attention_signature(q.heads, k.heads, q.dim, v.dim, slopes, options);
   signature.add(options.samples);
   signature.add(static_cast<std::int64_t>(options.seed));
-  const ChunkLayout layout =
-      detail::agree_on_layout(call, function, q.tokens, k.tokens, v.tokens, signature);
-  std::vector<std::vector<Grid>> grids;
-  detail::collective_check(call, function, [&] {
+  const ChunkLayout layout = detail::agree_on_layout(call, function, q.tokens, signature, [&] {
+    detail::require(k.tokens == q.tokens, function,
+                    "k.tokens must equal q.tokens (one chunk of the sequence)");
     plsh::detail::validate_backward(function, q, k, v, out, dout, dq, dk, dv, options);
     plsh::detail::validate_slopes(function, slopes, q.heads);
-    plsh::detail::validate_positions(function, options, layout.tokens(), layout.tokens());
-    grids = draw_head_grids(slopes, options.samples, options.seed);
   });
+  detail::check_sequence(function, layout, options);
+  const auto grids = draw_head_grids(slopes, options.samples, options.seed);
   const auto reachable = detail::plsh_reachable_keys(layout, grids, options);
   auto gathered = detail::gather_keys(call, layout, reachable, k, v);
   const PlshOptions local =
