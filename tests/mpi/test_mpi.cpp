@@ -432,12 +432,3 @@ TEST_CASE("bad arguments on any rank throw on every rank", "[mpi][errors]") {
 }
 
 }  // namespace
-
-int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
-  const int result = Catch::Session().run(argc, argv);
-  int worst = result;
-  MPI_Allreduce(&result, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  MPI_Finalize();
-  return worst;
-}
