@@ -14,7 +14,6 @@
 // every chunk of 160 tokens is shorter, and the halo spans several ranks) and steep ones (halos of
 // about ten positions, shorter than every chunk).
 
-#define CATCH_CONFIG_RUNNER
 #include <mpi.h>
 #include <catch2/catch.hpp>
 
