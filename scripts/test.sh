@@ -4,12 +4,16 @@
 #   release  preset "release": build/release (tests, examples, benchmarks, -Werror), ctest
 #   asan     preset "asan": build/asan, RelWithDebInfo with ASan and UBSan, ctest (the packaging
 #            tests, which build unsanitised consumer projects, run in the release phase only)
+#   mpi      build/mpi (Release, PLSH_MPI=ON): only the MPI tests, example and benchmark, then
+#            ctest -L mpi (mpirun on 1, 2 and 4 ranks, the installed mpi component, the bytes
+#            acceptance); installs libopenmpi-dev and openmpi-bin, skipped with a message when
+#            they cannot be had. The release and asan phases build with PLSH_MPI=OFF.
 #   python   the Python module for Debian's /usr/bin/python3 in build/python, its pytest suite
 #            (scripts/python.sh test), and the training comparison's quick mode
 #   fuzz     tests/fuzz/run.sh: the libFuzzer target (clang++, ASan, UBSan) on the regression
 #            inputs, then PLSH_FUZZ_SECONDS (default 60) of fuzzing from tests/fuzz/corpus
 #
-#   scripts/test.sh [format|release|asan|python|fuzz]...    (no argument: all five)
+#   scripts/test.sh [format|release|asan|mpi|python|fuzz]...    (no argument: all six)
 #
 # Environment: PLSH_JOBS (parallel jobs for builds and ctest, default 2),
 # PLSH_TEST_TIMEOUT (seconds per test, default 1500), CLANG_FORMAT (default clang-format).
@@ -21,13 +25,13 @@ source scripts/deps.sh
 
 phases=("$@")
 if ((${#phases[@]} == 0)); then
-  phases=(format release asan python fuzz)
+  phases=(format release asan mpi python fuzz)
 fi
 for phase in "${phases[@]}"; do
   case "${phase}" in
-    format | release | asan | python | fuzz) ;;
+    format | release | asan | mpi | python | fuzz) ;;
     *)
-      echo "usage: scripts/test.sh [format|release|asan|python|fuzz]..." >&2
+      echo "usage: scripts/test.sh [format|release|asan|mpi|python|fuzz]..." >&2
       exit 2
       ;;
   esac
@@ -110,12 +114,28 @@ build_and_test() {
   ctest --preset "${preset}" -j "${jobs}" --timeout "${test_timeout}"
 }
 
+# PLSH_MPI=OFF: the MPI parts are built and run once, by the mpi phase, whether or not MPI was
+# installed when these phases run.
 release() {
-  build_and_test release -DPLSH_WERROR=ON
+  build_and_test release -DPLSH_WERROR=ON -DPLSH_MPI=OFF
 }
 
 asan() {
-  build_and_test asan
+  build_and_test asan -DPLSH_MPI=OFF
+}
+
+# The MPI layer: Open MPI from Debian (installed here, not at the start, so that the other phases
+# never depend on it), a Release build of the MPI targets only, and the tests labelled mpi.
+mpi_phase() {
+  if ! (plsh_ensure_deps libopenmpi-dev openmpi-bin); then
+    echo "plsh: SKIP mpi: Open MPI (Debian: libopenmpi-dev openmpi-bin) could not be installed;" \
+      "see the messages above" >&2
+    return 0
+  fi
+  cmake -S . -B build/mpi -DCMAKE_BUILD_TYPE=Release -DPLSH_WERROR=ON -DPLSH_MPI=ON \
+    -DPLSH_BUILD_TESTS=ON -DPLSH_BUILD_EXAMPLES=ON -DPLSH_BUILD_BENCHMARKS=ON
+  cmake --build build/mpi -j "${jobs}" --target test_mpi mpi_long_context mpi_bench
+  ctest --test-dir build/mpi -L mpi -j "${jobs}" --timeout "${test_timeout}" --output-on-failure
 }
 
 python_phase() {
@@ -128,6 +148,7 @@ for phase in "${phases[@]}"; do
     format) run_phase format check_format ;;
     release) run_phase release release ;;
     asan) run_phase asan asan ;;
+    mpi) run_phase mpi mpi_phase ;;
     python) run_phase python python_phase ;;
     fuzz) run_phase fuzz bash tests/fuzz/run.sh ;;
   esac
