@@ -13,16 +13,16 @@
 // this one, not for the attention kernels, which never form an n x n matrix.
 //
 // Two further modes write the data of docs/accuracy/ (docs/accuracy/regenerate.sh runs them):
-//   error_decay --masks OUT.json      matrix-free spectral and max-norm mask errors
-//   (error_norms.hpp)
-//                                     for n = 10^3 .. 10^6, s = 1 .. 1000 and the 8 standard
-//                                     slopes, on the points with n * s <= 10^8, with their times;
+//   error_decay --masks OUT.json [BUDGET [N]]   matrix-free spectral and max-norm mask errors
+//                                     (error_norms.hpp) for n = 10^3 .. 10^6 (or N alone),
+//                                     s = 1 .. 1000 and the 8 standard slopes, on the points with
+//                                     n * s <= BUDGET (default 10^8), with their times;
 //   error_decay --time OUT.json N S   both norms at one (N, S) for the slopes 1/16, 1/256, 1/2,
 //                                     with the figure's Lanczos settings: the timings;
 //   error_decay --attention QK OUT.json   attention-matrix errors (attention_error.hpp) of the
 //                                     trained q, k that examples/python/qk_dump.py wrote to QK,
 //                                     every layer and head, s = 1 .. 1000.
-// Both need Spectra (Debian: libspectra-dev) for the Lanczos solver.
+// They need Spectra (Debian: libspectra-dev) for the Lanczos solver.
 //
 // Build it against an installed plsh with
 //   find_package(plsh CONFIG REQUIRED)
@@ -120,9 +120,11 @@ void mask_point(std::ostream& out, plsh::Index n, double slope, plsh::Index h, p
 
 /// Mask errors for every (n, slope, s) with n * s <= budget: the first s draws of one stream per
 /// slope (the same draws at every n), spectral norm by Lanczos (figure_lanczos), max norm exactly.
+/// n is 10^3, 10^4, 10^5 and 10^6, or `length` alone when it is > 0.
 /// With `only_n` > 0: that n and that s only, for the slopes 1/16, 1/256 and 1/2: the timing of
 /// the matrix-free norms.
-int write_mask_figure(const char* path, double budget, plsh::Index only_n, plsh::Index only_s) {
+int write_mask_figure(const char* path, double budget, plsh::Index only_n, plsh::Index only_s,
+                      plsh::Index length = 0) {
   std::ofstream out(path);
   if (!out) return std::fprintf(stderr, "error_decay: cannot write %s\n", path), 1;
   // The timing runs three slopes of the 8, the middle one first: 1/16, 1/256, 1/2.
@@ -132,8 +134,9 @@ int write_mask_figure(const char* path, double budget, plsh::Index only_n, plsh:
   out << "{\"budget_n_times_s\": " << budget << ", \"points\": [\n";
   bool first = true;
   const std::vector<plsh::Index> lengths =
-      only_n > 0 ? std::vector<plsh::Index>{only_n}
-                 : std::vector<plsh::Index>{1000, 10000, 100000, 1000000};
+      only_n > 0   ? std::vector<plsh::Index>{only_n}
+      : length > 0 ? std::vector<plsh::Index>{length}
+                   : std::vector<plsh::Index>{1000, 10000, 100000, 1000000};
   const std::vector<plsh::Index> samples =
       only_n > 0 ? std::vector<plsh::Index>{only_s} : kFigureSamples;
   for (const plsh::Index n : lengths) {
@@ -243,12 +246,15 @@ int write_attention_figure(const char* qk_path, const char* path) {
 
 /// The figure modes: 0 or 1 when `argv` asked for one, -1 otherwise.
 int figure_mode(int argc, char** argv) {
-  const bool masks = (argc == 3 || argc == 4) && std::strcmp(argv[1], "--masks") == 0;
+  const bool masks = argc >= 3 && argc <= 5 && std::strcmp(argv[1], "--masks") == 0;
   const bool attention = argc == 4 && std::strcmp(argv[1], "--attention") == 0;
   const bool timing = argc == 5 && std::strcmp(argv[1], "--time") == 0;
   if (!masks && !attention && !timing) return -1;
 #ifdef PLSH_HAS_SPECTRA
-  if (masks) return write_mask_figure(argv[2], argc == 4 ? std::atof(argv[3]) : 1e8, 0, 0);
+  if (masks) {
+    return write_mask_figure(argv[2], argc >= 4 ? std::atof(argv[3]) : 1e8, 0, 0,
+                             argc == 5 ? std::atol(argv[4]) : 0);
+  }
   if (timing) {
     return write_mask_figure(argv[2], 0, std::atol(argv[3]), std::atol(argv[4]));
   }

@@ -6,12 +6,9 @@
 
 #include <catch2/catch.hpp>
 
-#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <limits>
-#include <new>
 #include <stdexcept>
 #include <vector>
 
@@ -28,42 +25,9 @@
 
 #include "attention_fixture.hpp"
 
-// Every heap allocation of this executable goes through these: the tests below count those made
-// by argument checks that pass. (GCC warns about free() on memory from operator new once both are
-// inlined; here operator new is malloc.)
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-#endif
-namespace {
-std::atomic<long> allocations{0};
-}  // namespace
-
-namespace {
-void* counted_allocation(std::size_t size) noexcept {
-  allocations.fetch_add(1, std::memory_order_relaxed);
-  return std::malloc(size == 0 ? 1 : size);
-}
-void* counted_allocation_or_throw(std::size_t size) {
-  if (void* pointer = counted_allocation(size)) return pointer;
-  throw std::bad_alloc();
-}
-}  // namespace
-
-// Every form that pairs with the deletes below, so that no memory crosses allocators.
-void* operator new(std::size_t size) { return counted_allocation_or_throw(size); }
-void* operator new[](std::size_t size) { return counted_allocation_or_throw(size); }
-void* operator new(std::size_t size, const std::nothrow_t&) noexcept {
-  return counted_allocation(size);
-}
-void* operator new[](std::size_t size, const std::nothrow_t&) noexcept {
-  return counted_allocation(size);
-}
-void operator delete(void* pointer) noexcept { std::free(pointer); }
-void operator delete[](void* pointer) noexcept { std::free(pointer); }
-void operator delete(void* pointer, std::size_t) noexcept { std::free(pointer); }
-void operator delete[](void* pointer, std::size_t) noexcept { std::free(pointer); }
-void operator delete(void* pointer, const std::nothrow_t&) noexcept { std::free(pointer); }
-void operator delete[](void* pointer, const std::nothrow_t&) noexcept { std::free(pointer); }
+// Every heap allocation of this executable is counted: the tests below count those made by
+// argument checks that pass.
+#include "allocation_counter.hpp"
 
 namespace {
 
@@ -404,7 +368,7 @@ TEST_CASE("argument checks that pass allocate nothing", "[bounds][allocations]")
   options.query_position = 40;
   options.key_position = 38;
   const std::vector<std::vector<Grid>> grids = plsh::draw_head_grids(slopes, 4, 0);
-  const long before = allocations.load();
+  const long before = plsh_test::allocations.load();
   plsh::detail::validate_plsh("plsh_attention", problem.q.in(), problem.k.in(), problem.v.in(),
                               problem.out.view, slopes, options);
   plsh::detail::validate_backward("plsh_attention_backward", problem.q.in(), problem.k.in(),
@@ -414,13 +378,14 @@ TEST_CASE("argument checks that pass allocate nothing", "[bounds][allocations]")
   for (const Grid& grid : grids[0]) {
     for (Index p = 0; p < 50; ++p) plsh::grid_block(grid, p, -3, 60);
   }
-  REQUIRE(allocations.load() - before == 0);
+  REQUIRE(plsh_test::allocations.load() - before == 0);
   plsh::PlshOptions bad = options;
   bad.samples = 0;
   REQUIRE_THROWS_AS(plsh::detail::validate_plsh("plsh_attention", problem.q.in(), problem.k.in(),
                                                 problem.v.in(), problem.out.view, slopes, bad),
                     std::invalid_argument);
-  REQUIRE(allocations.load() - before > 0);  // the counter sees the failing check's message
+  // The counter sees the failing check's message.
+  REQUIRE(plsh_test::allocations.load() - before > 0);
 }
 
 TEST_CASE("Passes visits only the blocks that hold a query, however far the keys are",

@@ -8,6 +8,7 @@ timings of timing.json, `error_decay --time`).
 Usage: /usr/bin/python3 docs/accuracy/plot.py [directory]
 """
 
+import glob
 import json
 import math
 import os
@@ -42,8 +43,15 @@ def slope_label(m):
 
 
 def masks(directory, lines):
-    with open(os.path.join(directory, "masks.json")) as f:
-        points = json.load(f)["points"]
+    # masks.json, then the longer rows of masks-*.json (the points both hold are the same draws and
+    # the same values: the first one is kept).
+    points, seen = [], set()
+    for name in ["masks.json"] + sorted(glob.glob(os.path.join(directory, "masks-*.json"))):
+        with open(os.path.join(directory, name)) as f:
+            for p in json.load(f)["points"]:
+                if (p["n"], p["slope"], p["s"]) not in seen:
+                    seen.add((p["n"], p["slope"], p["s"]))
+                    points.append(p)
     ns = sorted({p["n"] for p in points})
     slopes = sorted({p["slope"] for p in points}, reverse=True)
     colors = plt.cm.viridis([i / max(1, len(slopes) - 1) for i in range(len(slopes))])

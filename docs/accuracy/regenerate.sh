@@ -4,7 +4,8 @@
 #
 #   docs/accuracy/regenerate.sh [masks|attention|plot|all]   (default: all)
 #
-# masks:     error_decay --masks with n * s <= 10^7 (matrix-free norms for n = 10^3 .. 10^6), then
+# masks:     error_decay --masks with n * s <= 10^7 (matrix-free norms for n = 10^3 .. 10^6), the
+#            row n = 10^6 with n * s <= 10^8 (s <= 100), then
 #            error_decay --time at n = 10^6, s = 100 (the timings); tens of minutes on one core
 # attention: trains the miniature model of examples/python/lm.py (ALiBi variant, seed 1, the
 #            script's default 2000 steps) unless build/accuracy/alibi-s1.pt exists, dumps its q, k
@@ -34,6 +35,9 @@ build_error_decay() {
 masks() {
   build_error_decay
   "${build}/examples/error_decay" --masks "${out}/masks.json" 1e7 | tee "${work}/masks.log"
+  # The row n = 10^6 up to s = 100 (n * s <= 10^8): plot.py reads it beside masks.json.
+  "${build}/examples/error_decay" --masks "${out}/masks-1e6.json" 1e8 1000000 |
+    tee "${work}/masks-1e6.log"
   "${build}/examples/error_decay" --time "${out}/timing.json" 1000000 100 |
     tee "${work}/timing.log"
 }
