@@ -46,7 +46,8 @@ def masks(directory, lines):
     # masks.json, then the longer rows of masks-*.json (the points both hold are the same draws and
     # the same values: the first one is kept).
     points, seen = [], set()
-    for name in ["masks.json"] + sorted(glob.glob(os.path.join(directory, "masks-*.json"))):
+    extra = glob.glob(os.path.join(directory, "masks-*.json"))
+    for name in ["masks.json"] + sorted(os.path.basename(path) for path in extra):
         with open(os.path.join(directory, name)) as f:
             for p in json.load(f)["points"]:
                 if (p["n"], p["slope"], p["s"]) not in seen:
