@@ -2,9 +2,10 @@
 # Everything CI checks, in order:
 #   format   clang-format --dry-run --Werror over include/ tests/ examples/ bench/ python/
 #   release  preset "release": build/release (tests, examples, benchmarks, -Werror), ctest
-#   asan     preset "asan": build/asan, the unit tests in RelWithDebInfo (line tables only) with
-#            ASan and UBSan, ctest (the examples and the packaging tests, which build unsanitised
-#            consumer projects, run in the release phase only)
+#   asan     preset "asan": build/asan, the unit tests with ASan and UBSan at -O1 with line
+#            tables only (the usual settings of a sanitizer build), ctest (the examples and the
+#            packaging tests, which build unsanitised consumer projects, run in the release
+#            phase only)
 #   mpi      build/mpi (Release, PLSH_MPI=ON): only the MPI tests, example and benchmark, then
 #            ctest -L mpi (mpirun on 1, 2 and 4 ranks, the installed mpi component, the bytes
 #            acceptance); installs libopenmpi-dev and openmpi-bin, skipped with a message when
