@@ -70,14 +70,14 @@ struct Setting {
   int seeds;
 };
 
+#ifdef PLSH_HAS_SPECTRA
+
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
 /// The sample counts of the figures: 1, 3, 10, ... 1000.
 const std::vector<plsh::Index> kFigureSamples = {1, 3, 10, 30, 100, 300, 1000};
-
-#ifdef PLSH_HAS_SPECTRA
 
 /// Lanczos settings of the figures: six significant digits are plenty for a log-log plot. A mean
 /// of few masks has clusters of nearly equal top eigenvalues (blocks of equal size), where the
