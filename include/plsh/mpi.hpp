@@ -589,13 +589,15 @@ ExchangeCounts plsh_attention(MPI_Comm comm, HeadsView<const plsh::detail::NonDe
       detail::attention_signature(q.heads, k.heads, q.dim, v.dim, slopes, options);
   signature.add(options.samples);
   signature.add(static_cast<std::int64_t>(options.seed));
+  signature.add(static_cast<std::int64_t>(options.sampling));
   signature.add(static_cast<std::int64_t>(options.kernel));
   const ChunkLayout layout = detail::agree_on_layout(call, function, q.tokens, signature, [&] {
     detail::check_forward(function, q, k, v, out, slopes, options);
     plsh::detail::require_samples(options.samples, function, "options.samples");
   });
   detail::check_sequence(function, layout, options);
-  const auto grids = draw_head_grids(slopes, options.samples, options.seed);
+  // The kernel draws the same grids (kernel_grids): the halo must follow options.sampling.
+  const auto grids = plsh::detail::kernel_grids(slopes, options, function);
   const auto reachable = detail::plsh_reachable_keys(layout, grids, options);
   const auto gathered = detail::gather_keys(call, layout, reachable, k, v);
   const PlshOptions local =
@@ -748,6 +750,7 @@ ExchangeCounts plsh_attention_backward(MPI_Comm comm,
       detail::attention_signature(q.heads, k.heads, q.dim, v.dim, slopes, options);
   signature.add(options.samples);
   signature.add(static_cast<std::int64_t>(options.seed));
+  signature.add(static_cast<std::int64_t>(options.sampling));
   const ChunkLayout layout = detail::agree_on_layout(call, function, q.tokens, signature, [&] {
     detail::require(k.tokens == q.tokens, function,
                     "k.tokens must equal q.tokens (one chunk of the sequence)");
@@ -755,7 +758,8 @@ ExchangeCounts plsh_attention_backward(MPI_Comm comm,
     plsh::detail::validate_slopes(function, slopes, q.heads);
   });
   detail::check_sequence(function, layout, options);
-  const auto grids = draw_head_grids(slopes, options.samples, options.seed);
+  // The kernel draws the same grids (kernel_grids): the halo must follow options.sampling.
+  const auto grids = plsh::detail::kernel_grids(slopes, options, function);
   const auto reachable = detail::plsh_reachable_keys(layout, grids, options);
   auto gathered = detail::gather_keys(call, layout, reachable, k, v);
   const PlshOptions local =

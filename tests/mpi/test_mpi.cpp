@@ -300,6 +300,51 @@ TEMPLATE_TEST_CASE("plsh::mpi::plsh_attention_backward equals plsh_attention_bac
   });
 }
 
+TEST_CASE("plsh::mpi kernels draw their halo with the options' sampling", "[mpi][plsh]") {
+  // Latin hypercube draws differ from independent ones: a halo computed from independent draws
+  // misses keys that the kernel's blocks reach.
+  for_each_case([](const std::vector<Index>& sizes, const std::vector<double>& slopes,
+                   plsh::PlshOptions options, const Shape& shape) {
+    options.sampling = plsh::Sampling::LatinHypercube;
+    const ChunkLayout layout(sizes);
+    const Block chunk = layout.chunk(world_rank());
+    const plsh_test::Problem<double> problem(shape, 23);
+    Buffer<double> whole = problem.output();
+    plsh::plsh_attention<double>(problem.q.in(), problem.k.in(), problem.v.in(), whole.view, slopes,
+                                 options);
+    Buffer<double> mine(chunk.size(), shape.heads, shape.value_dim);
+    const auto slice = [&](const Buffer<double>& buffer) {
+      return buffer.in().slice(chunk.begin, chunk.size());
+    };
+    const ExchangeCounts counts =
+        plsh::mpi::plsh_attention<double>(MPI_COMM_WORLD, slice(problem.q), slice(problem.k),
+                                          slice(problem.v), mine.view, slopes, options);
+    check_rows<double>(mine.in(), whole.in(), chunk, single_call(options));
+    CHECK(counts.bytes_received ==
+          plsh::mpi::detail::halo_bytes(layout,
+                                        plsh::mpi::detail::plsh_reachable_keys(
+                                            layout, plsh::kernel_grids(slopes, options), options),
+                                        world_rank(), row_bytes(shape, sizeof(double))));
+    Buffer<double> dout = problem.output();
+    dout.fill_random(plsh::detail::mix64(5));
+    Buffer<double> dq(shape.n_q, shape.heads, shape.dim);
+    Buffer<double> dk(shape.n_k, shape.kv_heads, shape.dim);
+    Buffer<double> dv(shape.n_k, shape.kv_heads, shape.value_dim);
+    plsh::plsh_attention_backward<double>(problem.q.in(), problem.k.in(), problem.v.in(),
+                                          whole.in(), dout.in(), dq.view, dk.view, dv.view, slopes,
+                                          options);
+    Buffer<double> my_dq(chunk.size(), shape.heads, shape.dim);
+    Buffer<double> my_dk(chunk.size(), shape.kv_heads, shape.dim);
+    Buffer<double> my_dv(chunk.size(), shape.kv_heads, shape.value_dim);
+    plsh::mpi::plsh_attention_backward<double>(MPI_COMM_WORLD, slice(problem.q), slice(problem.k),
+                                               slice(problem.v), slice(whole), slice(dout),
+                                               my_dq.view, my_dk.view, my_dv.view, slopes, options);
+    check_rows<double>(my_dq.in(), dq.in(), chunk, single_call(options));
+    check_rows<double>(my_dk.in(), dk.in(), chunk, single_call(options));
+    check_rows<double>(my_dv.in(), dv.in(), chunk, single_call(options));
+  });
+}
+
 TEST_CASE("the halo of short chunks spans several ranks, of long chunks one neighbour",
           "[mpi][halo]") {
   const ChunkLayout layout(plsh::mpi::even_chunk_sizes(kTokens, 4));
