@@ -239,6 +239,60 @@ TEST_CASE("KvCache::attend equals plsh_attention over the whole sequence", "[kv_
   }
 }
 
+TEST_CASE("KvCache decoding keeps the non-finite contract of plsh_attention",
+          "[kv_cache][nonfinite]") {
+  // Token 100 of key/value head 0 has an infinite key entry and a NaN value entry: by the sign of
+  // each query's entry, its logit is +inf (the row is NaN) or -inf (it weighs exactly 0, and its
+  // NaN value adds nothing). Token 200 of head 1 has a NaN value entry: every row that reaches it
+  // is NaN. The cache's rows equal the whole-sequence kernel's, NaN for NaN, for one query at a
+  // time and chunks of 7 (the single-query path), and chunks of 20 (the fused kernel).
+  Sequence<float> sequence(300, 4, 2, 16, 8, 61);
+  const auto at = [](Index token, Index heads, Index head, Index dim, Index entry) {
+    return static_cast<std::size_t>((token * heads + head) * dim + entry);
+  };
+  sequence.k[at(100, 2, 0, 16, 0)] = std::numeric_limits<float>::infinity();
+  sequence.v[at(100, 2, 0, 8, 3)] = std::numeric_limits<float>::quiet_NaN();
+  sequence.v[at(200, 2, 1, 8, 5)] = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<double> slopes = {0.5, 0.2, 0.05, 0.01};
+  plsh::PlshOptions options;
+  options.seed = 8;
+  const std::vector<float> expected = whole_sequence(sequence, slopes, options);
+  const Index row_size = sequence.heads * sequence.value_dim;
+  Index nan_rows = 0;
+  for (Index i = 0; i < sequence.tokens * row_size; ++i) {
+    nan_rows += std::isnan(expected[static_cast<std::size_t>(i)]) ? 1 : 0;
+  }
+  INFO("NaN entries of the whole-sequence output: " << nan_rows);
+  REQUIRE(nan_rows > 0);
+  REQUIRE(nan_rows < sequence.tokens * row_size / 2);
+  for (const Index chunk : {Index{1}, Index{7}, Index{20}}) {
+    plsh::KvCache<float> cache(sequence.heads, sequence.kv_heads, sequence.dim, sequence.value_dim,
+                               slopes, options);
+    std::vector<float> out(static_cast<std::size_t>(chunk * row_size));
+    Index mismatches = 0;
+    double difference = 0;
+    for (Index done = 0; done < sequence.tokens; done += chunk) {
+      const Index rows = std::min(chunk, sequence.tokens - done);
+      cache.append(sequence.keys(done, rows), sequence.values(done, rows));
+      cache.attend(sequence.queries(done, rows),
+                   HeadsView<float>{out.data(), rows, sequence.heads, sequence.value_dim});
+      for (Index i = 0; i < rows * row_size; ++i) {
+        const float got = out[static_cast<std::size_t>(i)];
+        const float want = expected[static_cast<std::size_t>(done * row_size + i)];
+        if (std::isnan(want) != std::isnan(got)) {
+          ++mismatches;
+        } else if (!std::isnan(want)) {
+          difference = std::max(difference, static_cast<double>(std::abs(got - want)));
+        }
+      }
+    }
+    INFO("chunks of " << chunk << ": " << mismatches << " entries NaN in one output only, max "
+                      << "difference elsewhere " << difference);
+    CHECK(mismatches == 0);
+    CHECK(difference <= 2e-5);
+  }
+}
+
 TEST_CASE("KvCache with the pass kernel equals plsh_attention", "[kv_cache]") {
   const Sequence<float> sequence(300, 4, 4, 8, 8, 5);
   const std::vector<double> slopes = {0.5, 0.2, 0.05, 0.01};

@@ -26,10 +26,17 @@
 /// (query, head, range) is a job: a matrix-vector product for its scores, \f$\log c_j\f$ added,
 /// an online softmax of one row and a matrix-vector product with its values, giving a partial
 /// (output, lse). The jobs run in one OpenMP region (when the work is worth it) and are merged by
-/// log-sum-exp in job order, so the result is identical for any number of threads. Cost per
-/// query and head: \f$(d + d_v)\f$ times the union width (about \f$(\ln s + \ln\ln s)/m\f$),
-/// plus O(s log s) for the counts; no block look-up for the newest position and no allocation
-/// once the scratch has grown. More queries go to the fused (or pass) kernel of
+/// log-sum-exp in job order, so the result is identical for any number of threads (one thread
+/// runs them without opening a parallel region). A job's two products run in the AVX-512 code of
+/// detail/decode_simd.hpp when the library is compiled for it (the counts then multiply the
+/// exponentials instead of adding their logarithms, and bfloat16 keys meet the bfloat16 query
+/// in `vdpbf16ps` where AVX-512 BF16 is present), else in Eigen's matrix-vector products. Either
+/// way a job is plain arithmetic; one whose output or sum comes out non-finite is recomputed by
+/// the OnlineSoftmax of the other kernels, which applies the non-finite contract. Cost per query
+/// and head: \f$(d + d_v)\f$ times the union width (about \f$(\ln s + \ln\ln s)/m\f$), plus
+/// O(s) per job for the counts; the newest position's block starts are kept sorted by the
+/// appends, so a one-token attend looks up and sorts nothing, and allocates nothing once the
+/// scratch has grown. More queries go to the fused (or pass) kernel of
 /// plsh_attention on the resident keys, whose products are GEMMs over query tiles.
 ///
 /// Storage: float, double, Eigen::bfloat16 or Eigen::half keys, values, queries and outputs,
@@ -37,14 +44,14 @@
 /// converted once per job, each output row rounded once).
 ///
 /// Tested in tests/test_kv_cache.cpp against plsh_attention over the whole sequence (every chunk
-/// size, grouped heads, float, double, bfloat16 and half), for identical results at 1, 2 and 3
-/// threads, for no allocation in a decoding step, and for the resident bound computed from the
-/// partitions.
+/// size, grouped heads, float, double, bfloat16 and half, non-finite inputs), for identical
+/// results at 1, 2 and 3 threads, for no allocation in a decoding step, and for the resident
+/// bound computed from the partitions; the same tests run through the AVX-512 products in
+/// test_kv_cache_avx512, where the build machine has AVX-512.
 
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
-#include <exception>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -59,6 +66,8 @@
 #include "attention/plsh_attention.hpp"
 #include "attention/regular.hpp"
 #include "detail/check.hpp"
+#include "detail/decode_simd.hpp"
+#include "detail/parallel.hpp"
 #include "detail/storage.hpp"
 #include "detail/validate.hpp"
 #include "limits.hpp"
@@ -82,6 +91,14 @@ constexpr Index kDecodeKeyChunk = 128;
 /// Estimated multiply-adds from which the single-query path opens a parallel region. A region of
 /// warm threads costs about a microsecond, the time of some 10^4 multiply-adds.
 constexpr double kDecodeParallelWork = 1 << 15;
+
+/// Whether the single-query path computes its products with decode_simd.hpp (float, bfloat16
+/// and half storage; double always takes Eigen's products).
+#if defined(PLSH_DECODE_AVX512)
+constexpr bool kDecodeSimd = true;
+#else
+constexpr bool kDecodeSimd = false;
+#endif
 
 /// Keys `[begin, end)` (absolute positions) of query row `row` and head `head`.
 struct DecodeJob {
@@ -117,15 +134,35 @@ struct DecodeWorkspace {
   OutputRows<Storage> output;
 };
 
+/// Adds \f$\log c_j\f$ to the logits of keys `first_position .. first_position + count - 1`:
+/// \f$c_j = \#\{t : b_t \le j\}\f$, `begins` the s block starts of the row's draws, sorted
+/// (causal: every block of the row ends after it, so the counts only step up), in segments of
+/// constant count.
+template <class Scalar>
+void add_log_counts(Scalar* scores, Index count, Index first_position, const Index* begins,
+                    Index samples, const std::vector<Scalar>& log_count) {
+  Index draws = std::upper_bound(begins, begins + samples, first_position) - begins;
+  for (Index position = first_position; position < first_position + count;) {
+    const Index next =
+        draws < samples ? std::min(begins[draws], first_position + count) : first_position + count;
+    const Scalar log_c = log_count[static_cast<std::size_t>(draws)];
+    for (Index j = position - first_position; j < next - first_position; ++j) scores[j] += log_c;
+    position = next;
+    while (draws < samples && begins[draws] <= position) ++draws;
+  }
+}
+
 /// The logits of one job, \f$\text{scale}\, q \cdot k_j + \log c_j\f$ over its keys, into an
 /// online softmax of one row: \f$c_j = \#\{t : b_t \le j\}\f$, `begins` the s block starts of
 /// the row's draws, sorted (causal: every block of the row ends after it, so the counts only
-/// step up). Writes the job's normalised output and log-sum-exp.
+/// step up). Writes the job's normalised output and log-sum-exp. The general path: any input,
+/// with the non-finite contract of OnlineSoftmax.
 template <class Storage>
-void decode_job(const ConstHeadMap<Storage>& keys, const ConstHeadMap<Storage>& values,
-                const Compute<Storage>* query, Index first_position, const Index* begins,
-                Index samples, const std::vector<Compute<Storage>>& log_count,
-                DecodeThreadState<Storage>& state, Compute<Storage>* out, Compute<Storage>* lse) {
+void decode_job_general(const ConstHeadMap<Storage>& keys, const ConstHeadMap<Storage>& values,
+                        const Compute<Storage>* query, Index first_position, const Index* begins,
+                        Index samples, const std::vector<Compute<Storage>>& log_count,
+                        DecodeThreadState<Storage>& state, Compute<Storage>* out,
+                        Compute<Storage>* lse) {
   using Scalar = Compute<Storage>;
   const Index count = keys.rows();
   const ConstHeadMap<Scalar> k = compute_rows(keys, state.keys);
@@ -133,19 +170,82 @@ void decode_job(const ConstHeadMap<Storage>& keys, const ConstHeadMap<Storage>& 
   Eigen::Map<RowMatrix<Scalar>> scores(state.scores, 1, count);
   const Eigen::Map<const RowMatrix<Scalar>> q(query, 1, keys.cols());
   scores.noalias() = q * k.transpose();
-  // Segments of constant count: [position, next begin) holds c = number of begins <= position.
-  Index draws = std::upper_bound(begins, begins + samples, first_position) - begins;
-  for (Index position = first_position; position < first_position + count;) {
-    const Index next =
-        draws < samples ? std::min(begins[draws], first_position + count) : first_position + count;
-    scores.middleCols(position - first_position, next - position).array() +=
-        log_count[static_cast<std::size_t>(draws)];
-    position = next;
-    while (draws < samples && begins[draws] <= position) ++draws;
-  }
+  add_log_counts(scores.data(), count, first_position, begins, samples, log_count);
   state.softmax.reset(1, values.cols());
   state.softmax.update(scores, v);
   state.softmax.finish(Eigen::Map<RowMatrix<Scalar>>(out, 1, values.cols()), lse);
+}
+
+/// One job of the single-query path: decode_job_general's result, computed without its
+/// non-finite bookkeeping. Every key of a job has a count of at least 1 (the union starts at the
+/// smallest block start), so no logit is masked; with finite inputs the plain arithmetic below
+/// is the online softmax of one row. Any non-finite input that reaches the output leaves a
+/// non-finite output or sum (a NaN or infinite logit, or a value row with a NaN or infinity
+/// times its weight, even an underflowed one), and the job is then recomputed by
+/// decode_job_general, which applies the contract.
+template <class Storage>
+void decode_job(const ConstHeadMap<Storage>& keys, const ConstHeadMap<Storage>& values,
+                const Compute<Storage>* query, const Storage* raw_query, Compute<Storage> scale,
+                Index first_position, const Index* begins, Index samples,
+                const std::vector<Compute<Storage>>& log_count, DecodeThreadState<Storage>& state,
+                Compute<Storage>* out, Compute<Storage>* lse) {
+  using Scalar = Compute<Storage>;
+  const Index count = keys.rows();
+  const Index value_dim = values.cols();
+  Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>, Eigen::Aligned64> scores(state.scores,
+                                                                                count);
+  Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>> result(out, value_dim);
+  Scalar max;
+  Scalar sum;
+  static_cast<void>(raw_query);
+  static_cast<void>(scale);
+  if constexpr (kDecodeSimd && std::is_same<Scalar, float>::value) {
+#if defined(PLSH_DECODE_AVX512)
+    // Weights c_j e^{S_j - max S} (the counts multiply the exponentials instead of adding their
+    // logarithms to the logits).
+#if defined(PLSH_DECODE_AVX512_BF16)
+    if constexpr (std::is_same<Storage, Eigen::bfloat16>::value) {
+      avx512::scores_bf16(keys.data(), count, keys.cols(), keys.outerStride(), raw_query, scale,
+                          state.scores);
+    } else
+#endif
+    {
+      avx512::scores(keys.data(), count, keys.cols(), keys.outerStride(), query, state.scores);
+    }
+    max = scores.maxCoeff();
+    if (!(max > -std::numeric_limits<Scalar>::infinity())) {
+      decode_job_general(keys, values, query, first_position, begins, samples, log_count, state,
+                         out, lse);
+      return;
+    }
+    scores.array() = (scores.array() - max).exp();
+    sum = avx512::multiply_counts(state.scores, count, first_position, begins, samples);
+    avx512::weighted_sum(values.data(), count, value_dim, values.outerStride(), state.scores, out);
+#endif
+  } else {
+    {
+      const ConstHeadMap<Scalar> k = compute_rows(keys, state.keys);
+      scores.noalias() =
+          k * Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>(query, keys.cols());
+    }
+    add_log_counts(state.scores, count, first_position, begins, samples, log_count);
+    max = scores.maxCoeff();
+    if (!(max > -std::numeric_limits<Scalar>::infinity())) {
+      decode_job_general(keys, values, query, first_position, begins, samples, log_count, state,
+                         out, lse);
+      return;
+    }
+    scores.array() = (scores.array() - max).exp();
+    sum = scores.sum();
+    const ConstHeadMap<Scalar> v = compute_rows(values, state.values);
+    result.noalias() = v.transpose() * scores;
+  }
+  result /= sum;
+  *lse = max + std::log(sum);
+  if (!all_finite(result) || !std::isfinite(*lse)) {
+    decode_job_general(keys, values, query, first_position, begins, samples, log_count, state, out,
+                       lse);
+  }
 }
 
 }  // namespace detail
@@ -211,6 +311,7 @@ class KvCache {
     oldest_ = options.key_position;
     // No block is known yet: the first append looks up every (head, draw).
     blocks_.assign(static_cast<std::size_t>(heads * options.samples), Block{0, 0});
+    block_begins_.assign(blocks_.size(), 0);
   }
 
   /// Appends the keys and values of positions `position() .. position() + k.tokens - 1`, after
@@ -329,16 +430,28 @@ class KvCache {
     Index start = position;
     const Index samples = options_.samples;
     for (Index h = 0; h < heads_; ++h) {
+      Index* begins = &block_begins_[static_cast<std::size_t>(h * samples)];
       for (Index t = 0; t < samples; ++t) {
         Block& block = blocks_[static_cast<std::size_t>(h * samples + t)];
         if (!block.contains(position)) {
+          const Index old_begin = block.begin;
           block = grid_block(grids_[static_cast<std::size_t>(h)][static_cast<std::size_t>(t)],
                              position, options_.key_position, kMaxPosition);
+          replace_sorted(begins, samples, old_begin, block.begin);
         }
-        start = std::min(start, block.begin);
       }
+      start = std::min(start, begins[0]);
     }
     return start;
+  }
+
+  /// In the sorted `values[0, count)`, one entry equal to `old_value` becomes `new_value`, the
+  /// entries between moving by one place so that the range stays sorted.
+  static void replace_sorted(Index* values, Index count, Index old_value, Index new_value) {
+    Index i = std::lower_bound(values, values + count, old_value) - values;
+    for (; i + 1 < count && values[i + 1] < new_value; ++i) values[i] = values[i + 1];
+    for (; i > 0 && values[i - 1] > new_value; --i) values[i] = values[i - 1];
+    values[i] = new_value;
   }
 
   void evict(Index reachable) {
@@ -419,18 +532,24 @@ class KvCache {
       const Index position = first_query + r;
       for (Index h = 0; h < heads_; ++h) {
         Index* begins = &workspace.begins[static_cast<std::size_t>((r * heads_ + h) * samples)];
-        for (Index t = 0; t < samples; ++t) {
-          const Block& newest = blocks_[static_cast<std::size_t>(h * samples + t)];
-          // Rows before the newest block of a draw: chunks that crossed a block boundary.
-          begins[t] = std::max(
-              oldest_,
-              newest.contains(position)
-                  ? newest.begin
-                  : grid_block(grids_[static_cast<std::size_t>(h)][static_cast<std::size_t>(t)],
-                               position, options_.key_position, kMaxPosition)
-                        .begin);
+        if (position == position_ - 1) {
+          // The newest position: the sorted starts of its blocks are kept by the appends.
+          const Index* newest = &block_begins_[static_cast<std::size_t>(h * samples)];
+          for (Index t = 0; t < samples; ++t) begins[t] = std::max(oldest_, newest[t]);
+        } else {
+          for (Index t = 0; t < samples; ++t) {
+            const Block& newest = blocks_[static_cast<std::size_t>(h * samples + t)];
+            // Rows before the newest block of a draw: chunks that crossed a block boundary.
+            begins[t] = std::max(
+                oldest_,
+                newest.contains(position)
+                    ? newest.begin
+                    : grid_block(grids_[static_cast<std::size_t>(h)][static_cast<std::size_t>(t)],
+                                 position, options_.key_position, kMaxPosition)
+                          .begin);
+          }
+          std::sort(begins, begins + samples);
         }
-        std::sort(begins, begins + samples);
         workspace.first_job[static_cast<std::size_t>(r * heads_ + h)] =
             static_cast<Index>(workspace.jobs.size());
         for (Index begin = begins[0]; begin <= position; begin += detail::kDecodeKeyChunk) {
@@ -452,44 +571,28 @@ class KvCache {
     Index threads = 1;
 #if defined(_OPENMP)
     if (jobs > 1 && work >= detail::kDecodeParallelWork) threads = omp_get_max_threads();
-    const bool threaded = threads > 1;
 #endif
     if (static_cast<Index>(workspace.threads.size()) < threads) {
       workspace.threads.resize(static_cast<std::size_t>(threads));
     }
-    std::exception_ptr failure;
-#if defined(_OPENMP)
-#pragma omp parallel for schedule(dynamic, 1) if (threaded)
-#endif
-    for (Index j = 0; j < jobs; ++j) {
-      try {
-        Index thread = 0;
-#if defined(_OPENMP)
-        thread = omp_get_thread_num();
-#endif
-        const detail::DecodeJob& job = workspace.jobs[static_cast<std::size_t>(j)];
-        const Index g = job.head / group;
-        const Index first_row = start_ + job.begin - oldest_;
-        const Index count = job.end - job.begin;
-        detail::decode_job<Scalar>(
-            ConstHeadMap<Scalar>(keys_.data() + (g * capacity_ + first_row) * dim_, count, dim_,
-                                 Eigen::OuterStride<>(dim_)),
-            ConstHeadMap<Scalar>(values_.data() + (g * capacity_ + first_row) * value_dim_, count,
-                                 value_dim_, Eigen::OuterStride<>(value_dim_)),
-            &workspace.queries[static_cast<std::size_t>((job.row * heads_ + job.head) * dim_)],
-            job.begin,
-            &workspace.begins[static_cast<std::size_t>((job.row * heads_ + job.head) * samples)],
-            samples, workspace.log_count, workspace.threads[static_cast<std::size_t>(thread)],
-            &workspace.partial[static_cast<std::size_t>(j * value_dim_)],
-            &workspace.lse[static_cast<std::size_t>(j)]);
-      } catch (...) {
-#if defined(_OPENMP)
-#pragma omp critical(plsh_kv_cache_failure)
-#endif
-        if (!failure) failure = std::current_exception();
-      }
-    }
-    if (failure) std::rethrow_exception(failure);
+    detail::parallel_for_threads(jobs, threads > 1, [&](Index j, int thread) {
+      const detail::DecodeJob& job = workspace.jobs[static_cast<std::size_t>(j)];
+      const Index g = job.head / group;
+      const Index first_row = start_ + job.begin - oldest_;
+      const Index count = job.end - job.begin;
+      detail::decode_job<Scalar>(
+          ConstHeadMap<Scalar>(keys_.data() + (g * capacity_ + first_row) * dim_, count, dim_,
+                               Eigen::OuterStride<>(dim_)),
+          ConstHeadMap<Scalar>(values_.data() + (g * capacity_ + first_row) * value_dim_, count,
+                               value_dim_, Eigen::OuterStride<>(value_dim_)),
+          &workspace.queries[static_cast<std::size_t>((job.row * heads_ + job.head) * dim_)],
+          q.data + job.row * q.token_stride + job.head * q.head_stride, static_cast<Compute>(scale),
+          job.begin,
+          &workspace.begins[static_cast<std::size_t>((job.row * heads_ + job.head) * samples)],
+          samples, workspace.log_count, workspace.threads[static_cast<std::size_t>(thread)],
+          &workspace.partial[static_cast<std::size_t>(j * value_dim_)],
+          &workspace.lse[static_cast<std::size_t>(j)]);
+    });
     for (Index r = 0; r < rows; ++r) {
       for (Index h = 0; h < heads_; ++h) {
         HeadMap<Compute> row = workspace.output.bind(
@@ -519,7 +622,8 @@ class KvCache {
   std::vector<double> slopes_;
   PlshOptions options_;
   std::vector<std::vector<Grid>> grids_;
-  std::vector<Block> blocks_;  // [head][draw]: the block of the newest position
+  std::vector<Block> blocks_;        // [head][draw]: the block of the newest position
+  std::vector<Index> block_begins_;  // [head][]: the begins of blocks_, sorted per head
   // [kv_head][capacity_][dim]: rows [start_, start_ + resident_) of each head's region hold
   // positions oldest_ on.
   detail::AlignedVector<Scalar> keys_;

@@ -5,6 +5,10 @@
 #include <exception>
 #include <type_traits>
 
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
 namespace plsh {
 namespace detail {
 
@@ -29,29 +33,39 @@ double attention_work(const View& q, const View& k, const View& v) {
          static_cast<double>(k.tokens) * static_cast<double>(q.dim + v.dim);
 }
 
+/// Calls `body(i, thread)` for i in [0, count), `thread` the OpenMP thread number that runs it:
+/// across OpenMP threads when compiled with OpenMP and `threaded`, with dynamic scheduling;
+/// otherwise in a plain loop on the calling thread (thread 0), without opening a parallel region.
+/// Every `i` must write its own outputs, so the result does not depend on the number of threads.
+/// The first exception thrown by a body reaches the caller (threaded: after the loop).
+template <class Body>
+void parallel_for_threads(Eigen::Index count, bool threaded, Body&& body) {
+#if defined(_OPENMP)
+  if (threaded) {
+    std::exception_ptr failure;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (Eigen::Index i = 0; i < count; ++i) {
+      try {
+        body(i, omp_get_thread_num());
+      } catch (...) {
+#pragma omp critical(plsh_parallel_for_failure)
+        if (!failure) failure = std::current_exception();
+      }
+    }
+    if (failure) std::rethrow_exception(failure);
+    return;
+  }
+#endif
+  static_cast<void>(threaded);  // unused without OpenMP
+  for (Eigen::Index i = 0; i < count; ++i) body(i, 0);
+}
+
 /// Calls `body(i)` for i in [0, count): across OpenMP threads when compiled with OpenMP and
-/// `work` (estimated multiply-adds of the whole loop) reaches kMinParallelWork, with dynamic
-/// scheduling. Every `i` must write its own outputs, so the result does not depend on the number
-/// of threads. The first exception thrown by a body is rethrown after the loop.
+/// `work` (estimated multiply-adds of the whole loop) reaches kMinParallelWork
+/// (parallel_for_threads).
 template <class Body>
 void parallel_for(Eigen::Index count, double work, Body&& body) {
-  std::exception_ptr failure;
-  const bool threaded = work >= kMinParallelWork;
-  static_cast<void>(threaded);  // unused without OpenMP
-#if defined(_OPENMP)
-#pragma omp parallel for schedule(dynamic, 1) if (threaded)
-#endif
-  for (Eigen::Index i = 0; i < count; ++i) {
-    try {
-      body(i);
-    } catch (...) {
-#if defined(_OPENMP)
-#pragma omp critical(plsh_parallel_for_failure)
-#endif
-      if (!failure) failure = std::current_exception();
-    }
-  }
-  if (failure) std::rethrow_exception(failure);
+  parallel_for_threads(count, work >= kMinParallelWork, [&](Eigen::Index i, int) { body(i); });
 }
 
 }  // namespace detail

@@ -1,0 +1,242 @@
+#ifndef PLSH_DETAIL_DECODE_SIMD_HPP
+#define PLSH_DETAIL_DECODE_SIMD_HPP
+
+/// \file decode_simd.hpp
+/// AVX-512 products of the single-query decoding path (kv_cache.hpp), chosen at compile time:
+/// with `-mavx512f -mavx512bw -mavx512vl` (or `-march=` of a processor that has them) KvCache
+/// computes a job's scores and its weighted sum of values here; otherwise with Eigen's
+/// matrix-vector products (the portable path, which the default build of the tests runs).
+///
+/// - `avx512::scores`: \f$s_j = q \cdot k_j\f$ for up to 16 keys at once: one accumulator per key,
+///   one fused multiply-add per 16 entries, then the 16 accumulators reduced together by three
+///   rounds of shuffles (45 operations per 16 keys instead of a horizontal sum per key). Keys in
+///   float, or in bfloat16 or half converted in registers (no copy of the key rows).
+/// - With AVX-512 BF16 as well (`-mavx512bf16`), bfloat16 keys and the bfloat16 query go to
+///   `vdpbf16ps`: products of two bfloat16 numbers are exact in float, and pairs of them are
+///   summed into float accumulators, so the scores differ from the converted path by the order
+///   of the float sums (and denormals flushed to zero) only. The scale multiplies the sums.
+/// - `avx512::weighted_sum`: \f$o = \sum_j w_j v_j\f$, 64 output columns at a time in registers,
+///   values converted in registers.
+///
+/// Rows are `stride` entries apart; every size is allowed (tails by masked loads, which do not
+/// touch memory past the last row). Tested in tests/test_decode_simd.cpp against sums in double,
+/// for every size from 1 to past two vectors, where the build machine has these instructions.
+
+#include <Eigen/Core>
+
+#include <algorithm>
+
+#include "../tensor.hpp"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PLSH_DECODE_AVX512 1
+#include <immintrin.h>
+#endif
+
+#if defined(PLSH_DECODE_AVX512) && defined(__AVX512BF16__)
+#define PLSH_DECODE_AVX512_BF16 1
+#endif
+
+#if defined(PLSH_DECODE_AVX512)
+
+// GCC 12's AVX-512 headers initialise _mm_undefined_ps() and its kin from themselves, which is
+// reported as (maybe) uninitialised where shuffles and extractions are inlined (GCC bug 105593,
+// fixed in GCC 13).
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#define PLSH_DECODE_DIAGNOSTIC_PUSHED 1
+#endif
+
+namespace plsh {
+namespace detail {
+namespace avx512 {
+
+/// The first `count` of 16 lanes (all of them for count >= 16).
+inline __mmask16 first_lanes16(Index count) {
+  return count >= 16 ? static_cast<__mmask16>(0xFFFF)
+                     : static_cast<__mmask16>((1u << static_cast<unsigned>(count)) - 1u);
+}
+
+/// The first `count` of 32 lanes (all of them for count >= 32).
+inline __mmask32 first_lanes32(Index count) {
+  return count >= 32 ? static_cast<__mmask32>(0xFFFFFFFFu)
+                     : static_cast<__mmask32>((1u << static_cast<unsigned>(count)) - 1u);
+}
+
+/// 16 floats from `data`, lanes outside `mask` zero (and not read).
+inline __m512 load(const float* data, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, data); }
+
+inline __m512 load(const Eigen::half* data, __mmask16 mask) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, data));
+}
+
+/// A bfloat16 is the upper half of a float: widening is a 16-bit shift.
+inline __m512 load(const Eigen::bfloat16* data, __mmask16 mask) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, data)), 16));
+}
+
+/// The sums of 16 vectors, lane j holding the sum of the lanes of `v[j]`.
+inline __m512 sum16(const __m512* v) {
+  // Within each 128-bit lane, pairs (v[2i], v[2i+1]): [x0+x2, y0+y2, x1+x3, y1+y3].
+  __m512 a[8];
+  for (int i = 0; i < 8; ++i) {
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  // Pairs (a[2i], a[2i+1]): per 128-bit lane, the lane sums of v[4i], ..., v[4i + 3].
+  __m512 b[4];
+  for (int i = 0; i < 4; ++i) {
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  // Across the four 128-bit lanes: b[i]'s four lane sums added, into 128-bit lane i.
+  const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(c0, c1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/// `rows[r]`: key row `first + r` of a block of 16, the last row repeated past `count` (its
+/// sums are computed and not stored).
+template <class Storage>
+void block_rows(const Storage* keys, Index stride, Index first, Index count,
+                const Storage* (&rows)[16]) {
+  for (Index r = 0; r < 16; ++r) {
+    rows[r] = keys + (first + (first + r < count ? r : count - 1 - first)) * stride;
+  }
+}
+
+/// \f$s_j = q \cdot k_j\f$, \f$j < \f$ `count`: `keys` rows `stride` apart, `query` of `dim`
+/// floats.
+template <class Storage>
+void scores(const Storage* keys, Index count, Index dim, Index stride, const float* query,
+            float* out) {
+  for (Index first = 0; first < count; first += 16) {
+    const Storage* rows[16];
+    block_rows(keys, stride, first, count, rows);
+    __m512 sums[16];
+    for (__m512& sum : sums) sum = _mm512_setzero_ps();
+    for (Index d = 0; d < dim; d += 16) {
+      const __mmask16 mask = first_lanes16(dim - d);
+      const __m512 q = _mm512_maskz_loadu_ps(mask, query + d);
+      for (int r = 0; r < 16; ++r) sums[r] = _mm512_fmadd_ps(load(rows[r] + d, mask), q, sums[r]);
+    }
+    _mm512_mask_storeu_ps(out + first, first_lanes16(count - first), sum16(sums));
+  }
+}
+
+#if defined(PLSH_DECODE_AVX512_BF16)
+/// \f$s_j = \text{scale}\,(q \cdot k_j)\f$ with bfloat16 keys and query, by `vdpbf16ps`.
+inline void scores_bf16(const Eigen::bfloat16* keys, Index count, Index dim, Index stride,
+                        const Eigen::bfloat16* query, float scale, float* out) {
+  const __m512 scale_vector = _mm512_set1_ps(scale);
+  for (Index first = 0; first < count; first += 16) {
+    const Eigen::bfloat16* rows[16];
+    block_rows(keys, stride, first, count, rows);
+    __m512 sums[16];
+    for (__m512& sum : sums) sum = _mm512_setzero_ps();
+    for (Index d = 0; d < dim; d += 32) {
+      const __mmask32 mask = first_lanes32(dim - d);
+      const __m512bh q = (__m512bh)_mm512_maskz_loadu_epi16(mask, query + d);
+      for (int r = 0; r < 16; ++r) {
+        sums[r] =
+            _mm512_dpbf16_ps(sums[r], (__m512bh)_mm512_maskz_loadu_epi16(mask, rows[r] + d), q);
+      }
+    }
+    _mm512_mask_storeu_ps(out + first, first_lanes16(count - first),
+                          _mm512_mul_ps(sum16(sums), scale_vector));
+  }
+}
+#endif
+
+/// \f$w_j \leftarrow c_j w_j\f$ for the keys at positions `first + j`, \f$j <\f$ `count`, with
+/// \f$c_j = \#\{t : b_t \le \text{first} + j\}\f$ over the `samples` sorted block starts
+/// `begins`; returns \f$\sum_j c_j w_j\f$. The starts at or before `first` count for every key;
+/// each one inside the range is one vector compare per 16 keys.
+inline float multiply_counts(float* weights, Index count, Index first, const Index* begins,
+                             Index samples) {
+  const Index* inside = std::upper_bound(begins, begins + samples, first);
+  const Index* end = std::lower_bound(inside, begins + samples, first + count);
+  const __m512i base = _mm512_set1_epi32(static_cast<int>(inside - begins));
+  const __m512i one = _mm512_set1_epi32(1);
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 total = _mm512_setzero_ps();
+  for (Index j = 0; j < count; j += 16) {
+    const __m512i offset = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(j)));
+    __m512i counts = base;
+    for (const Index* b = inside; b < end; ++b) {
+      const __mmask16 reached =
+          _mm512_cmpge_epi32_mask(offset, _mm512_set1_epi32(static_cast<int>(*b - first)));
+      counts = _mm512_mask_add_epi32(counts, reached, counts, one);
+    }
+    const __mmask16 mask = first_lanes16(count - j);
+    const __m512 w =
+        _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, weights + j), _mm512_cvtepi32_ps(counts));
+    _mm512_mask_storeu_ps(weights + j, mask, w);
+    total = _mm512_add_ps(total, w);
+  }
+  return _mm512_reduce_add_ps(total);
+}
+
+/// \f$o = \sum_{j < \text{count}} w_j v_j\f$ (`out` overwritten): `values` rows `stride` apart,
+/// `value_dim` entries each.
+template <class Storage>
+void weighted_sum(const Storage* values, Index count, Index value_dim, Index stride,
+                  const float* weights, float* out) {
+  for (Index c = 0; c < value_dim; c += 64) {
+    const __mmask16 m0 = first_lanes16(value_dim - c);
+    const __mmask16 m1 = value_dim - c > 16 ? first_lanes16(value_dim - c - 16) : 0;
+    const __mmask16 m2 = value_dim - c > 32 ? first_lanes16(value_dim - c - 32) : 0;
+    const __mmask16 m3 = value_dim - c > 48 ? first_lanes16(value_dim - c - 48) : 0;
+    // Two keys per step into two sets of accumulators: one chain of dependent multiply-adds
+    // per set, so that the adds of one key wait for the previous key's only every other step.
+    __m512 o[2][4];
+    for (auto& set : o) {
+      for (__m512& column : set) column = _mm512_setzero_ps();
+    }
+    const Storage* row = values + c;
+    // A column block past value_dim loads nothing (mask 0) from the row's start.
+    const Index c1 = m1 != 0 ? 16 : 0;
+    const Index c2 = m2 != 0 ? 32 : 0;
+    const Index c3 = m3 != 0 ? 48 : 0;
+    const auto add_row = [&](__m512(&set)[4], const Storage* values_row, float weight) {
+      const __m512 w = _mm512_set1_ps(weight);
+      set[0] = _mm512_fmadd_ps(load(values_row, m0), w, set[0]);
+      set[1] = _mm512_fmadd_ps(load(values_row + c1, m1), w, set[1]);
+      set[2] = _mm512_fmadd_ps(load(values_row + c2, m2), w, set[2]);
+      set[3] = _mm512_fmadd_ps(load(values_row + c3, m3), w, set[3]);
+    };
+    Index j = 0;
+    for (; j + 1 < count; j += 2, row += 2 * stride) {
+      add_row(o[0], row, weights[j]);
+      add_row(o[1], row + stride, weights[j + 1]);
+    }
+    if (j < count) add_row(o[0], row, weights[j]);
+    const __m512 o0 = _mm512_add_ps(o[0][0], o[1][0]);
+    const __m512 o1 = _mm512_add_ps(o[0][1], o[1][1]);
+    const __m512 o2 = _mm512_add_ps(o[0][2], o[1][2]);
+    const __m512 o3 = _mm512_add_ps(o[0][3], o[1][3]);
+    _mm512_mask_storeu_ps(out + c, m0, o0);
+    if (m1 != 0) _mm512_mask_storeu_ps(out + c + 16, m1, o1);
+    if (m2 != 0) _mm512_mask_storeu_ps(out + c + 32, m2, o2);
+    if (m3 != 0) _mm512_mask_storeu_ps(out + c + 48, m3, o3);
+  }
+}
+
+}  // namespace avx512
+}  // namespace detail
+}  // namespace plsh
+
+#if defined(PLSH_DECODE_DIAGNOSTIC_PUSHED)
+#pragma GCC diagnostic pop
+#undef PLSH_DECODE_DIAGNOSTIC_PUSHED
+#endif
+
+#endif  // PLSH_DECODE_AVX512
+
+#endif  // PLSH_DETAIL_DECODE_SIMD_HPP

@@ -1,0 +1,183 @@
+// Tests of detail/decode_simd.hpp, the AVX-512 products of KvCache's single-query path. This file
+// is compiled only into test_kv_cache_avx512 (tests/CMakeLists.txt), with the AVX-512 flags, next
+// to test_kv_cache.cpp, whose KvCache tests then run through these products.
+//
+// Each product is compared with its definition summed in double, over every count of keys from 1
+// to past two blocks of 16, and sizes that leave every kind of tail (1, 15, 16, 17, 31, 32, 33, 64
+// and 100 entries). Bounds: a float sum of n products errs by at most about n u sum|terms|
+// (u = 2^-24); the products of two bfloat16 numbers are exact in float. multiply_counts is
+// compared with the counts computed one key at a time, exactly.
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include <plsh/detail/decode_simd.hpp>
+
+#include "../fill.hpp"
+
+#if !defined(PLSH_DECODE_AVX512)
+#error "decode_avx512.cpp needs -mavx512f -mavx512bw -mavx512vl (tests/CMakeLists.txt)"
+#endif
+
+namespace {
+
+using plsh::Index;
+namespace avx512 = plsh::detail::avx512;
+
+constexpr double kFloatRoundoff = 0x1p-24;
+const std::vector<Index> kSizes = {1, 15, 16, 17, 31, 32, 33, 64, 100};
+
+/// `count` rows of `size` entries, `stride` apart (the gap holds NaN, which must never be read),
+/// uniform in [-1, 1], rounded to Storage.
+template <class Storage>
+std::vector<Storage> rows(Index count, Index size, Index stride, std::uint64_t seed) {
+  const std::vector<float> uniform =
+      plsh_test::uniform_values<float>(static_cast<std::size_t>(count * stride), seed);
+  std::vector<Storage> result(static_cast<std::size_t>(count * stride));
+  for (Index j = 0; j < count; ++j) {
+    for (Index d = 0; d < stride; ++d) {
+      const std::size_t i = static_cast<std::size_t>(j * stride + d);
+      result[i] = d < size ? static_cast<Storage>(uniform[i]) : static_cast<Storage>(NAN);
+    }
+  }
+  return result;
+}
+
+template <class Storage>
+void check_scores(std::uint64_t seed) {
+  for (const Index dim : kSizes) {
+    const Index stride = dim + 3;
+    for (Index count = 1; count <= 40; ++count) {
+      const std::vector<Storage> keys = rows<Storage>(count, dim, stride, seed + count);
+      const std::vector<float> query =
+          plsh_test::uniform_values<float>(static_cast<std::size_t>(dim), seed + 1000 + dim);
+      std::vector<float> scores(static_cast<std::size_t>(count) + 1, -7.0f);
+      avx512::scores(keys.data(), count, dim, stride, query.data(), scores.data());
+      for (Index j = 0; j < count; ++j) {
+        double exact = 0;
+        double magnitude = 0;
+        for (Index d = 0; d < dim; ++d) {
+          const double term = static_cast<double>(query[static_cast<std::size_t>(d)]) *
+                              static_cast<double>(keys[static_cast<std::size_t>(j * stride + d)]);
+          exact += term;
+          magnitude += std::abs(term);
+        }
+        INFO("dim " << dim << ", count " << count << ", key " << j);
+        CHECK(std::abs(scores[static_cast<std::size_t>(j)] - exact) <=
+              static_cast<double>(dim) * kFloatRoundoff * magnitude + 1e-30);
+      }
+      INFO("dim " << dim << ", count " << count << ": nothing written past the last key");
+      CHECK(scores[static_cast<std::size_t>(count)] == -7.0f);
+    }
+  }
+}
+
+template <class Storage>
+void check_weighted_sum(std::uint64_t seed) {
+  for (const Index value_dim : kSizes) {
+    const Index stride = value_dim + 5;
+    for (Index count = 1; count <= 40; ++count) {
+      const std::vector<Storage> values = rows<Storage>(count, value_dim, stride, seed + count);
+      const std::vector<float> weights =
+          plsh_test::uniform_values<float>(static_cast<std::size_t>(count), seed + 77 + count);
+      std::vector<float> out(static_cast<std::size_t>(value_dim) + 1, -7.0f);
+      avx512::weighted_sum(values.data(), count, value_dim, stride, weights.data(), out.data());
+      for (Index c = 0; c < value_dim; ++c) {
+        double exact = 0;
+        double magnitude = 0;
+        for (Index j = 0; j < count; ++j) {
+          const double term = static_cast<double>(weights[static_cast<std::size_t>(j)]) *
+                              static_cast<double>(values[static_cast<std::size_t>(j * stride + c)]);
+          exact += term;
+          magnitude += std::abs(term);
+        }
+        INFO("value_dim " << value_dim << ", count " << count << ", column " << c);
+        CHECK(std::abs(out[static_cast<std::size_t>(c)] - exact) <=
+              static_cast<double>(count + 1) * kFloatRoundoff * magnitude + 1e-30);
+      }
+      INFO("value_dim " << value_dim << ", count " << count << ": nothing written past the end");
+      CHECK(out[static_cast<std::size_t>(value_dim)] == -7.0f);
+    }
+  }
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("avx512::scores equals the dot products summed in double", "[simd]", float,
+                   Eigen::bfloat16, Eigen::half) {
+  check_scores<TestType>(100);
+}
+
+TEMPLATE_TEST_CASE("avx512::weighted_sum equals the weighted sum in double", "[simd]", float,
+                   Eigen::bfloat16, Eigen::half) {
+  check_weighted_sum<TestType>(200);
+}
+
+#if defined(PLSH_DECODE_AVX512_BF16)
+TEST_CASE("avx512::scores_bf16 (vdpbf16ps) equals the scaled dot products", "[simd][bf16]") {
+  for (const Index dim : kSizes) {
+    const Index stride = dim + 3;
+    for (Index count = 1; count <= 40; ++count) {
+      const std::vector<Eigen::bfloat16> keys =
+          rows<Eigen::bfloat16>(count, dim, stride, 300 + count);
+      const std::vector<Eigen::bfloat16> query = rows<Eigen::bfloat16>(1, dim, dim, 400 + dim);
+      const float scale = 0.3f;
+      std::vector<float> scores(static_cast<std::size_t>(count) + 1, -7.0f);
+      avx512::scores_bf16(keys.data(), count, dim, stride, query.data(), scale, scores.data());
+      for (Index j = 0; j < count; ++j) {
+        double exact = 0;
+        double magnitude = 0;
+        for (Index d = 0; d < dim; ++d) {
+          const double term = static_cast<double>(query[static_cast<std::size_t>(d)]) *
+                              static_cast<double>(keys[static_cast<std::size_t>(j * stride + d)]);
+          exact += term;
+          magnitude += std::abs(term);
+        }
+        INFO("dim " << dim << ", count " << count << ", key " << j);
+        CHECK(std::abs(scores[static_cast<std::size_t>(j)] - scale * exact) <=
+              static_cast<double>(dim + 1) * kFloatRoundoff * scale * magnitude + 1e-30);
+      }
+      CHECK(scores[static_cast<std::size_t>(count)] == -7.0f);
+    }
+  }
+}
+#else
+TEST_CASE("avx512::scores_bf16 needs AVX-512 BF16", "[simd][bf16]") {
+  WARN("skipped: this build has no AVX-512 BF16 (bfloat16 keys are widened in registers)");
+}
+#endif
+
+TEST_CASE("avx512::multiply_counts multiplies by the number of block starts reached", "[simd]") {
+  // Starts before, inside and after the keys' positions, repeated starts, and none inside.
+  const std::vector<std::vector<Index>> begin_lists = {{1000},
+                                                       {980, 990, 1000},
+                                                       {1000, 1000, 1003, 1017, 1017, 1040},
+                                                       {1001, 1005, 1016, 1033},
+                                                       {900, 1100, 1200}};
+  const Index first = 1000;
+  for (const auto& begins : begin_lists) {
+    for (Index count = 1; count <= 40; ++count) {
+      std::vector<float> weights = plsh_test::uniform_values<float>(
+          static_cast<std::size_t>(count), 500 + static_cast<std::uint64_t>(count), 1.0);
+      const std::vector<float> original = weights;
+      const float sum = avx512::multiply_counts(weights.data(), count, first, begins.data(),
+                                                static_cast<Index>(begins.size()));
+      double exact_sum = 0;
+      double magnitude = 0;
+      for (Index j = 0; j < count; ++j) {
+        const auto reached = std::count_if(begins.begin(), begins.end(),
+                                           [&](Index begin) { return begin <= first + j; });
+        const float expected = static_cast<float>(reached) * original[static_cast<std::size_t>(j)];
+        INFO("begins from " << begins.front() << ", count " << count << ", key " << j);
+        CHECK(weights[static_cast<std::size_t>(j)] == expected);
+        exact_sum += static_cast<double>(expected);
+        magnitude += std::abs(static_cast<double>(expected));
+      }
+      CHECK(std::abs(sum - exact_sum) <= static_cast<double>(count) * kFloatRoundoff * magnitude);
+    }
+  }
+}
