@@ -3,7 +3,8 @@
 #   format   clang-format --dry-run --Werror over include/ tests/ examples/ bench/ python/
 #   release  preset "release": build/release (tests, examples, benchmarks, -Werror), ctest
 #   asan     preset "asan": build/asan, the unit tests with ASan and UBSan at -O1 with line
-#            tables only (the usual settings of a sanitizer build), ctest (the examples and the
+#            tables only (the usual settings of a sanitizer build), compiled by clang++ (installed
+#            here; the default compiler when it cannot be had), ctest (the examples and the
 #            packaging tests, which build unsanitised consumer projects, run in the release
 #            phase only)
 #   mpi      build/mpi (Release, PLSH_MPI=ON): only the MPI tests, example and benchmark, then
@@ -122,8 +123,18 @@ release() {
   build_and_test release -DPLSH_WERROR=ON -DPLSH_MPI=OFF
 }
 
+# The sanitizer build compiles with clang++ when it and its ASan runtime and OpenMP can be had
+# (Debian: clang libclang-rt-14-dev libomp-14-dev): it compiles these tests in about 30% less time
+# than g++ at -O1. Otherwise with the default compiler, said here.
 asan() {
-  build_and_test asan -DPLSH_MPI=OFF
+  local -a compiler=()
+  if (plsh_ensure_deps clang libclang-rt-14-dev libomp-14-dev) && plsh_have_command clang++; then
+    compiler=(-DCMAKE_CXX_COMPILER=clang++)
+  else
+    echo "plsh: asan builds with the default compiler: clang++ with its ASan runtime and OpenMP" \
+      "(Debian: clang libclang-rt-14-dev libomp-14-dev) could not be installed" >&2
+  fi
+  build_and_test asan -DPLSH_MPI=OFF "${compiler[@]}"
 }
 
 # The MPI layer: Open MPI from Debian (installed here, not at the start, so that the other phases
