@@ -126,6 +126,7 @@ struct DecodeWorkspace {
   std::vector<Index> begins;     // [row][head][draw]: the block starts, sorted per row and head
   std::vector<Index> first_job;  // [row * heads + head]: its first job; one more at the end
   std::vector<DecodeJob> jobs;
+  std::vector<Index> part_first;  // [part]: the first job of each thread's part; one more
   AlignedVector<Scalar> queries;  // [row][head][dim]: the queries times the scale
   AlignedVector<Scalar> partial;  // [job][value_dim]: normalised output of the job's keys
   AlignedVector<Scalar> lse;      // [job]: log-sum-exp of the job's logits
@@ -345,8 +346,9 @@ class KvCache {
     resident_ += k.tokens;
     position_ += k.tokens;
     last_append_ = k.tokens;
-    // The blocks of the newest position: a one-token attend looks none up.
-    reachable_from(position_ - 1);
+    // The blocks of the newest position: a one-token attend looks none up. (After one token they
+    // are those of the eviction above.)
+    if (k.tokens > 1) reachable_from(position_ - 1);
   }
 
   /// Outputs of the queries at positions `position() - q.tokens .. position() - 1`.
@@ -575,7 +577,7 @@ class KvCache {
     if (static_cast<Index>(workspace.threads.size()) < threads) {
       workspace.threads.resize(static_cast<std::size_t>(threads));
     }
-    detail::parallel_for_threads(jobs, threads > 1, [&](Index j, int thread) {
+    const auto run_job = [&](Index j, detail::DecodeThreadState<Scalar>& state) {
       const detail::DecodeJob& job = workspace.jobs[static_cast<std::size_t>(j)];
       const Index g = job.head / group;
       const Index first_row = start_ + job.begin - oldest_;
@@ -589,10 +591,36 @@ class KvCache {
           q.data + job.row * q.token_stride + job.head * q.head_stride, static_cast<Compute>(scale),
           job.begin,
           &workspace.begins[static_cast<std::size_t>((job.row * heads_ + job.head) * samples)],
-          samples, workspace.log_count, workspace.threads[static_cast<std::size_t>(thread)],
+          samples, workspace.log_count, state,
           &workspace.partial[static_cast<std::size_t>(j * value_dim_)],
           &workspace.lse[static_cast<std::size_t>(j)]);
-    });
+    };
+    // Each thread takes a contiguous part of the jobs with about its share of the keys: from one
+    // token to the next the parts cover nearly the same keys, which stay in that core's cache.
+    workspace.part_first.resize(static_cast<std::size_t>(threads + 1));
+    {
+      Index part = 0;
+      Index keys_before = 0;
+      const Index total_keys = std::max<Index>(1, static_cast<Index>(work) / (dim_ + value_dim_));
+      workspace.part_first[0] = 0;
+      for (Index j = 0; j < jobs && part + 1 < threads; ++j) {
+        keys_before += workspace.jobs[static_cast<std::size_t>(j)].end -
+                       workspace.jobs[static_cast<std::size_t>(j)].begin;
+        if (keys_before * threads >= (part + 1) * total_keys) {
+          workspace.part_first[static_cast<std::size_t>(++part)] = j + 1;
+        }
+      }
+      while (part < threads) workspace.part_first[static_cast<std::size_t>(++part)] = jobs;
+    }
+    detail::parallel_for_threads(
+        threads, threads > 1,
+        [&](Index part, int thread) {
+          for (Index j = workspace.part_first[static_cast<std::size_t>(part)];
+               j < workspace.part_first[static_cast<std::size_t>(part + 1)]; ++j) {
+            run_job(j, workspace.threads[static_cast<std::size_t>(thread)]);
+          }
+        },
+        detail::Schedule::Static);
     for (Index r = 0; r < rows; ++r) {
       for (Index h = 0; h < heads_; ++h) {
         HeadMap<Compute> row = workspace.output.bind(

@@ -33,30 +33,44 @@ double attention_work(const View& q, const View& k, const View& v) {
          static_cast<double>(k.tokens) * static_cast<double>(q.dim + v.dim);
 }
 
+/// How parallel_for_threads deals out the indices: `Dynamic`, one at a time to whichever thread
+/// is free (uneven work); `Static`, index i to thread i for `count` equal to the number of
+/// threads (the same thread for the same part from call to call, which keeps its data in that
+/// core's cache).
+enum class Schedule { Dynamic, Static };
+
 /// Calls `body(i, thread)` for i in [0, count), `thread` the OpenMP thread number that runs it:
-/// across OpenMP threads when compiled with OpenMP and `threaded`, with dynamic scheduling;
+/// across OpenMP threads when compiled with OpenMP and `threaded`, with the given schedule;
 /// otherwise in a plain loop on the calling thread (thread 0), without opening a parallel region.
 /// Every `i` must write its own outputs, so the result does not depend on the number of threads.
 /// The first exception thrown by a body reaches the caller (threaded: after the loop).
 template <class Body>
-void parallel_for_threads(Eigen::Index count, bool threaded, Body&& body) {
+void parallel_for_threads(Eigen::Index count, bool threaded, Body&& body,
+                          Schedule schedule = Schedule::Dynamic) {
 #if defined(_OPENMP)
   if (threaded) {
     std::exception_ptr failure;
-#pragma omp parallel for schedule(dynamic, 1)
-    for (Eigen::Index i = 0; i < count; ++i) {
+    const auto run = [&](Eigen::Index i) {
       try {
         body(i, omp_get_thread_num());
       } catch (...) {
 #pragma omp critical(plsh_parallel_for_failure)
         if (!failure) failure = std::current_exception();
       }
+    };
+    if (schedule == Schedule::Static) {
+#pragma omp parallel for schedule(static, 1)
+      for (Eigen::Index i = 0; i < count; ++i) run(i);
+    } else {
+#pragma omp parallel for schedule(dynamic, 1)
+      for (Eigen::Index i = 0; i < count; ++i) run(i);
     }
     if (failure) std::rethrow_exception(failure);
     return;
   }
 #endif
   static_cast<void>(threaded);  // unused without OpenMP
+  static_cast<void>(schedule);
   for (Eigen::Index i = 0; i < count; ++i) body(i, 0);
 }
 
