@@ -195,15 +195,13 @@ void decode_job(const ConstHeadMap<Storage>& keys, const ConstHeadMap<Storage>& 
   const Index value_dim = values.cols();
   Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>, Eigen::Aligned64> scores(state.scores,
                                                                                 count);
-  Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>> result(out, value_dim);
-  Scalar max;
-  Scalar sum;
+  constexpr bool simd = kDecodeSimd && std::is_same<Scalar, float>::value;
   static_cast<void>(raw_query);
   static_cast<void>(scale);
-  if constexpr (kDecodeSimd && std::is_same<Scalar, float>::value) {
+  // Logits: with the AVX-512 products, the scores alone (the counts later multiply the
+  // exponentials instead of adding their logarithms here); else Eigen's product plus log c_j.
+  if constexpr (simd) {
 #if defined(PLSH_DECODE_AVX512)
-    // Weights c_j e^{S_j - max S} (the counts multiply the exponentials instead of adding their
-    // logarithms to the logits).
 #if defined(PLSH_DECODE_AVX512_BF16)
     if constexpr (std::is_same<Storage, Eigen::bfloat16>::value) {
       avx512::scores_bf16(keys.data(), count, keys.cols(), keys.outerStride(), raw_query, scale,
@@ -213,40 +211,35 @@ void decode_job(const ConstHeadMap<Storage>& keys, const ConstHeadMap<Storage>& 
     {
       avx512::scores(keys.data(), count, keys.cols(), keys.outerStride(), query, state.scores);
     }
-    max = scores.maxCoeff();
-    if (!(max > -std::numeric_limits<Scalar>::infinity())) {
-      decode_job_general(keys, values, query, first_position, begins, samples, log_count, state,
-                         out, lse);
-      return;
-    }
-    scores.array() = (scores.array() - max).exp();
-    sum = avx512::multiply_counts(state.scores, count, first_position, begins, samples);
-    avx512::weighted_sum(values.data(), count, value_dim, values.outerStride(), state.scores, out);
 #endif
   } else {
-    {
-      const ConstHeadMap<Scalar> k = compute_rows(keys, state.keys);
-      scores.noalias() =
-          k * Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>(query, keys.cols());
-    }
+    const ConstHeadMap<Scalar> k = compute_rows(keys, state.keys);
+    scores.noalias() =
+        k * Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>(query, keys.cols());
     add_log_counts(state.scores, count, first_position, begins, samples, log_count);
-    max = scores.maxCoeff();
-    if (!(max > -std::numeric_limits<Scalar>::infinity())) {
-      decode_job_general(keys, values, query, first_position, begins, samples, log_count, state,
-                         out, lse);
-      return;
-    }
+  }
+  const Scalar max = scores.maxCoeff();
+  if (max > -std::numeric_limits<Scalar>::infinity()) {
     scores.array() = (scores.array() - max).exp();
-    sum = scores.sum();
-    const ConstHeadMap<Scalar> v = compute_rows(values, state.values);
-    result.noalias() = v.transpose() * scores;
+    Scalar sum = 0;
+    if constexpr (simd) {
+#if defined(PLSH_DECODE_AVX512)
+      sum = avx512::multiply_counts(state.scores, count, first_position, begins, samples);
+      avx512::weighted_sum(values.data(), count, value_dim, values.outerStride(), state.scores,
+                           out);
+#endif
+    } else {
+      sum = scores.sum();
+      Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>(out, value_dim).noalias() =
+          compute_rows(values, state.values).transpose() * scores;
+    }
+    Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>> result(out, value_dim);
+    result /= sum;
+    *lse = max + std::log(sum);
+    if (all_finite(result) && std::isfinite(*lse)) return;
   }
-  result /= sum;
-  *lse = max + std::log(sum);
-  if (!all_finite(result) || !std::isfinite(*lse)) {
-    decode_job_general(keys, values, query, first_position, begins, samples, log_count, state, out,
-                       lse);
-  }
+  decode_job_general(keys, values, query, first_position, begins, samples, log_count, state, out,
+                     lse);
 }
 
 }  // namespace detail

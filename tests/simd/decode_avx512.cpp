@@ -47,6 +47,24 @@ std::vector<Storage> rows(Index count, Index size, Index stride, std::uint64_t s
   return result;
 }
 
+/// \f$\sum_i a_i b_i\f$ in double, and \f$\sum_i |a_i b_i|\f$: `n` terms, `b` read every
+/// `b_step` entries.
+struct ExactSum {
+  double value = 0;
+  double magnitude = 0;
+};
+
+template <class A, class B>
+ExactSum exact_dot(const A* a, const B* b, Index n, Index b_step) {
+  ExactSum sum;
+  for (Index i = 0; i < n; ++i) {
+    const double term = static_cast<double>(a[i]) * static_cast<double>(b[i * b_step]);
+    sum.value += term;
+    sum.magnitude += std::abs(term);
+  }
+  return sum;
+}
+
 template <class Storage>
 void check_scores(std::uint64_t seed) {
   for (const Index dim : kSizes) {
@@ -58,17 +76,11 @@ void check_scores(std::uint64_t seed) {
       std::vector<float> scores(static_cast<std::size_t>(count) + 1, -7.0f);
       avx512::scores(keys.data(), count, dim, stride, query.data(), scores.data());
       for (Index j = 0; j < count; ++j) {
-        double exact = 0;
-        double magnitude = 0;
-        for (Index d = 0; d < dim; ++d) {
-          const double term = static_cast<double>(query[static_cast<std::size_t>(d)]) *
-                              static_cast<double>(keys[static_cast<std::size_t>(j * stride + d)]);
-          exact += term;
-          magnitude += std::abs(term);
-        }
+        const ExactSum exact =
+            exact_dot(query.data(), &keys[static_cast<std::size_t>(j * stride)], dim, 1);
         INFO("dim " << dim << ", count " << count << ", key " << j);
-        CHECK(std::abs(scores[static_cast<std::size_t>(j)] - exact) <=
-              static_cast<double>(dim) * kFloatRoundoff * magnitude + 1e-30);
+        CHECK(std::abs(scores[static_cast<std::size_t>(j)] - exact.value) <=
+              static_cast<double>(dim) * kFloatRoundoff * exact.magnitude + 1e-30);
       }
       INFO("dim " << dim << ", count " << count << ": nothing written past the last key");
       CHECK(scores[static_cast<std::size_t>(count)] == -7.0f);
@@ -87,17 +99,11 @@ void check_weighted_sum(std::uint64_t seed) {
       std::vector<float> out(static_cast<std::size_t>(value_dim) + 1, -7.0f);
       avx512::weighted_sum(values.data(), count, value_dim, stride, weights.data(), out.data());
       for (Index c = 0; c < value_dim; ++c) {
-        double exact = 0;
-        double magnitude = 0;
-        for (Index j = 0; j < count; ++j) {
-          const double term = static_cast<double>(weights[static_cast<std::size_t>(j)]) *
-                              static_cast<double>(values[static_cast<std::size_t>(j * stride + c)]);
-          exact += term;
-          magnitude += std::abs(term);
-        }
+        const ExactSum exact =
+            exact_dot(weights.data(), &values[static_cast<std::size_t>(c)], count, stride);
         INFO("value_dim " << value_dim << ", count " << count << ", column " << c);
-        CHECK(std::abs(out[static_cast<std::size_t>(c)] - exact) <=
-              static_cast<double>(count + 1) * kFloatRoundoff * magnitude + 1e-30);
+        CHECK(std::abs(out[static_cast<std::size_t>(c)] - exact.value) <=
+              static_cast<double>(count + 1) * kFloatRoundoff * exact.magnitude + 1e-30);
       }
       INFO("value_dim " << value_dim << ", count " << count << ": nothing written past the end");
       CHECK(out[static_cast<std::size_t>(value_dim)] == -7.0f);
@@ -129,17 +135,11 @@ TEST_CASE("avx512::scores_bf16 (vdpbf16ps) equals the scaled dot products", "[si
       std::vector<float> scores(static_cast<std::size_t>(count) + 1, -7.0f);
       avx512::scores_bf16(keys.data(), count, dim, stride, query.data(), scale, scores.data());
       for (Index j = 0; j < count; ++j) {
-        double exact = 0;
-        double magnitude = 0;
-        for (Index d = 0; d < dim; ++d) {
-          const double term = static_cast<double>(query[static_cast<std::size_t>(d)]) *
-                              static_cast<double>(keys[static_cast<std::size_t>(j * stride + d)]);
-          exact += term;
-          magnitude += std::abs(term);
-        }
+        const ExactSum exact =
+            exact_dot(query.data(), &keys[static_cast<std::size_t>(j * stride)], dim, 1);
         INFO("dim " << dim << ", count " << count << ", key " << j);
-        CHECK(std::abs(scores[static_cast<std::size_t>(j)] - scale * exact) <=
-              static_cast<double>(dim + 1) * kFloatRoundoff * scale * magnitude + 1e-30);
+        CHECK(std::abs(scores[static_cast<std::size_t>(j)] - scale * exact.value) <=
+              static_cast<double>(dim + 1) * kFloatRoundoff * scale * exact.magnitude + 1e-30);
       }
       CHECK(scores[static_cast<std::size_t>(count)] == -7.0f);
     }
@@ -177,7 +177,8 @@ TEST_CASE("avx512::multiply_counts multiplies by the number of block starts reac
         exact_sum += static_cast<double>(expected);
         magnitude += std::abs(static_cast<double>(expected));
       }
-      CHECK(std::abs(sum - exact_sum) <= static_cast<double>(count) * kFloatRoundoff * magnitude);
+      CHECK(std::abs(sum - exact_sum) <=
+            static_cast<double>(count) * kFloatRoundoff * magnitude);
     }
   }
 }
