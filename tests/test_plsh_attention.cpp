@@ -290,9 +290,9 @@ TEST_CASE("Fused agrees with Passes when tile unions span several key chunks", "
 
 TEST_CASE("Fused matches the reference on both sides of the row-by-row width", "[plsh]") {
   // Tiles whose union holds at most kRowByRowKeys keys take fused_row_by_row (a product per
-  // row), wider ones the blocked products and online softmax. Slopes 1/5 .. 1/24 give unions on
+  // row), wider ones the blocked products and online softmax. Slopes 1/5 .. 1/48 give unions on
   // both sides; the test counts the tiles of each kind (as the kernel tiles the rows) to be sure.
-  const std::vector<double> slopes = {1.0 / 5, 1.0 / 9, 1.0 / 14, 1.0 / 24};
+  const std::vector<double> slopes = {1.0 / 5, 1.0 / 9, 1.0 / 30, 1.0 / 48};
   const Index n = 200;
   for (const bool causal : {true, false}) {
     plsh::AttentionOptions base;
@@ -316,8 +316,8 @@ TEST_CASE("Fused matches the reference on both sides of the row-by-row width", "
     }
     INFO((causal ? "causal" : "bidirectional")
          << ": " << narrow << " row-by-row tiles, " << wide << " blocked");
-    CHECK(narrow > 10);
-    CHECK(wide > 10);
+    CHECK(narrow >= 8);
+    CHECK(wide >= 8);
     Problem<double> problem(Shape{n, n, 4, 2, 16, 12}, 41);
     Buffer<double> expected = problem.output();
     plsh::reference::plsh_attention(problem.q.in(), problem.k.in(), problem.v.in(), expected.view,

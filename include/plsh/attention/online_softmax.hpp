@@ -231,10 +231,10 @@ class OnlineSoftmax {
       }
       row_scratch_ = (scores.row(r).array() - new_max).exp();
       // Weights c e^{S - mu}, exactly 0 where the logit is -inf (masked, or a visible -inf).
-      const Scalar* exponentials = row_scratch_.data();
-      for (Index c = 0; c < limit; ++c) {
-        row[c] = row[c] == -kInfinity ? Scalar(0) : static_cast<Scalar>(count[c]) * exponentials[c];
-      }
+      // Two loops without a product under a condition, so that both are vectorised.
+      Scalar* exponentials = row_scratch_.data();
+      for (Index c = 0; c < limit; ++c) exponentials[c] *= static_cast<Scalar>(count[c]);
+      for (Index c = 0; c < limit; ++c) row[c] = row[c] == -kInfinity ? Scalar(0) : exponentials[c];
       for (Index c = limit; c < cols; ++c) row[c] = Scalar(0);
       const Scalar rescale = std::exp(max_[r] - new_max);
       sum_[r] = sum_[r] * rescale + scores.row(r).sum();

@@ -163,16 +163,14 @@ void pass_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scal
                  options, kernel);
 }
 
-/// Query rows per tile of the fused kernel for a head of slope m: 8 for the steepest slopes
-/// (\f$1/m < 8\f$, unions of a few keys, where a taller tile would mostly add keys), 32 up to
-/// \f$1/m < 32\f$, kQueryTile beyond, where the per-tile costs (the draws' blocks, the products'
-/// packing) are spread over more rows while the union grows by the extra rows only.
+/// Query rows per tile of the fused kernel for a head of slope m: 32 for the steep slopes
+/// (\f$1/m < 32\f$), whose tiles mostly go row by row (fused_row_by_row: a row's work does not
+/// grow with the tile, the tile's costs, the draws' blocks, are spread over more rows),
+/// kQueryTile beyond, where the blocked products' packing is spread over more rows while the
+/// union grows by the extra rows only.
 inline Index fused_tile_rows(double slope) {
   if (slope == 0) return kQueryTile;
-  const double radius = 1.0 / slope;
-  if (radius < 8) return 8;
-  if (radius < 32) return 32;
-  return kQueryTile;
+  return 1.0 / slope < 32 ? 32 : kQueryTile;
 }
 
 /// Keys per chunk of the fused kernel: wide enough to amortise the products' packing.
@@ -402,7 +400,7 @@ struct FusedWorkspace {
 
 /// Unions of at most this many keys take fused_row_by_row: below it, the blocked products'
 /// packing and the per-tile passes cost more than a product per row.
-constexpr Index kRowByRowKeys = 48;
+constexpr Index kRowByRowKeys = 80;
 
 /// The fused kernel on a tile of `query` rows (scaled, compute type) whose union of keys is
 /// narrow: per row, its scores \f$S_{ij}\f$ over the keys from its first to its last with
