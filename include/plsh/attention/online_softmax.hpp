@@ -175,21 +175,10 @@ class OnlineSoftmax {
   /// \f$+\infty\f$ logit makes the row's sum NaN.
   void exponentiate(Eigen::Ref<Matrix> scores) {
     for (Index r = 0; r < scores.rows(); ++r) {
-      const Scalar new_max = std::max(max_[r], scores.row(r).maxCoeff());
-      if (new_max == -kInfinity) {
-        // Nothing visible yet (exp(-inf - -inf) would be NaN), unless a NaN hid from the max.
-        if (scores.row(r).hasNaN()) {
-          max_[r] = std::numeric_limits<Scalar>::quiet_NaN();
-          sum_[r] = std::numeric_limits<Scalar>::quiet_NaN();
-        }
-        scores.row(r).setZero();
-        continue;
-      }
+      const Scalar new_max = raise_max(r, scores.row(r));
+      if (new_max == -kInfinity) continue;
       detail::masked_exp(scores.row(r).array(), new_max, row_scratch_);
-      const Scalar rescale = std::exp(max_[r] - new_max);
-      sum_[r] = sum_[r] * rescale + scores.row(r).sum();
-      accumulator_.row(r) *= rescale;
-      max_[r] = new_max;
+      add_row(r, new_max, scores.row(r));
     }
   }
 
@@ -219,16 +208,8 @@ class OnlineSoftmax {
         visible_[i * static_cast<std::size_t>(rows) + static_cast<std::size_t>(r)] =
             !(row[bad_[i]] == -kInfinity);
       }
-      const Scalar new_max = std::max(max_[r], scores.row(r).maxCoeff());
-      if (new_max == -kInfinity) {
-        // Nothing visible yet (exp(-inf - -inf) would be NaN), unless a NaN hid from the max.
-        if (scores.row(r).hasNaN()) {
-          max_[r] = std::numeric_limits<Scalar>::quiet_NaN();
-          sum_[r] = std::numeric_limits<Scalar>::quiet_NaN();
-        }
-        scores.row(r).setZero();
-        continue;
-      }
+      const Scalar new_max = raise_max(r, scores.row(r));
+      if (new_max == -kInfinity) continue;
       row_scratch_ = (scores.row(r).array() - new_max).exp();
       // Weights c e^{S - mu}, exactly 0 where the logit is -inf (masked, or a visible -inf).
       // Two loops without a product under a condition, so that both are vectorised.
@@ -236,10 +217,7 @@ class OnlineSoftmax {
       for (Index c = 0; c < limit; ++c) exponentials[c] *= static_cast<Scalar>(count[c]);
       for (Index c = 0; c < limit; ++c) row[c] = row[c] == -kInfinity ? Scalar(0) : exponentials[c];
       for (Index c = limit; c < cols; ++c) row[c] = Scalar(0);
-      const Scalar rescale = std::exp(max_[r] - new_max);
-      sum_[r] = sum_[r] * rescale + scores.row(r).sum();
-      accumulator_.row(r) *= rescale;
-      max_[r] = new_max;
+      add_row(r, new_max, scores.row(r));
     }
     detail::add_product(
         accumulator_, scores, values, bad_, scratch_, cols <= detail::kSmallProductDepth,
@@ -279,6 +257,32 @@ class OnlineSoftmax {
 
  private:
   static constexpr Scalar kInfinity = std::numeric_limits<Scalar>::infinity();
+
+  /// Row r's running maximum with its logits `row`, or \f$-\infty\f$ when nothing is visible
+  /// yet: then `row` is zeroed (\f$e^{-\infty - -\infty}\f$ would be NaN), and the row's state
+  /// made NaN when a NaN hid from the maximum.
+  template <class Row>
+  Scalar raise_max(Index r, Row&& row) {
+    const Scalar new_max = std::max(max_[r], row.maxCoeff());
+    if (new_max == -kInfinity) {
+      if (row.hasNaN()) {
+        max_[r] = std::numeric_limits<Scalar>::quiet_NaN();
+        sum_[r] = std::numeric_limits<Scalar>::quiet_NaN();
+      }
+      row.setZero();
+    }
+    return new_max;
+  }
+
+  /// Rescales row r's state from its maximum to `new_max` and adds the sum of its `weights`
+  /// (the weighted values are added by the caller's product).
+  template <class Row>
+  void add_row(Index r, Scalar new_max, const Row& weights) {
+    const Scalar rescale = std::exp(max_[r] - new_max);
+    sum_[r] = sum_[r] * rescale + weights.sum();
+    accumulator_.row(r) *= rescale;
+    max_[r] = new_max;
+  }
 
   Vector max_;
   Vector sum_;
