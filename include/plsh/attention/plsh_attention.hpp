@@ -240,10 +240,12 @@ inline Block tile_block_runs(const std::vector<Grid>& grids, const PositionRange
 ///
 /// prepare() finds the tile's block runs and their union (tile_block_runs) and sorts the runs'
 /// first and past-the-end rows into a list of events by row (a counting sort, O(runs + rows)).
-/// add_log_counts() then walks a chunk of logits row by row with one vector of counts over the
-/// chunk's keys: row r's counts are row r - 1's plus 1 on the keys of the runs that start at r,
-/// minus 1 on those of the runs that end there. O(runs * cols + rows * cols) per chunk of `cols`
-/// keys, whatever s and the width of the union, and O(runs + rows) memory.
+/// A chunk of keys is then walked row by row (start_chunk, next_row) with one vector of counts
+/// over the chunk's keys: row r's counts are row r - 1's plus 1 on the keys of the runs that
+/// start at r, minus 1 on those of the runs that end there. O(min(sum of the runs' widths in the
+/// chunk, rows * cols) + rows * cols) per chunk of `cols` keys, whatever s and the width of the
+/// union, and O(runs + rows + cols) memory. The fused forward reads the counts (weights
+/// \f$c_{ij} e^{S_{ij}}\f$), the backward adds their logarithms to its logits (add_log_counts).
 template <class Scalar>
 class BlockCounts {
  public:
