@@ -260,9 +260,9 @@ TEST_CASE("Fused agrees with Passes on a sweep of random shapes", "[plsh]") {
 }
 
 TEST_CASE("Fused agrees with Passes when tile unions span several key chunks", "[plsh]") {
-  // A tile's union wider than plsh::detail::kFusedKeyTile takes the per-row segment path of the
-  // fused kernel, over several chunks. Slope 0 makes the union every visible key, so with n_k >
-  // 2 kFusedKeyTile that path is certain; shallow slopes (unions of ~3.5/m keys) take it too.
+  // A tile's union wider than plsh::detail::kFusedKeyTile is taken in several chunks of keys by
+  // the online softmax. Slope 0 makes the union every visible key, so with n_k >
+  // 2 kFusedKeyTile that is certain; shallow slopes (unions of ~3.5/m keys) take it too.
   static_assert(plsh::detail::kFusedKeyTile < 300, "the shapes below must exceed one chunk");
   const std::vector<double> slopes = {0.0, 1.0 / 512, 1.0 / 128, 1.0 / 64};
   for (const bool causal : {true, false}) {
@@ -285,6 +285,47 @@ TEST_CASE("Fused agrees with Passes when tile unions span several key chunks", "
       compare(float{}, 2e-5);
       compare(double{}, 1e-11);
     }
+  }
+}
+
+TEST_CASE("Fused matches the reference on both sides of the row-by-row width", "[plsh]") {
+  // Tiles whose union holds at most kRowByRowKeys keys take fused_row_by_row (a product per
+  // row), wider ones the blocked products and online softmax. Slopes 1/5 .. 1/48 give unions on
+  // both sides; the test counts the tiles of each kind (as the kernel tiles the rows) to be sure.
+  const std::vector<double> slopes = {1.0 / 5, 1.0 / 9, 1.0 / 30, 1.0 / 48};
+  const Index n = 200;
+  for (const bool causal : {true, false}) {
+    plsh::AttentionOptions base;
+    base.causal = causal;
+    base.query_position = 37;
+    base.key_position = 11;
+    const Index samples = 7;
+    Index narrow = 0;
+    Index wide = 0;
+    const auto grids = plsh::draw_head_grids(slopes, samples, 5);
+    std::vector<plsh::detail::BlockRun> runs;
+    for (std::size_t h = 0; h < slopes.size(); ++h) {
+      const Index height = plsh::detail::fused_tile_rows(slopes[h]);
+      for (Index r0 = 0; r0 < n; r0 += height) {
+        runs.clear();
+        const plsh::Block keys = plsh::detail::tile_block_runs(
+            grids[h], plsh::detail::PositionRange{11, 37 + n}, 37 + r0,
+            std::min(n, r0 + height) - r0, 11, 11 + n, causal, runs);
+        ++(keys.size() <= plsh::detail::kRowByRowKeys ? narrow : wide);
+      }
+    }
+    INFO((causal ? "causal" : "bidirectional")
+         << ": " << narrow << " row-by-row tiles, " << wide << " blocked");
+    CHECK(narrow >= 8);
+    CHECK(wide >= 8);
+    Problem<double> problem(Shape{n, n, 4, 2, 16, 12}, 41);
+    Buffer<double> expected = problem.output();
+    plsh::reference::plsh_attention(problem.q.in(), problem.k.in(), problem.v.in(), expected.view,
+                                    slopes, plsh_options(base, samples, 5, plsh::Kernel::Passes));
+    run_plsh(problem, problem.out, slopes, plsh_options(base, samples, 5, plsh::Kernel::Fused));
+    const double error = plsh_test::max_abs_difference(problem.out.in(), expected.in());
+    INFO("|fused - reference| = " << plsh_test::scientific(error));
+    CHECK(error <= plsh_test::reference_tolerance<double>());
   }
 }
 
@@ -607,53 +648,12 @@ TEST_CASE("plsh_attention rejects samples < 1, fixed_block_attention a block siz
                                                     problem.out.view, 1));
 }
 
-TEST_CASE("count_segments equals a brute-force count, narrow rows and wide rows",
-          "[plsh][counts]") {
-  const Index samples = 6;
-  std::vector<double> log_count(static_cast<std::size_t>(samples + 1));
-  log_count[0] = -std::numeric_limits<double>::infinity();
-  for (Index c = 1; c <= samples; ++c) log_count[static_cast<std::size_t>(c)] = std::log(double(c));
-  // Narrow: the intervals span 14 keys <= 4 * 6 (difference array). Wide: 1000 keys (sort).
-  const std::vector<std::vector<plsh::Block>> rows{
-      {{3, 9}, {5, 12}, {3, 4}, {10, 17}, {5, 9}, {12, 13}},
-      {{100, 400}, {350, 1100}, {700, 701}, {100, 1100}, {900, 1000}},
-      {{7, 8}},
-  };
-  for (const auto& row : rows) {
-    const Index intervals = static_cast<Index>(row.size());
-    std::vector<Index> begins, ends;
-    for (const plsh::Block& block : row) {
-      begins.push_back(block.begin);
-      ends.push_back(block.end);
-    }
-    const Index union_begin = *std::min_element(begins.begin(), begins.end()) - 2;
-    const Index last = *std::max_element(ends.begin(), ends.end()) + 2;
-    const bool narrow = last - 2 - (union_begin + 2) <= 4 * intervals;
-    INFO((narrow ? "narrow" : "wide") << " row of " << intervals << " intervals");
-    std::vector<Index> start(static_cast<std::size_t>(2 * samples + 1));
-    std::vector<double> value(start.size());
-    std::vector<int> difference;
-    const Index segments =
-        plsh::detail::count_segments(begins.data(), ends.data(), intervals, union_begin, log_count,
-                                     difference, start.data(), value.data());
-    REQUIRE(segments >= 1);
-    CHECK(start[0] == union_begin);
-    for (Index j = union_begin; j < last; ++j) {
-      int count = 0;
-      for (const plsh::Block& block : row) count += block.contains(j) ? 1 : 0;
-      Index k = 0;
-      while (k + 1 < segments && start[static_cast<std::size_t>(k + 1)] <= j) ++k;
-      INFO("key " << j << " count " << count);
-      CHECK(value[static_cast<std::size_t>(k)] == log_count[static_cast<std::size_t>(count)]);
-    }
-  }
-}
-
 TEST_CASE("BlockCounts adds log c_ij on every chunk, for narrow and wide unions",
           "[plsh][counts]") {
   const Index samples = 9;
-  // Steep slope: unions of a few keys (difference array over the runs). Shallow: unions far
-  // wider than kFusedKeyTile (per-row segments).
+  // Steep slope: unions of a few keys, many short runs (the counts as prefix sums of a
+  // difference vector). Shallow: unions far wider than kFusedKeyTile, few long runs (added on
+  // their keys directly).
   for (const double slope : {0.3, 0.004}) {
     for (const bool causal : {true, false}) {
       const std::vector<plsh::Grid> grids = plsh::RandomBinning(slope, 7).draw(samples);
@@ -665,10 +665,9 @@ TEST_CASE("BlockCounts adds log c_ij on every chunk, for narrow and wide unions"
       plsh::detail::BlockCounts<double> counts;
       const plsh::Block keys =
           counts.prepare(grids, range, first, rows, key_begin, key_end, causal);
-      const bool wide = keys.size() > plsh::detail::kFusedKeyTile;
       INFO("slope " << slope << (causal ? " causal" : " bidirectional") << " union [" << keys.begin
                     << ", " << keys.end << ")");
-      CHECK(wide == (slope < 0.01));
+      CHECK((keys.size() > plsh::detail::kFusedKeyTile) == (slope < 0.01));
       // Chunks as the backward's key tiles make them: starting before the union, 100 wide.
       std::vector<double> storage(static_cast<std::size_t>(rows * 100));
       Index seen = 0;

@@ -175,22 +175,55 @@ class OnlineSoftmax {
   /// \f$+\infty\f$ logit makes the row's sum NaN.
   void exponentiate(Eigen::Ref<Matrix> scores) {
     for (Index r = 0; r < scores.rows(); ++r) {
-      const Scalar new_max = std::max(max_[r], scores.row(r).maxCoeff());
-      if (new_max == -kInfinity) {
-        // Nothing visible yet (exp(-inf - -inf) would be NaN), unless a NaN hid from the max.
-        if (scores.row(r).hasNaN()) {
-          max_[r] = std::numeric_limits<Scalar>::quiet_NaN();
-          sum_[r] = std::numeric_limits<Scalar>::quiet_NaN();
-        }
-        scores.row(r).setZero();
-        continue;
-      }
+      const Scalar new_max = raise_max(r, scores.row(r));
+      if (new_max == -kInfinity) continue;
       detail::masked_exp(scores.row(r).array(), new_max, row_scratch_);
-      const Scalar rescale = std::exp(max_[r] - new_max);
-      sum_[r] = sum_[r] * rescale + scores.row(r).sum();
-      accumulator_.row(r) *= rescale;
-      max_[r] = new_max;
+      add_row(r, new_max, scores.row(r));
     }
+  }
+
+  /// update for the logits \f$l_{ij} = S_{ij} + \log c_{ij}\f$ with integer weights
+  /// \f$c_{ij} \ge 0\f$: `scores` holds \f$S\f$ and `counts(r, limit)` returns row r's weights
+  /// (called for r = 0, 1, ... in turn), setting `limit`: weights at columns `>= limit` are 0.
+  /// A key with \f$c_{ij} = 0\f$ is masked (weighs exactly 0 and adds nothing, whatever its
+  /// score and value). The running maximum is that of the visible \f$S\f$, and the weights are
+  /// \f$c_{ij} e^{S_{ij} - \mu}\f$: no logarithm, and each row in one walk (mask, maximum,
+  /// exponentials, weights), which is the fused kernel's inner loop. Mixing update and
+  /// update_counted on one state shifts its lse by \f$\log c\f$: do not.
+  template <class Counts>
+  void update_counted(Eigen::Ref<Matrix> scores, const Eigen::Ref<const Matrix>& values,
+                      Counts&& counts) {
+    detail::find_nonfinite_rows(values, bad_);
+    const Index rows = scores.rows();
+    const Index cols = scores.cols();
+    visible_.resize(bad_.size() * static_cast<std::size_t>(rows));
+    row_scratch_.resize(cols);
+    for (Index r = 0; r < rows; ++r) {
+      Index limit = 0;
+      const int* count = counts(r, limit);
+      Scalar* row = scores.row(r).data();
+      for (Index c = 0; c < limit; ++c) row[c] = count[c] == 0 ? -kInfinity : row[c];
+      for (Index c = limit; c < cols; ++c) row[c] = -kInfinity;
+      for (std::size_t i = 0; i < bad_.size(); ++i) {
+        visible_[i * static_cast<std::size_t>(rows) + static_cast<std::size_t>(r)] =
+            !(row[bad_[i]] == -kInfinity);
+      }
+      const Scalar new_max = raise_max(r, scores.row(r));
+      if (new_max == -kInfinity) continue;
+      row_scratch_ = (scores.row(r).array() - new_max).exp();
+      // Weights c e^{S - mu}, exactly 0 where the logit is -inf (masked, or a visible -inf).
+      // Two loops without a product under a condition, so that both are vectorised.
+      Scalar* exponentials = row_scratch_.data();
+      for (Index c = 0; c < limit; ++c) exponentials[c] *= static_cast<Scalar>(count[c]);
+      for (Index c = 0; c < limit; ++c) row[c] = row[c] == -kInfinity ? Scalar(0) : exponentials[c];
+      for (Index c = limit; c < cols; ++c) row[c] = Scalar(0);
+      add_row(r, new_max, scores.row(r));
+    }
+    detail::add_product(
+        accumulator_, scores, values, bad_, scratch_, cols <= detail::kSmallProductDepth,
+        [&](Index r, std::size_t i) {
+          return visible_[i * static_cast<std::size_t>(rows) + static_cast<std::size_t>(r)] != 0;
+        });
   }
 
   /// The second half of update, for a caller that transforms the probabilities first (the
@@ -224,6 +257,32 @@ class OnlineSoftmax {
 
  private:
   static constexpr Scalar kInfinity = std::numeric_limits<Scalar>::infinity();
+
+  /// Row r's running maximum with its logits `row`, or \f$-\infty\f$ when nothing is visible
+  /// yet: then `row` is zeroed (\f$e^{-\infty - -\infty}\f$ would be NaN), and the row's state
+  /// made NaN when a NaN hid from the maximum.
+  template <class Row>
+  Scalar raise_max(Index r, Row&& row) {
+    const Scalar new_max = std::max(max_[r], row.maxCoeff());
+    if (new_max == -kInfinity) {
+      if (row.hasNaN()) {
+        max_[r] = std::numeric_limits<Scalar>::quiet_NaN();
+        sum_[r] = std::numeric_limits<Scalar>::quiet_NaN();
+      }
+      row.setZero();
+    }
+    return new_max;
+  }
+
+  /// Rescales row r's state from its maximum to `new_max` and adds the sum of its `weights`
+  /// (the weighted values are added by the caller's product).
+  template <class Row>
+  void add_row(Index r, Scalar new_max, const Row& weights) {
+    const Scalar rescale = std::exp(max_[r] - new_max);
+    sum_[r] = sum_[r] * rescale + weights.sum();
+    accumulator_.row(r) *= rescale;
+    max_[r] = new_max;
+  }
 
   Vector max_;
   Vector sum_;

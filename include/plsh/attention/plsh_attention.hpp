@@ -18,12 +18,16 @@
 /// - Kernel::Fused: with \f$c_{ij}\f$ the number of draws in which i and j share a block,
 ///   \f$o_i = \sum_j c_{ij} e^{S_{ij}} v_j / \sum_j c_{ij} e^{S_{ij}}\f$ over the union of the
 ///   blocks of i, an interval of width about \f$\ln(s)/m\f$: each score is computed once,
-///   whatever s. Per tile of query rows (height from the slope), one product \f$QK^\top\f$ over
-///   the tile's union, \f$\log c_{ij}\f$ added to the logits (detail::BlockCounts, shared with
-///   the backward: a 2-D difference array over the draws' blocks, or per-row segments of
-///   constant count for wide unions), one online softmax and one product \f$PV\f$. Cost about
-///   \f$(\ln(s)/m + \text{tile})(d + d_v)\f$ per query and head, plus O(s) per block of the
-///   tile.
+///   whatever s. Per tile of query rows (height from the slope), the counts row by row
+///   (detail::BlockCounts, shared with the backward: the draws' blocks as events by row, each row's
+///   counts those of the row before plus the blocks that start there, minus those that end).
+///   A tile whose union holds more than kRowByRowKeys keys takes, per chunk of kFusedKeyTile
+///   keys, one product \f$QK^\top\f$, one walk per row (mask where \f$c_{ij} = 0\f$,
+///   maximum, exponentials, weights \f$c_{ij} e^{S_{ij} - \mu}\f$: OnlineSoftmax::update_counted)
+///   and one product \f$PV\f$; a narrower one goes row by row, each row's scores and weighted
+///   sum by matrix-vector products over its own keys only (detail::fused_row_by_row), which
+///   spares the steep heads the blocked products' packing. Cost about \f$(\ln(s)/m +
+///   \text{tile})(d + d_v)\f$ per query and head, plus O(s) per block of the tile.
 ///
 /// Parallelism: one OpenMP region per call, over (batch element, head, query tile) for the fused
 /// kernel and (batch element, head) for the passes; the draws are made once per call and shared
@@ -159,13 +163,14 @@ void pass_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scal
                  options, kernel);
 }
 
-/// Query rows per tile of the fused kernel for a head of slope m: about the mean block radius
-/// \f$1/m\f$, so that a tile's key interval is not much wider than one row's.
+/// Query rows per tile of the fused kernel for a head of slope m: 32 for the steep slopes
+/// (\f$1/m < 32\f$), whose tiles mostly go row by row (fused_row_by_row: a row's work does not
+/// grow with the tile, the tile's costs, the draws' blocks, are spread over more rows),
+/// kQueryTile beyond, where the blocked products' packing is spread over more rows while the
+/// union grows by the extra rows only.
 inline Index fused_tile_rows(double slope) {
   if (slope == 0) return kQueryTile;
-  Index rows = 8;
-  while (rows < kQueryTile && static_cast<double>(2 * rows) <= 1.0 / slope) rows *= 2;
-  return rows;
+  return 1.0 / slope < 32 ? 32 : kQueryTile;
 }
 
 /// Keys per chunk of the fused kernel: wide enough to amortise the products' packing.
@@ -229,60 +234,18 @@ inline Block tile_block_runs(const std::vector<Grid>& grids, const PositionRange
   return Block{union_begin, union_end};
 }
 
-/// Splits the keys of one row into segments of constant \f$c_{ij} = \#\{t: b_t \le j\} -
-/// \#\{t: e_t \le j\}\f$, from its draws' intervals \f$[b_t, e_t)\f$, starting at
-/// `union_begin`; segment k is `[start[k], start[k + 1])` with value \f$\log c\f$ (the last one,
-/// to the end of the union, has c = 0). A narrow row counts with a difference array, O(s + width);
-/// a wide one sorts the interval ends, O(s log s). Returns the number of segments.
-template <class Scalar>
-Index count_segments(Index* begins, Index* ends, Index intervals, Index union_begin,
-                     const std::vector<Scalar>& log_count, std::vector<int>& difference,
-                     Index* start, Scalar* value) {
-  Index segments = 0;
-  start[0] = union_begin;
-  value[0] = log_count[0];
-  const auto open_segment = [&](Index position, int count) {
-    if (position != start[segments]) ++segments;
-    start[segments] = position;
-    value[segments] = log_count[static_cast<std::size_t>(count)];
-  };
-  if (intervals == 0) return 1;
-  const Index low = *std::min_element(begins, begins + intervals);
-  const Index high = *std::max_element(ends, ends + intervals);
-  if (high - low <= 4 * intervals) {
-    difference.assign(static_cast<std::size_t>(high - low + 1), 0);
-    for (Index t = 0; t < intervals; ++t) {
-      ++difference[static_cast<std::size_t>(begins[t] - low)];
-      --difference[static_cast<std::size_t>(ends[t] - low)];
-    }
-    int count = 0;
-    for (Index j = low; j <= high; ++j) {
-      const int change = difference[static_cast<std::size_t>(j - low)];
-      if (change != 0) open_segment(j, count += change);
-    }
-    return segments + 1;
-  }
-  std::sort(begins, begins + intervals);
-  std::sort(ends, ends + intervals);
-  int count = 0;
-  for (Index b = 0, e = 0; b < intervals || e < intervals;) {
-    const Index next = (b < intervals && begins[b] < ends[e]) ? begins[b] : ends[e];
-    for (; b < intervals && begins[b] == next; ++b) ++count;
-    for (; e < intervals && ends[e] == next; ++e) --count;
-    open_segment(next, count);
-  }
-  return segments + 1;
-}
-
 /// The counts \f$c_{ij}\f$ of a tile of query rows of one head, the number of draws in which
 /// query i and key j share a block (0 after the query's position when causal): the one
 /// implementation of the fused forward and of the Positional LSH backward.
 ///
-/// prepare() finds the tile's block runs and their union (tile_block_runs). A union of at most
-/// kFusedKeyTile keys is counted per chunk of logits by a two-dimensional difference array over
-/// the runs, each run adding 1 on a rectangle of (rows, keys): O(runs + rows * cols) whatever s.
-/// A wider one is split per row into segments of constant count (count_segments), so that its
-/// cost does not grow with the width.
+/// prepare() finds the tile's block runs and their union (tile_block_runs) and sorts the runs'
+/// first and past-the-end rows into a list of events by row (a counting sort, O(runs + rows)).
+/// A chunk of keys is then walked row by row (start_chunk, next_row) with one vector of counts
+/// over the chunk's keys: row r's counts are row r - 1's plus 1 on the keys of the runs that
+/// start at r, minus 1 on those of the runs that end there. O(min(sum of the runs' widths in the
+/// chunk, rows * cols) + rows * cols) per chunk of `cols` keys, whatever s and the width of the
+/// union, and O(runs + rows + cols) memory. The fused forward reads the counts (weights
+/// \f$c_{ij} e^{S_{ij}}\f$), the backward adds their logarithms to its logits (add_log_counts).
 template <class Scalar>
 class BlockCounts {
  public:
@@ -299,152 +262,130 @@ class BlockCounts {
       }
     }
     first_position_ = first_position;
-    rows_ = rows;
     causal_ = causal;
     runs_.clear();
     union_ = tile_block_runs(grids, range, first_position, rows, key_begin, key_end, causal, runs_);
-    narrow_ = union_.end - union_.begin <= kFusedKeyTile;
-    if (!narrow_) prepare_segments(samples);
+    // Events by row: a run adds 1 from its first row and -1 from its past-the-end row (rows
+    // past the tile are never reached).
+    event_start_.assign(static_cast<std::size_t>(rows + 2), 0);
+    for (const BlockRun& run : runs_) {
+      ++event_start_[static_cast<std::size_t>(run.row_begin + 1)];
+      if (run.row_end < rows) ++event_start_[static_cast<std::size_t>(run.row_end + 1)];
+    }
+    for (Index r = 0; r <= rows; ++r) {
+      event_start_[static_cast<std::size_t>(r + 1)] += event_start_[static_cast<std::size_t>(r)];
+    }
+    events_.resize(static_cast<std::size_t>(event_start_[static_cast<std::size_t>(rows)]));
+    fill_.assign(event_start_.begin(), event_start_.end() - 1);
+    for (const BlockRun& run : runs_) {
+      events_[static_cast<std::size_t>(fill_[static_cast<std::size_t>(run.row_begin)]++)] =
+          Event{run.begin, run.end, 1};
+      if (run.row_end < rows) {
+        events_[static_cast<std::size_t>(fill_[static_cast<std::size_t>(run.row_end)]++)] =
+            Event{run.begin, run.end, -1};
+      }
+    }
     return union_;
   }
 
+  /// Starts a walk over the rows of a chunk of keys `[chunk_begin, chunk_begin + cols)`:
+  /// next_row() then gives the counts of rows 0, 1, ... in turn. A row's events change the
+  /// counts either directly on their keys or, when the tile's events are many and short (steep
+  /// slopes), as +-1 at the ends of their keys in a difference vector that each row prefix-sums:
+  /// whichever touches fewer entries of the chunk, the same counts either way.
+  void start_chunk(Index chunk_begin, Index cols) {
+    chunk_begin_ = chunk_begin;
+    counts_.assign(static_cast<std::size_t>(cols), 0);
+    Index direct = 0;  // entries the events touch directly, plus a loop's overhead each
+    for (const Event& event : events_) {
+      direct += 8 + std::max<Index>(0, std::min(event.end - chunk_begin, cols) -
+                                           std::max<Index>(event.begin - chunk_begin, 0));
+    }
+    const Index rows = static_cast<Index>(event_start_.size()) - 2;
+    prefix_ = direct > rows * cols + 2 * static_cast<Index>(events_.size());
+    if (prefix_) difference_.assign(static_cast<std::size_t>(cols + 1), 0);
+  }
+
+  /// The counts \f$c_{ij}\f$ of row `r` (the rows of a chunk in increasing order, from 0) over
+  /// the chunk's keys, valid until the next call; `limit` is set to the number of leading keys
+  /// the row may see (causal), the counts past it are to be taken as 0.
+  const int* next_row(Index r, Index& limit) {
+    const Index cols = static_cast<Index>(counts_.size());
+    int* count = counts_.data();
+    const Index events_end = event_start_[static_cast<std::size_t>(r + 1)];
+    if (prefix_) {
+      int* difference = difference_.data();
+      for (Index e = event_start_[static_cast<std::size_t>(r)]; e < events_end; ++e) {
+        const Event& event = events_[static_cast<std::size_t>(e)];
+        const Index begin = std::max<Index>(event.begin - chunk_begin_, 0);
+        const Index end = std::min(event.end - chunk_begin_, cols);
+        if (begin >= end) continue;
+        difference[begin] += event.delta;
+        difference[end] -= event.delta;
+      }
+      int running = 0;
+      for (Index c = 0; c < cols; ++c) count[c] = running += difference[c];
+    } else {
+      for (Index e = event_start_[static_cast<std::size_t>(r)]; e < events_end; ++e) {
+        const Event& event = events_[static_cast<std::size_t>(e)];
+        const Index begin = std::max<Index>(event.begin - chunk_begin_, 0);
+        const Index end = std::min(event.end - chunk_begin_, cols);
+        for (Index c = begin; c < end; ++c) count[c] += event.delta;
+      }
+    }
+    limit = causal_ ? std::clamp<Index>(first_position_ + r + 1 - chunk_begin_, 0, cols) : cols;
+    return count;
+  }
+
+  /// \f$\log c\f$ for c = 0 .. s (\f$-\infty\f$ for 0), after prepare().
+  const Scalar* log_counts() const { return log_count_.data(); }
+
   /// Adds \f$\log c_{ij}\f$ to a chunk of logits of the prepared rows whose keys are
   /// `[chunk_begin, chunk_begin + cols)`; entries with \f$c_{ij} = 0\f$ become \f$-\infty\f$,
-  /// whatever the score was. Chunks of a wide union must come in increasing order.
+  /// whatever the score was. Chunks may come in any order.
   void add_log_counts(Eigen::Map<RowMatrix<Scalar>>& scores, Index chunk_begin) {
-    if (narrow_) {
-      add_log_counts_narrow(scores, chunk_begin);
-    } else {
-      add_log_counts_wide(scores, chunk_begin);
+    constexpr Scalar kMinusInfinity = -std::numeric_limits<Scalar>::infinity();
+    const Index cols = scores.cols();
+    start_chunk(chunk_begin, cols);
+    const Scalar* log_count = log_count_.data();
+    for (Index r = 0; r < scores.rows(); ++r) {
+      Index limit = 0;
+      const int* count = next_row(r, limit);
+      Scalar* row = scores.row(r).data();
+      for (Index c = 0; c < limit; ++c) {
+        row[c] = count[c] == 0 ? kMinusInfinity : row[c] + log_count[count[c]];
+      }
+      for (Index c = limit; c < cols; ++c) row[c] = kMinusInfinity;
     }
   }
 
  private:
-  void add_log_counts_narrow(Eigen::Map<RowMatrix<Scalar>>& scores, Index chunk_begin) {
-    const Index rows = scores.rows();
-    const Index cols = scores.cols();
-    const Index stride = cols + 1;
-    difference_.assign(static_cast<std::size_t>((rows + 1) * stride), 0);
-    const auto at = [&](Index r, Index c) -> int& {
-      return difference_[static_cast<std::size_t>(r * stride + c)];
-    };
-    for (const BlockRun& run : runs_) {
-      const Index begin = std::max<Index>(run.begin - chunk_begin, 0);
-      const Index end = std::min(run.end - chunk_begin, cols);
-      if (begin >= end) continue;
-      ++at(run.row_begin, begin);
-      --at(run.row_begin, end);
-      --at(run.row_end, begin);
-      ++at(run.row_end, end);
-    }
-    counts_.assign(static_cast<std::size_t>(cols), 0);
-    for (Index r = 0; r < rows; ++r) {
-      // counts[c] = sum of difference rows 0..r, prefix-summed along c.
-      int running = 0;
-      for (Index c = 0; c < cols; ++c) {
-        running += at(r, c);
-        counts_[static_cast<std::size_t>(c)] += running;
-      }
-      const Index limit =
-          causal_ ? std::clamp<Index>(first_position_ + r + 1 - chunk_begin, 0, cols) : cols;
-      Scalar* row = scores.row(r).data();
-      for (Index c = 0; c < cols; ++c) {
-        const int count = c < limit ? counts_[static_cast<std::size_t>(c)] : 0;
-        if (count == 0) {
-          row[c] = -std::numeric_limits<Scalar>::infinity();
-        } else {
-          row[c] += log_count_[static_cast<std::size_t>(count)];
-        }
-      }
-    }
-  }
-
-  /// Per row, the non-empty intervals [begin, end) of keys sharing its block, split into
-  /// segments of constant count.
-  void prepare_segments(Index samples) {
-    const Index rows = rows_;
-    max_segments_ = 2 * samples + 1;
-    const std::size_t cells = static_cast<std::size_t>(rows * samples);
-    begins_.resize(cells);
-    ends_.resize(cells);
-    segment_start_.resize(static_cast<std::size_t>(rows * max_segments_));
-    segment_value_.resize(static_cast<std::size_t>(rows * max_segments_));
-    segment_count_.assign(static_cast<std::size_t>(rows), 0);
-    cursor_.assign(static_cast<std::size_t>(rows), 0);
-    intervals_.assign(static_cast<std::size_t>(rows), 0);
-    for (const BlockRun& run : runs_) {
-      for (Index r = run.row_begin; r < run.row_end; ++r) {
-        const Index end = causal_ ? std::min(run.end, first_position_ + r + 1) : run.end;
-        if (run.begin >= end) continue;
-        const std::size_t cell =
-            static_cast<std::size_t>(r * samples + intervals_[static_cast<std::size_t>(r)]++);
-        begins_[cell] = run.begin;
-        ends_[cell] = end;
-      }
-    }
-    for (Index r = 0; r < rows; ++r) {
-      const std::size_t first = static_cast<std::size_t>(r * samples);
-      const std::size_t segments = static_cast<std::size_t>(r * max_segments_);
-      segment_count_[static_cast<std::size_t>(r)] = count_segments(
-          &begins_[first], &ends_[first], intervals_[static_cast<std::size_t>(r)], union_.begin,
-          log_count_, difference_, &segment_start_[segments], &segment_value_[segments]);
-    }
-  }
-
-  void add_log_counts_wide(Eigen::Map<RowMatrix<Scalar>>& scores, Index chunk_begin) {
-    const Index cols = scores.cols();
-    const Index c0 = chunk_begin;
-    const Index c1 = c0 + cols;
-    // Keys outside the union share no block with any row of the tile.
-    const Index inside_begin = std::clamp(union_.begin, c0, c1);
-    const Index inside_end = std::clamp(union_.end, inside_begin, c1);
-    for (Index r = 0; r < scores.rows(); ++r) {
-      const Index* start = &segment_start_[static_cast<std::size_t>(r * max_segments_)];
-      const Scalar* value = &segment_value_[static_cast<std::size_t>(r * max_segments_)];
-      const Index segments = segment_count_[static_cast<std::size_t>(r)];
-      Index& j = cursor_[static_cast<std::size_t>(r)];
-      auto row = scores.row(r);
-      row.head(inside_begin - c0).setConstant(-std::numeric_limits<Scalar>::infinity());
-      row.tail(c1 - inside_end).setConstant(-std::numeric_limits<Scalar>::infinity());
-      for (; j < segments; ++j) {
-        const Index segment_end = j + 1 < segments ? start[j + 1] : union_.end;
-        const Index a = std::max(start[j], inside_begin);
-        const Index b = std::min(segment_end, inside_end);
-        if (a < b) {
-          if (value[j] == -std::numeric_limits<Scalar>::infinity()) {
-            row.segment(a - c0, b - a).setConstant(value[j]);
-          } else {
-            row.segment(a - c0, b - a).array() += value[j];
-          }
-        }
-        if (segment_end > inside_end) break;  // the segment continues in the next chunk
-      }
-    }
-  }
+  /// A run entering (delta 1) or leaving (delta -1) the rows: keys `[begin, end)`.
+  struct Event {
+    Index begin;
+    Index end;
+    int delta;
+  };
 
   std::vector<BlockRun> runs_;  // every draw's blocks over the tile's rows
   Block union_{0, 0};
   Index first_position_ = 0;
-  Index rows_ = 0;
   bool causal_ = false;
-  bool narrow_ = true;
-  Index max_segments_ = 0;
-  std::vector<Index> begins_;  // [row][k]: visible key intervals of the row, one per draw at most
-  std::vector<Index> ends_;
-  std::vector<Index> segment_start_;   // [row][k]: c_ij is constant on [start_k, start_{k+1})
-  std::vector<Scalar> segment_value_;  // log c_ij on that segment, -inf where c_ij = 0
-  std::vector<Index> segment_count_;   // segments per row
-  std::vector<Index> cursor_;          // per row: first segment not yet fully applied
-  std::vector<Index> intervals_;       // per row: number of non-empty intervals
-  std::vector<int> difference_;
-  std::vector<int> counts_;
-  std::vector<Scalar> log_count_;  // log(c) for c = 0..s, log(0) = -inf
+  std::vector<Event> events_;       // by row: the runs that start or end there
+  std::vector<Index> event_start_;  // events of row r: [event_start_[r], event_start_[r + 1])
+  std::vector<Index> fill_;         // counting-sort cursors
+  std::vector<int> counts_;         // c_ij of the current row over the chunk's keys
+  std::vector<Scalar> log_count_;   // log(c) for c = 0..s, log(0) = -inf
+  Index chunk_begin_ = 0;
+  bool prefix_ = false;          // the chunk's counts are prefix sums of difference_
+  std::vector<int> difference_;  // [cols + 1]: the rows' events so far as +-1 at their ends
 };
 
 /// Per-thread scratch of the fused kernel on storage type `Storage`: O(tile) whatever n.
 template <class Storage>
 struct FusedWorkspace {
   using Scalar = Compute<Storage>;
+  using Vector = Eigen::Matrix<Scalar, Eigen::Dynamic, 1>;
   BlockCounts<Scalar> counts;
   AlignedVector<Scalar> scores;
   RowMatrix<Scalar> query;
@@ -453,12 +394,95 @@ struct FusedWorkspace {
   AlignedVector<Scalar> key_rows;
   AlignedVector<Scalar> value_rows;
   OutputRows<Storage> output;
+  Vector logits;  // one row's scores (fused_row_by_row)
+  Eigen::Array<Scalar, Eigen::Dynamic, 1> exponentials;
+  Eigen::Matrix<Scalar, 1, Eigen::Dynamic> sum;  // one row's weighted sum of values
+  std::vector<Index> bad;                        // value rows with a non-finite entry
 };
 
-/// Fused kernel for query rows `[row_begin, row_end)` of one head: logits
-/// \f$S_{ij} + \log c_{ij}\f$ over the union of the rows' blocks (BlockCounts), one online
-/// softmax, in chunks of kFusedKeyTile keys. The query tile and each key and value chunk are
-/// converted to the compute type once; the output rows are rounded back once.
+/// Unions of at most this many keys take fused_row_by_row: below it, the blocked products'
+/// packing and the per-tile passes cost more than a product per row.
+constexpr Index kRowByRowKeys = 80;
+
+/// The fused kernel on a tile of `query` rows (scaled, compute type) whose union of keys is
+/// narrow: per row, its scores \f$S_{ij}\f$ over the keys from its first to its last with
+/// \f$c_{ij} > 0\f$ by one matrix-vector product, the logits \f$l_{ij} = S_{ij} + \log c_{ij}\f$
+/// (\f$-\infty\f$ where \f$c_{ij} = 0\f$), the weights \f$w_{ij} = e^{l_{ij} - \max_j l_{ij}}\f$
+/// (exactly 0 where the logit is \f$-\infty\f$) and \f$o_i = \sum_j w_{ij} v_j / \sum_j
+/// w_{ij}\f$ by another product: a row that sees one key gets its value exactly. Non-finite
+/// inputs as the online softmax (online_softmax.hpp): a value row with a non-finite entry is
+/// added, term by term, only to the rows whose logit for it is above \f$-\infty\f$.
+template <class Storage>
+void fused_row_by_row(FusedWorkspace<Storage>& workspace, const RowMatrix<Compute<Storage>>& query,
+                      const ConstHeadMap<Compute<Storage>>& key_rows,
+                      const ConstHeadMap<Compute<Storage>>& value_rows, Index first_key,
+                      HeadMap<Compute<Storage>> out) {
+  using Scalar = Compute<Storage>;
+  constexpr Scalar kMinusInfinity = -std::numeric_limits<Scalar>::infinity();
+  const Index width = key_rows.rows();
+  find_nonfinite_rows(value_rows, workspace.bad);
+  workspace.counts.start_chunk(first_key, width);
+  for (Index r = 0; r < query.rows(); ++r) {
+    Index limit = 0;
+    const int* count = workspace.counts.next_row(r, limit);
+    Index first = 0;
+    while (first < limit && count[first] == 0) ++first;
+    Index last = limit;
+    while (last > first && count[last - 1] == 0) --last;
+    auto out_row = out.row(r);
+    if (first == last) {
+      out_row.setZero();
+      continue;
+    }
+    const Index n = last - first;
+    workspace.logits.resize(n);
+    workspace.logits.noalias() = key_rows.middleRows(first, n) * query.row(r).transpose();
+    Scalar* logit = workspace.logits.data();
+    const int* row_count = count + first;
+    const Scalar* log_count = workspace.counts.log_counts();
+    for (Index c = 0; c < n; ++c) {
+      logit[c] = row_count[c] == 0 ? kMinusInfinity : logit[c] + log_count[row_count[c]];
+    }
+    const Scalar high = workspace.logits.maxCoeff();
+    if (!(high > kMinusInfinity)) {
+      // Nothing visible weighs anything, unless a NaN hid from (or is) the maximum.
+      if (std::isnan(high) || workspace.logits.hasNaN()) {
+        out_row.setConstant(std::numeric_limits<Scalar>::quiet_NaN());
+      } else {
+        out_row.setZero();
+      }
+      continue;
+    }
+    workspace.exponentials = (workspace.logits.array() - high).exp();
+    Scalar* weight = workspace.exponentials.data();
+    for (Index c = 0; c < n; ++c) weight[c] = logit[c] == kMinusInfinity ? Scalar(0) : weight[c];
+    const Scalar sum = workspace.exponentials.sum();
+    const bool reached = std::any_of(workspace.bad.begin(), workspace.bad.end(),
+                                     [&](Index c) { return c >= first && c < last; });
+    if (!reached) {
+      workspace.sum.noalias() =
+          workspace.exponentials.matrix().transpose() * value_rows.middleRows(first, n);
+    } else {
+      // Term by term over the keys whose logit is above -inf: a masked key adds nothing
+      // whatever its value, a visible key's non-finite value reaches the row even at weight 0.
+      workspace.sum.setZero(value_rows.cols());
+      for (Index c = 0; c < n; ++c) {
+        if (logit[c] != kMinusInfinity) workspace.sum += weight[c] * value_rows.row(first + c);
+      }
+    }
+    if (sum != 0) {  // NaN: seen, and poisoned
+      out_row = workspace.sum / sum;
+    } else {
+      out_row.setZero();
+    }
+  }
+}
+
+/// Fused kernel for query rows `[row_begin, row_end)` of one head: weights \f$c_{ij}
+/// e^{S_{ij}}\f$ over the union of the rows' blocks (BlockCounts), row by row
+/// (fused_row_by_row) for a union of at most kRowByRowKeys keys, else one online softmax in
+/// chunks of kFusedKeyTile keys (OnlineSoftmax::update_counted). The query tile and each key and
+/// value chunk are converted to the compute type once; the output rows are rounded back once.
 template <class Storage>
 void fused_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
                 const ConstHeadMap<Storage>& v, const std::vector<Grid>& grids,
@@ -470,6 +494,18 @@ void fused_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
   const Block keys = workspace.counts.prepare(grids, range, options.query_position + row_begin,
                                               rows, options.key_position,
                                               options.key_position + k.rows(), options.causal);
+  if (keys.begin < keys.end && keys.end - keys.begin <= kRowByRowKeys) {
+    workspace.query.noalias() = compute_rows(map_rows(q, row_begin, rows), workspace.query_rows) *
+                                static_cast<Scalar>(options.scale);
+    const Index first_key = keys.begin - options.key_position;
+    const Index width = keys.end - keys.begin;
+    fused_row_by_row(workspace, workspace.query,
+                     compute_rows(map_rows(k, first_key, width), workspace.key_rows),
+                     compute_rows(map_rows(v, first_key, width), workspace.value_rows), keys.begin,
+                     workspace.output.bind(map_rows(out, row_begin, rows)));
+    workspace.output.store();
+    return;
+  }
   workspace.softmax.reset(rows, v.cols());
   if (keys.begin < keys.end) {
     workspace.query.noalias() = compute_rows(map_rows(q, row_begin, rows), workspace.query_rows) *
@@ -481,9 +517,10 @@ void fused_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
       Eigen::Map<RowMatrix<Scalar>> scores(workspace.scores.data(), rows, cols);
       multiply_transposed(workspace.query,
                           compute_rows(map_rows(k, first_key, cols), workspace.key_rows), scores);
-      workspace.counts.add_log_counts(scores, c0);
-      workspace.softmax.update(scores,
-                               compute_rows(map_rows(v, first_key, cols), workspace.value_rows));
+      workspace.counts.start_chunk(c0, cols);
+      workspace.softmax.update_counted(
+          scores, compute_rows(map_rows(v, first_key, cols), workspace.value_rows),
+          [&](Index r, Index& limit) { return workspace.counts.next_row(r, limit); });
     }
   }
   workspace.softmax.finish(workspace.output.bind(map_rows(out, row_begin, rows)), nullptr);
