@@ -177,8 +177,7 @@ TEST_CASE("avx512::multiply_counts multiplies by the number of block starts reac
         exact_sum += static_cast<double>(expected);
         magnitude += std::abs(static_cast<double>(expected));
       }
-      CHECK(std::abs(sum - exact_sum) <=
-            static_cast<double>(count) * kFloatRoundoff * magnitude);
+      CHECK(std::abs(sum - exact_sum) <= static_cast<double>(count) * kFloatRoundoff * magnitude);
     }
   }
 }
