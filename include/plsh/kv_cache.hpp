@@ -522,7 +522,7 @@ class KvCache {
     workspace.jobs.reserve(static_cast<std::size_t>(most_jobs));
     workspace.jobs.clear();
     workspace.queries.resize(static_cast<std::size_t>(rows * heads_ * dim_));
-    double work = 0;
+    Index union_keys = 0;  // keys of every (row, head) union
     for (Index r = 0; r < rows; ++r) {
       const Index position = first_query + r;
       for (Index h = 0; h < heads_; ++h) {
@@ -551,8 +551,7 @@ class KvCache {
           workspace.jobs.push_back(detail::DecodeJob{
               r, h, begin, std::min(begin + detail::kDecodeKeyChunk, position + 1)});
         }
-        work +=
-            static_cast<double>(position + 1 - begins[0]) * static_cast<double>(dim_ + value_dim_);
+        union_keys += position + 1 - begins[0];
         Compute* query = &workspace.queries[static_cast<std::size_t>((r * heads_ + h) * dim_)];
         detail::convert_to_compute(q.data + r * q.token_stride + h * q.head_stride, dim_, query);
         Eigen::Map<Eigen::Matrix<Compute, 1, Eigen::Dynamic>>(query, dim_) *=
@@ -565,6 +564,7 @@ class KvCache {
     workspace.lse.resize(static_cast<std::size_t>(most_jobs));
     Index threads = 1;
 #if defined(_OPENMP)
+    const double work = static_cast<double>(union_keys) * static_cast<double>(dim_ + value_dim_);
     if (jobs > 1 && work >= detail::kDecodeParallelWork) threads = omp_get_max_threads();
 #endif
     if (static_cast<Index>(workspace.threads.size()) < threads) {
@@ -594,12 +594,11 @@ class KvCache {
     {
       Index part = 0;
       Index keys_before = 0;
-      const Index total_keys = std::max<Index>(1, static_cast<Index>(work) / (dim_ + value_dim_));
       workspace.part_first[0] = 0;
       for (Index j = 0; j < jobs && part + 1 < threads; ++j) {
         keys_before += workspace.jobs[static_cast<std::size_t>(j)].end -
                        workspace.jobs[static_cast<std::size_t>(j)].begin;
-        if (keys_before * threads >= (part + 1) * total_keys) {
+        if (keys_before * threads >= (part + 1) * union_keys) {
           workspace.part_first[static_cast<std::size_t>(++part)] = j + 1;
         }
       }

@@ -65,22 +65,25 @@ ExactSum exact_dot(const A* a, const B* b, Index n, Index b_step) {
   return sum;
 }
 
-template <class Storage>
-void check_scores(std::uint64_t seed) {
+/// `compute(keys, count, dim, stride, query, out)` must write `scale` times the dot products of
+/// the query with `count` key rows into out[0, count) and nothing past them; `roundings` beyond
+/// the dim of the sum (the scale's multiplication) widen the bound by one u each.
+template <class Storage, class Query, class Compute>
+void check_scores(std::uint64_t seed, double scale, Index roundings, Compute&& compute) {
   for (const Index dim : kSizes) {
     const Index stride = dim + 3;
     for (Index count = 1; count <= 40; ++count) {
       const std::vector<Storage> keys = rows<Storage>(count, dim, stride, seed + count);
-      const std::vector<float> query =
-          plsh_test::uniform_values<float>(static_cast<std::size_t>(dim), seed + 1000 + dim);
+      const std::vector<Query> query = rows<Query>(1, dim, dim, seed + 1000 + dim);
       std::vector<float> scores(static_cast<std::size_t>(count) + 1, -7.0f);
-      avx512::scores(keys.data(), count, dim, stride, query.data(), scores.data());
+      compute(keys.data(), count, dim, stride, query.data(), scores.data());
       for (Index j = 0; j < count; ++j) {
         const ExactSum exact =
             exact_dot(query.data(), &keys[static_cast<std::size_t>(j * stride)], dim, 1);
         INFO("dim " << dim << ", count " << count << ", key " << j);
-        CHECK(std::abs(scores[static_cast<std::size_t>(j)] - exact.value) <=
-              static_cast<double>(dim) * kFloatRoundoff * exact.magnitude + 1e-30);
+        CHECK(std::abs(scores[static_cast<std::size_t>(j)] - scale * exact.value) <=
+              static_cast<double>(dim + roundings) * kFloatRoundoff * scale * exact.magnitude +
+                  1e-30);
       }
       INFO("dim " << dim << ", count " << count << ": nothing written past the last key");
       CHECK(scores[static_cast<std::size_t>(count)] == -7.0f);
@@ -115,7 +118,8 @@ void check_weighted_sum(std::uint64_t seed) {
 
 TEMPLATE_TEST_CASE("avx512::scores equals the dot products summed in double", "[simd]", float,
                    Eigen::bfloat16, Eigen::half) {
-  check_scores<TestType>(100);
+  check_scores<TestType, float>(100, 1.0, 0,
+                                [](auto... arguments) { avx512::scores(arguments...); });
 }
 
 TEMPLATE_TEST_CASE("avx512::weighted_sum equals the weighted sum in double", "[simd]", float,
@@ -125,25 +129,12 @@ TEMPLATE_TEST_CASE("avx512::weighted_sum equals the weighted sum in double", "[s
 
 #if defined(PLSH_DECODE_AVX512_BF16)
 TEST_CASE("avx512::scores_bf16 (vdpbf16ps) equals the scaled dot products", "[simd][bf16]") {
-  for (const Index dim : kSizes) {
-    const Index stride = dim + 3;
-    for (Index count = 1; count <= 40; ++count) {
-      const std::vector<Eigen::bfloat16> keys =
-          rows<Eigen::bfloat16>(count, dim, stride, 300 + count);
-      const std::vector<Eigen::bfloat16> query = rows<Eigen::bfloat16>(1, dim, dim, 400 + dim);
-      const float scale = 0.3f;
-      std::vector<float> scores(static_cast<std::size_t>(count) + 1, -7.0f);
-      avx512::scores_bf16(keys.data(), count, dim, stride, query.data(), scale, scores.data());
-      for (Index j = 0; j < count; ++j) {
-        const ExactSum exact =
-            exact_dot(query.data(), &keys[static_cast<std::size_t>(j * stride)], dim, 1);
-        INFO("dim " << dim << ", count " << count << ", key " << j);
-        CHECK(std::abs(scores[static_cast<std::size_t>(j)] - scale * exact.value) <=
-              static_cast<double>(dim + 1) * kFloatRoundoff * scale * exact.magnitude + 1e-30);
-      }
-      CHECK(scores[static_cast<std::size_t>(count)] == -7.0f);
-    }
-  }
+  const float scale = 0.3f;
+  check_scores<Eigen::bfloat16, Eigen::bfloat16>(
+      300, scale, 1,
+      [&](const Eigen::bfloat16* keys, Index count, Index dim, Index stride,
+          const Eigen::bfloat16* query,
+          float* out) { avx512::scores_bf16(keys, count, dim, stride, query, scale, out); });
 }
 #else
 TEST_CASE("avx512::scores_bf16 needs AVX-512 BF16", "[simd][bf16]") {
