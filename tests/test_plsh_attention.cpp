@@ -288,6 +288,45 @@ TEST_CASE("Fused agrees with Passes when tile unions span several key chunks", "
   }
 }
 
+TEST_CASE("Fused packs each span of a head's rows: the same as reading them in place", "[plsh]") {
+  // The fused kernel copies a job's kFusedSpanRows query rows of one head, and the keys they
+  // see, into packed scratch when the head's rows are strided (Layout::Packed with several heads)
+  // and those keys are at most max_packed_keys; it reads head-major rows, and wider key ranges,
+  // in place. 2200 queries make three spans, the last one ragged; slope 0 makes a span's keys
+  // every visible key. All three ways must give the passes kernel's result.
+  static_assert(plsh::detail::kFusedSpanRows < 1100, "the shape below must hold three spans");
+  const std::vector<double> slopes = {0.5, 1.0 / 40, 1.0 / 300, 0.0};
+  const Shape shape{2200, 2300, 4, 2, 8, 6};
+  for (const bool causal : {true, false}) {
+    plsh::AttentionOptions base;
+    base.causal = causal;
+    base.query_position = 100;  // the last 2200 of 2300 key positions
+    const plsh::PlshOptions options = plsh_options(base, 5, 8, plsh::Kernel::Fused);
+    INFO((causal ? "causal" : "bidirectional"));
+    Problem<float> packed(shape, 95, Layout::Packed);
+    Problem<float> head_major(shape, 95, Layout::HeadMajor);
+    Buffer<float> passes = packed.output();
+    run_plsh(packed, passes, slopes, plsh_options(base, 5, 8, plsh::Kernel::Passes));
+    run_plsh(packed, packed.out, slopes, options);
+    run_plsh(head_major, head_major.out, slopes, options);
+    Buffer<float> in_place = packed.output();
+    const auto grids = plsh::detail::kernel_grids(slopes, options, "fused_attention");
+    plsh::detail::fused_attention<float>(packed.q.in(), packed.k.in(), packed.v.in(), in_place.view,
+                                         grids, slopes, base, 0);
+    const double packed_error = plsh_test::max_abs_difference(packed.out.in(), passes.in());
+    const double head_major_error = plsh_test::max_abs_difference(head_major.out.in(), passes.in());
+    const double in_place_error = plsh_test::max_abs_difference(in_place.in(), passes.in());
+    INFO("|fused - passes|: packed spans " << plsh_test::scientific(packed_error) << ", head-major "
+                                           << plsh_test::scientific(head_major_error)
+                                           << ", strided in place "
+                                           << plsh_test::scientific(in_place_error));
+    CHECK(packed_error <= 2e-5);
+    CHECK(head_major_error <= 2e-5);
+    CHECK(in_place_error <= 2e-5);
+    CHECK(plsh_test::max_abs_difference(packed.out.in(), in_place.in()) <= 2e-6);
+  }
+}
+
 TEST_CASE("Fused matches the reference on both sides of the row-by-row width", "[plsh]") {
   // Tiles whose union holds at most kRowByRowKeys keys take fused_row_by_row (a product per
   // row), wider ones the blocked products and online softmax. Slopes 1/5 .. 1/48 give unions on

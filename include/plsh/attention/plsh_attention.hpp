@@ -29,10 +29,11 @@
 ///   spares the steep heads the blocked products' packing. Cost about \f$(\ln(s)/m +
 ///   \text{tile})(d + d_v)\f$ per query and head, plus O(s) per block of the tile.
 ///
-/// Parallelism: one OpenMP region per call, over (batch element, head, query tile) for the fused
-/// kernel and (batch element, head) for the passes; the draws are made once per call and shared
-/// by the batch elements (the batched overloads of batch.hpp; an unbatched call is a batch of
-/// one). Every job writes its own rows: the result is identical for any number of threads.
+/// Parallelism: one OpenMP region per call, over (batch element, head, span of kFusedSpanRows
+/// query rows) for the fused kernel (a span's rows of a strided head are first packed,
+/// fused_span) and (batch element, head) for the passes; the draws are made once per call and
+/// shared by the batch elements (the batched overloads of batch.hpp; an unbatched call is a batch
+/// of one). Every job writes its own rows: the result is identical for any number of threads.
 ///
 /// Storage: float, double, or Eigen::bfloat16 / Eigen::half computed in float (detail::Compute):
 /// the fused kernel converts its query tile and each key and value chunk once, the pass kernel
@@ -527,49 +528,137 @@ void fused_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
   workspace.output.store();
 }
 
-/// The fused kernel: parallel over (batch element, head, query tile) in one parallel region, tile
-/// height from the head's slope; the grids are shared by the batch elements.
+/// Query rows per job of the fused kernel (a multiple of every tile height).
+constexpr Index kFusedSpanRows = 1024;
+
+/// The widest key range a job of the fused kernel packs by default (see fused_span); a wider one
+/// is read in place. Bounds the per-thread scratch at kFusedSpanRows query and output rows and
+/// kFusedSpanKeys key and value rows.
+constexpr Index kFusedSpanKeys = 8192;
+
+/// Per-thread copies of one job's rows, packed (row stride = the row's width).
+template <class Storage>
+struct SpanRows {
+  AlignedVector<Storage> q, k, v, out;
+};
+
+/// Rows `[begin, begin + count)` of `rows` copied into `to`, packed; returns the packed map.
+template <class Storage>
+ConstHeadMap<Storage> pack_rows(const ConstHeadMap<Storage>& rows, Index begin, Index count,
+                                AlignedVector<Storage>& to) {
+  const Index cols = rows.cols();
+  const std::size_t needed = static_cast<std::size_t>(count * cols);
+  if (to.size() < needed) to.resize(needed);
+  for (Index r = 0; r < count; ++r) {
+    const Storage* row = rows.data() + (begin + r) * rows.outerStride();
+    std::copy(row, row + cols, to.data() + r * cols);
+  }
+  return ConstHeadMap<Storage>(to.data(), count, cols, Eigen::OuterStride<>(cols));
+}
+
+/// The keys that query rows `[row_begin, row_end)` of a head may see: from the first row's
+/// earliest block start to the last row's latest block end (to the last row itself when
+/// causal), cut to the keys `[key_begin, key_end)`. Every row's blocks lie inside, blocks
+/// being intervals in the order of the positions. O(s) calls of grid_block.
+inline Block span_keys(const std::vector<Grid>& grids, const PositionRange& range,
+                       Index first_position, Index last_position, Index key_begin, Index key_end,
+                       bool causal) {
+  Index begin = last_position + 1;
+  Index end = causal ? last_position + 1 : first_position;
+  for (const Grid& grid : grids) {
+    begin = std::min(begin, grid_block(grid, first_position, range.first, range.last).begin);
+    if (!causal) end = std::max(end, grid_block(grid, last_position, range.first, range.last).end);
+  }
+  begin = std::max(begin, key_begin);
+  end = std::min(end, key_end);
+  return begin < end ? Block{begin, end} : Block{key_begin, key_begin};
+}
+
+/// Query rows `[row_begin, row_end)` of one head by the fused kernel, tile by tile (height from
+/// the head's slope). When the head's rows are strided (a token-major tensor's rows of one head
+/// lie `heads * dim` elements apart: few rows per page for the prefetchers, few sets of the L1
+/// cache for the rows a tile reads again and again) and the rows' keys are at most
+/// `max_packed_keys`, the query, key and value rows are first packed into per-thread scratch and
+/// the output rows written there and copied out: every row is read once, in a loop whose loads
+/// are independent, instead of missing the cache inside the products. Same arithmetic either way.
+template <class Storage>
+void fused_span(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
+                const ConstHeadMap<Storage>& v, const std::vector<Grid>& grids, double slope,
+                const AttentionOptions& options, const PositionRange& range, Index row_begin,
+                Index row_end, HeadMap<Storage>& out, Index max_packed_keys) {
+  const Index height = fused_tile_rows(slope);
+  const Block keys = span_keys(grids, range, options.query_position + row_begin,
+                               options.query_position + row_end - 1, options.key_position,
+                               options.key_position + k.rows(), options.causal);
+  const Index key_count = keys.end - keys.begin;
+  const bool strided = q.outerStride() != q.cols() || k.outerStride() != k.cols() ||
+                       v.outerStride() != v.cols() || out.outerStride() != out.cols();
+  if (!strided || key_count == 0 || key_count > max_packed_keys) {
+    for (Index r0 = row_begin; r0 < row_end; r0 += height) {
+      fused_rows<Storage>(q, k, v, grids, options, range, r0, std::min(row_end, r0 + height), out);
+    }
+    return;
+  }
+  static thread_local SpanRows<Storage> span;
+  const Index rows = row_end - row_begin;
+  const Index first_key = keys.begin - options.key_position;
+  AttentionOptions local = options;
+  local.query_position += row_begin;
+  local.key_position = keys.begin;
+  const ConstHeadMap<Storage> q_span = pack_rows(q, row_begin, rows, span.q);
+  const ConstHeadMap<Storage> k_span = pack_rows(k, first_key, key_count, span.k);
+  const ConstHeadMap<Storage> v_span = pack_rows(v, first_key, key_count, span.v);
+  const std::size_t out_size = static_cast<std::size_t>(rows * out.cols());
+  if (span.out.size() < out_size) span.out.resize(out_size);
+  HeadMap<Storage> out_span(span.out.data(), rows, out.cols(), Eigen::OuterStride<>(out.cols()));
+  for (Index r0 = 0; r0 < rows; r0 += height) {
+    fused_rows<Storage>(q_span, k_span, v_span, grids, local, range, r0,
+                        std::min(rows, r0 + height), out_span);
+  }
+  for (Index r = 0; r < rows; ++r) {
+    std::copy(span.out.data() + r * out.cols(), span.out.data() + (r + 1) * out.cols(),
+              out.data() + (row_begin + r) * out.outerStride());
+  }
+}
+
+/// The fused kernel: parallel over (batch element, head, span of kFusedSpanRows query rows) in
+/// one parallel region (fused_span, packing at most `max_packed_keys` keys per job); the grids are
+/// shared by the batch elements.
 template <class Storage>
 void fused_attention(const BatchedHeadsView<const Storage>& q,
                      const BatchedHeadsView<const Storage>& k,
                      const BatchedHeadsView<const Storage>& v, const BatchedHeadsView<Storage>& out,
                      const std::vector<std::vector<Grid>>& grids, const std::vector<double>& slopes,
-                     const AttentionOptions& options) {
+                     const AttentionOptions& options, Index max_packed_keys = kFusedSpanKeys) {
   if (q.batch == 0 || q.tokens == 0) return;
   AttentionOptions resolved = options;
   resolved.scale = resolved_scale(options, q.dim);
   const Index group = q.heads / k.heads;
   const PositionRange range = position_range(q, k, options);
-  struct Tile {
-    Index head, row_begin, row_end;
-  };
-  std::vector<Tile> tiles;  // of one batch element
-  for (Index h = 0; h < q.heads; ++h) {
-    const Index height = fused_tile_rows(slopes[static_cast<std::size_t>(h)]);
-    for (Index r0 = 0; r0 < q.tokens; r0 += height) {
-      tiles.push_back(Tile{h, r0, std::min(q.tokens, r0 + height)});
-    }
-  }
-  const Index element_jobs = static_cast<Index>(tiles.size());
+  const Index spans = (q.tokens + kFusedSpanRows - 1) / kFusedSpanRows;
+  const Index element_jobs = q.heads * spans;
   const double work = static_cast<double>(q.batch) * attention_work(q[0], k[0], v[0]);
   parallel_for(q.batch * element_jobs, work, [&](Index job) {
     const Index b = job / element_jobs;
-    const Tile& tile = tiles[static_cast<std::size_t>(job % element_jobs)];
-    HeadMap<Storage> out_head = out[b].head(tile.head);
-    fused_rows<Storage>(q[b].head(tile.head), k[b].head(tile.head / group),
-                        v[b].head(tile.head / group), grids[static_cast<std::size_t>(tile.head)],
-                        resolved, range, tile.row_begin, tile.row_end, out_head);
+    const Index h = job % element_jobs / spans;
+    const Index row_begin = job % spans * kFusedSpanRows;
+    HeadMap<Storage> out_head = out[b].head(h);
+    fused_span<Storage>(q[b].head(h), k[b].head(h / group), v[b].head(h / group),
+                        grids[static_cast<std::size_t>(h)], slopes[static_cast<std::size_t>(h)],
+                        resolved, range, row_begin, std::min(q.tokens, row_begin + kFusedSpanRows),
+                        out_head, max_packed_keys);
   });
 }
 
-/// fused_attention on one element (a batch of one), as the KV cache's decoding step calls it.
+/// fused_attention on one element (a batch of one), as the KV cache's decoding step and the
+/// tests call it.
 template <class Scalar>
 void fused_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
                      const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
                      const std::vector<std::vector<Grid>>& grids, const std::vector<double>& slopes,
-                     const AttentionOptions& options) {
+                     const AttentionOptions& options, Index max_packed_keys = kFusedSpanKeys) {
   fused_attention(batch_of_one(q), batch_of_one(k), batch_of_one(v), batch_of_one(out), grids,
-                  slopes, options);
+                  slopes, options, max_packed_keys);
 }
 
 /// plsh_attention on a batch whose shapes validate_batch has checked: the checks of one element,
