@@ -197,7 +197,6 @@ class OnlineSoftmax {
     const Index rows = scores.rows();
     const Index cols = scores.cols();
     visible_.resize(bad_.size() * static_cast<std::size_t>(rows));
-    row_scratch_.resize(cols);
     for (Index r = 0; r < rows; ++r) {
       Index limit = 0;
       const int* count = counts(r, limit);
@@ -210,13 +209,10 @@ class OnlineSoftmax {
       }
       const Scalar new_max = raise_max(r, scores.row(r));
       if (new_max == -kInfinity) continue;
-      row_scratch_ = (scores.row(r).array() - new_max).exp();
-      // Weights c e^{S - mu}, exactly 0 where the logit is -inf (masked, or a visible -inf).
-      // Two loops without a product under a condition, so that both are vectorised.
-      Scalar* exponentials = row_scratch_.data();
-      for (Index c = 0; c < limit; ++c) exponentials[c] *= static_cast<Scalar>(count[c]);
-      for (Index c = 0; c < limit; ++c) row[c] = row[c] == -kInfinity ? Scalar(0) : exponentials[c];
-      for (Index c = limit; c < cols; ++c) row[c] = Scalar(0);
+      // Weights c e^{S - mu} in place: e^{-inf - mu} is exactly 0 for a masked key or a visible
+      // -inf logit (mu is not -inf here; a NaN mu makes every weight and the row's sum NaN).
+      scores.row(r).array() = (scores.row(r).array() - new_max).exp();
+      for (Index c = 0; c < limit; ++c) row[c] *= static_cast<Scalar>(count[c]);
       add_row(r, new_max, scores.row(r));
     }
     detail::add_product(
