@@ -288,12 +288,12 @@ TEST_CASE("Fused agrees with Passes when tile unions span several key chunks", "
   }
 }
 
-TEST_CASE("Fused packs each span of a head's rows: the same as reading them in place", "[plsh]") {
-  // The fused kernel copies a job's kFusedSpanRows query rows of one head, and the keys they
-  // see, into packed scratch when the head's rows are strided (Layout::Packed with several heads)
-  // and those keys are at most max_packed_keys; it reads head-major rows, and wider key ranges,
-  // in place. 2200 queries make three spans, the last one ragged; slope 0 makes a span's keys
-  // every visible key. All three ways must give the passes kernel's result.
+TEST_CASE("Fused packs the keys of each span of a head's rows: the same as in place", "[plsh]") {
+  // The fused kernel copies the keys and values that a job's kFusedSpanRows query rows of one
+  // head may see into packed scratch when the head's rows are strided (Layout::Packed with
+  // several heads) and those keys are at most max_packed_keys; it reads head-major rows, and
+  // wider key ranges, in place. 2200 queries make three spans, the last one ragged; slope 0 makes a
+  // span's keys every visible key. All three ways must give the passes kernel's result.
   static_assert(plsh::detail::kFusedSpanRows < 1100, "the shape below must hold three spans");
   const std::vector<double> slopes = {0.5, 1.0 / 40, 1.0 / 300, 0.0};
   const Shape shape{2200, 2300, 4, 2, 8, 6};

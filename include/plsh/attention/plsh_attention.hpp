@@ -30,10 +30,10 @@
 ///   \text{tile})(d + d_v)\f$ per query and head, plus O(s) per block of the tile.
 ///
 /// Parallelism: one OpenMP region per call, over (batch element, head, span of kFusedSpanRows
-/// query rows) for the fused kernel (a span's rows of a strided head are first packed,
-/// fused_span) and (batch element, head) for the passes; the draws are made once per call and
-/// shared by the batch elements (the batched overloads of batch.hpp; an unbatched call is a batch
-/// of one). Every job writes its own rows: the result is identical for any number of threads.
+/// query rows) for the fused kernel (the keys and values a span sees are first packed when
+/// strided, fused_span) and (batch element, head) for the passes; the draws are made once per call
+/// and shared by the batch elements (the batched overloads of batch.hpp; an unbatched call is a
+/// batch of one). Every job writes its own rows: the result is identical for any number of threads.
 ///
 /// Storage: float, double, or Eigen::bfloat16 / Eigen::half computed in float (detail::Compute):
 /// the fused kernel converts its query tile and each key and value chunk once, the pass kernel
@@ -532,14 +532,13 @@ void fused_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
 constexpr Index kFusedSpanRows = 1024;
 
 /// The widest key range a job of the fused kernel packs by default (see fused_span); a wider one
-/// is read in place. Bounds the per-thread scratch at kFusedSpanRows query and output rows and
-/// kFusedSpanKeys key and value rows.
+/// is read in place. Bounds the per-thread scratch at kFusedSpanKeys key and value rows.
 constexpr Index kFusedSpanKeys = 8192;
 
-/// Per-thread copies of one job's rows, packed (row stride = the row's width).
+/// Per-thread copies of the key and value rows of one job, packed (row stride = the row's width).
 template <class Storage>
-struct SpanRows {
-  AlignedVector<Storage> q, k, v, out;
+struct SpanKeys {
+  AlignedVector<Storage> k, v;
 };
 
 /// Rows `[begin, begin + count)` of `rows` copied into `to`, packed; returns the packed map.
@@ -575,12 +574,13 @@ inline Block span_keys(const std::vector<Grid>& grids, const PositionRange& rang
 }
 
 /// Query rows `[row_begin, row_end)` of one head by the fused kernel, tile by tile (height from
-/// the head's slope). When the head's rows are strided (a token-major tensor's rows of one head
-/// lie `heads * dim` elements apart: few rows per page for the prefetchers, few sets of the L1
-/// cache for the rows a tile reads again and again) and the rows' keys are at most
-/// `max_packed_keys`, the query, key and value rows are first packed into per-thread scratch and
-/// the output rows written there and copied out: every row is read once, in a loop whose loads
-/// are independent, instead of missing the cache inside the products. Same arithmetic either way.
+/// the head's slope). When the head's key or value rows are strided (a token-major tensor's rows
+/// of one head lie `heads * dim` elements apart: few rows per page for the prefetchers, few sets
+/// of the L1 cache for the rows that tile after tile reads again) and the keys the rows may see
+/// (span_keys) are at most `max_packed_keys`, those key and value rows are first copied, packed,
+/// into per-thread scratch: each is read from the tensor once, in a loop whose loads are
+/// independent, instead of missing the cache inside the products. Same arithmetic either way.
+/// (A tile's query rows are copied anyway, scaled, and its output rows written once.)
 template <class Storage>
 void fused_span(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
                 const ConstHeadMap<Storage>& v, const std::vector<Grid>& grids, double slope,
@@ -591,34 +591,24 @@ void fused_span(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
                                options.query_position + row_end - 1, options.key_position,
                                options.key_position + k.rows(), options.causal);
   const Index key_count = keys.end - keys.begin;
-  const bool strided = q.outerStride() != q.cols() || k.outerStride() != k.cols() ||
-                       v.outerStride() != v.cols() || out.outerStride() != out.cols();
-  if (!strided || key_count == 0 || key_count > max_packed_keys) {
+  const auto tiles = [&](const ConstHeadMap<Storage>& key_rows,
+                         const ConstHeadMap<Storage>& value_rows, const AttentionOptions& at) {
     for (Index r0 = row_begin; r0 < row_end; r0 += height) {
-      fused_rows<Storage>(q, k, v, grids, options, range, r0, std::min(row_end, r0 + height), out);
+      fused_rows<Storage>(q, key_rows, value_rows, grids, at, range, r0,
+                          std::min(row_end, r0 + height), out);
     }
+  };
+  const bool strided = k.outerStride() != k.cols() || v.outerStride() != v.cols();
+  if (!strided || key_count == 0 || key_count > max_packed_keys) {
+    tiles(k, v, options);
     return;
   }
-  static thread_local SpanRows<Storage> span;
-  const Index rows = row_end - row_begin;
+  static thread_local SpanKeys<Storage> span;
   const Index first_key = keys.begin - options.key_position;
-  AttentionOptions local = options;
-  local.query_position += row_begin;
-  local.key_position = keys.begin;
-  const ConstHeadMap<Storage> q_span = pack_rows(q, row_begin, rows, span.q);
-  const ConstHeadMap<Storage> k_span = pack_rows(k, first_key, key_count, span.k);
-  const ConstHeadMap<Storage> v_span = pack_rows(v, first_key, key_count, span.v);
-  const std::size_t out_size = static_cast<std::size_t>(rows * out.cols());
-  if (span.out.size() < out_size) span.out.resize(out_size);
-  HeadMap<Storage> out_span(span.out.data(), rows, out.cols(), Eigen::OuterStride<>(out.cols()));
-  for (Index r0 = 0; r0 < rows; r0 += height) {
-    fused_rows<Storage>(q_span, k_span, v_span, grids, local, range, r0,
-                        std::min(rows, r0 + height), out_span);
-  }
-  for (Index r = 0; r < rows; ++r) {
-    std::copy(span.out.data() + r * out.cols(), span.out.data() + (r + 1) * out.cols(),
-              out.data() + (row_begin + r) * out.outerStride());
-  }
+  AttentionOptions packed = options;
+  packed.key_position = keys.begin;
+  tiles(pack_rows(k, first_key, key_count, span.k), pack_rows(v, first_key, key_count, span.v),
+        packed);
 }
 
 /// The fused kernel: parallel over (batch element, head, span of kFusedSpanRows query rows) in
