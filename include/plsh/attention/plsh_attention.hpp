@@ -223,7 +223,12 @@ inline Block tile_block_runs(const std::vector<Grid>& grids, const PositionRange
       add_run(position, block.end - 1, block.begin, block.end);
       position = block.end;
       Index end = position + 1;
-      while (end <= last_position && same_bin(grid, position, end)) ++end;
+      // same_bin(grid, position, end) with the bin of `position` computed once (the pitch is
+      // finite here: an infinite one makes one block; one of at most 1 makes blocks of one).
+      if (grid.pitch > 1) {
+        const double bin = bin_index(grid, position);
+        while (end <= last_position && bin_index(grid, end) == bin) ++end;
+      }
       if (end > last_position) {
         end = causal ? last_position + 1 : grid_block(grid, position, range.first, range.last).end;
       }
