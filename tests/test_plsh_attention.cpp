@@ -289,12 +289,15 @@ TEST_CASE("Fused agrees with Passes when tile unions span several key chunks", "
 }
 
 TEST_CASE("Fused packs the keys of each span of a head's rows: the same as in place", "[plsh]") {
-  // The fused kernel copies the keys and values that a job's kFusedSpanRows query rows of one
-  // head may see into packed scratch when the head's rows are strided (Layout::Packed with
-  // several heads) and those keys are at most max_packed_keys; it reads head-major rows, and
-  // wider key ranges, in place. 2200 queries make three spans, the last one ragged; slope 0 makes a
-  // span's keys every visible key. All three ways must give the passes kernel's result.
-  static_assert(plsh::detail::kFusedSpanRows < 1100, "the shape below must hold three spans");
+  // The fused kernel copies the keys and values that a job's span of query rows of one head may
+  // see (fused_span_rows: up to kFusedSpanRows, fewer when that leaves fewer than 32 jobs) into
+  // packed scratch when the head's rows are strided (Layout::Packed with several heads) and those
+  // keys are at most max_packed_keys; it reads head-major rows, and wider key ranges, in place.
+  // 2200 queries of 4 heads make spans of 256 rows, the last one ragged; slope 0 makes a span's
+  // keys every visible key. All three ways must give the passes kernel's result.
+  CHECK(plsh::detail::fused_span_rows(8, 16384) == plsh::detail::kFusedSpanRows);
+  CHECK(plsh::detail::fused_span_rows(1, 100) == 64);
+  REQUIRE(plsh::detail::fused_span_rows(4, 2200) == 256);
   const std::vector<double> slopes = {0.5, 1.0 / 40, 1.0 / 300, 0.0};
   const Shape shape{2200, 2300, 4, 2, 8, 6};
   for (const bool causal : {true, false}) {

@@ -29,11 +29,12 @@
 ///   spares the steep heads the blocked products' packing. Cost about \f$(\ln(s)/m +
 ///   \text{tile})(d + d_v)\f$ per query and head, plus O(s) per block of the tile.
 ///
-/// Parallelism: one OpenMP region per call, over (batch element, head, span of kFusedSpanRows
-/// query rows) for the fused kernel (the keys and values a span sees are first packed when
-/// strided, fused_span) and (batch element, head) for the passes; the draws are made once per call
-/// and shared by the batch elements (the batched overloads of batch.hpp; an unbatched call is a
-/// batch of one). Every job writes its own rows: the result is identical for any number of threads.
+/// Parallelism: one OpenMP region per call, over (batch element, head, span of up to
+/// kFusedSpanRows query rows) for the fused kernel (the keys and values a span sees are first
+/// packed when strided, fused_span) and (batch element, head) for the passes; the draws are made
+/// once per call and shared by the batch elements (the batched overloads of batch.hpp; an unbatched
+/// call is a batch of one). Every job writes its own rows: the result is identical for any number
+/// of threads.
 ///
 /// Storage: float, double, or Eigen::bfloat16 / Eigen::half computed in float (detail::Compute):
 /// the fused kernel converts its query tile and each key and value chunk once, the pass kernel
@@ -533,8 +534,18 @@ void fused_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
   workspace.output.store();
 }
 
-/// Query rows per job of the fused kernel (a multiple of every tile height).
+/// Query rows per job of the fused kernel, at most (a multiple of every tile height).
 constexpr Index kFusedSpanRows = 1024;
+
+/// Query rows per job of the fused kernel for `elements` (batch element, head) pairs of `tokens`
+/// rows each: kFusedSpanRows, halved (down to 64 rows) while that makes fewer than 32 jobs, so
+/// that small calls still spread over the threads. A function of the shapes only: the results do
+/// not depend on the number of threads.
+inline Index fused_span_rows(Index elements, Index tokens) {
+  Index rows = kFusedSpanRows;
+  while (rows > 64 && elements * ((tokens + rows - 1) / rows) < 32) rows /= 2;
+  return rows;
+}
 
 /// The widest key range a job of the fused kernel packs by default (see fused_span); a wider one
 /// is read in place. Bounds the per-thread scratch at kFusedSpanKeys key and value rows.
@@ -616,7 +627,7 @@ void fused_span(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
         packed);
 }
 
-/// The fused kernel: parallel over (batch element, head, span of kFusedSpanRows query rows) in
+/// The fused kernel: parallel over (batch element, head, span of fused_span_rows query rows) in
 /// one parallel region (fused_span, packing at most `max_packed_keys` keys per job); the grids are
 /// shared by the batch elements.
 template <class Storage>
@@ -630,17 +641,18 @@ void fused_attention(const BatchedHeadsView<const Storage>& q,
   resolved.scale = resolved_scale(options, q.dim);
   const Index group = q.heads / k.heads;
   const PositionRange range = position_range(q, k, options);
-  const Index spans = (q.tokens + kFusedSpanRows - 1) / kFusedSpanRows;
+  const Index span_rows = fused_span_rows(q.batch * q.heads, q.tokens);
+  const Index spans = (q.tokens + span_rows - 1) / span_rows;
   const Index element_jobs = q.heads * spans;
   const double work = static_cast<double>(q.batch) * attention_work(q[0], k[0], v[0]);
   parallel_for(q.batch * element_jobs, work, [&](Index job) {
     const Index b = job / element_jobs;
     const Index h = job % element_jobs / spans;
-    const Index row_begin = job % spans * kFusedSpanRows;
+    const Index row_begin = job % spans * span_rows;
     HeadMap<Storage> out_head = out[b].head(h);
     fused_span<Storage>(q[b].head(h), k[b].head(h / group), v[b].head(h / group),
                         grids[static_cast<std::size_t>(h)], slopes[static_cast<std::size_t>(h)],
-                        resolved, range, row_begin, std::min(q.tokens, row_begin + kFusedSpanRows),
+                        resolved, range, row_begin, std::min(q.tokens, row_begin + span_rows),
                         out_head, max_packed_keys);
   });
 }
