@@ -123,15 +123,17 @@ class _PlshFunction(_torch.autograd.Function):
     """Positional LSH attention (fused kernel); backward through plsh.plsh_attention_backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, slopes, causal, scale, query_position, key_position, samples, seed):
+    def forward(ctx, q, k, v, slopes, causal, scale, query_position, key_position, samples, seed,
+                sampling):
         return _forward(ctx, _plsh.plsh_attention, q, k, v, slopes, causal=causal, scale=scale,
                         query_position=query_position, key_position=key_position,
-                        samples=samples, seed=seed)
+                        samples=samples, seed=seed, sampling=sampling)
 
     @staticmethod
     @_torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        return _backward(ctx, _plsh.plsh_attention_backward, dout) + (None,) * 7
+        # ctx.kwargs holds samples, seed and sampling: the backward uses the forward's draws.
+        return _backward(ctx, _plsh.plsh_attention_backward, dout) + (None,) * 8
 
 
 class _FixedBlockFunction(_torch.autograd.Function):
@@ -163,16 +165,20 @@ def exact_alibi_attention(q, k, v, slopes=None, *, causal=True, scale=0.0, query
 
 
 def plsh_attention(q, k, v, slopes=None, *, causal=True, scale=0.0, query_position=0,
-                   key_position=0, samples=20, seed=0):
+                   key_position=0, samples=20, seed=0, sampling="independent"):
     """ALiBi attention through Positional LSH with autograd (fused kernel).
 
-    The average of ``samples`` random block partitions per head: head h uses
-    ``plsh.RandomBinning(slopes[h], plsh.head_seed(seed, h))``, the same draws for every batch
-    element and for the backward pass. Arguments and shapes as :func:`exact_alibi_attention`.
+    The average of ``samples`` random block partitions per head, the grids
+    ``plsh.kernel_grids(slopes, samples, seed, sampling=sampling)``: with ``sampling``
+    ``"independent"`` head h uses ``plsh.RandomBinning(slopes[h], plsh.head_seed(seed, h))``;
+    ``"latin_hypercube"`` draws the partitions of a head jointly, stratified (lower error at equal
+    ``samples``). The same draws serve every batch element and the backward pass. Other arguments
+    and shapes as :func:`exact_alibi_attention`.
     """
     _check_inputs(q, k, v)
     return _PlshFunction.apply(q, k, v, _slopes(slopes), bool(causal), float(scale),
-                               int(query_position), int(key_position), int(samples), int(seed))
+                               int(query_position), int(key_position), int(samples), int(seed),
+                               str(sampling))
 
 
 def fixed_block_attention(q, k, v, block_size, *, causal=True, scale=0.0, query_position=0,
@@ -194,7 +200,9 @@ class AlibiAttention(_torch.nn.Module):
     Shapes as :func:`exact_alibi_attention` (q ``[B, T, H, D]``, k and v ``[B, T_k, H_kv, ...]``).
 
     method:
-      ``"plsh"``   Positional LSH with ``samples`` draws (fused kernel), unbiased for ALiBi.
+      ``"plsh"``   Positional LSH with ``samples`` draws (fused kernel), unbiased for ALiBi,
+                   drawn as ``sampling`` says (``"independent"`` or ``"latin_hypercube"``, see
+                   :func:`plsh_attention`).
       ``"exact"``  exact ALiBi.
       ``"fixed"``  attention within fixed blocks of ``block_size`` positions.
       ``"none"``   plain causal softmax attention (every slope 0), no positional bias.
@@ -210,12 +218,15 @@ class AlibiAttention(_torch.nn.Module):
     """
 
     METHODS = ("plsh", "exact", "fixed", "none")
+    SAMPLINGS = ("independent", "latin_hypercube")
 
     def __init__(self, heads, method="plsh", samples=20, block_size=64, seed=0, causal=True,
-                 slopes=None):
+                 slopes=None, sampling="independent"):
         super().__init__()
         if method not in self.METHODS:
             raise ValueError(f"method must be one of {self.METHODS} (got {method!r})")
+        if sampling not in self.SAMPLINGS:
+            raise ValueError(f"sampling must be one of {self.SAMPLINGS} (got {sampling!r})")
         if heads < 1:
             raise ValueError(f"heads must be at least 1 (got {heads})")
         self.heads = int(heads)
@@ -224,6 +235,7 @@ class AlibiAttention(_torch.nn.Module):
         self.block_size = int(block_size)
         self.seed = int(seed)
         self.causal = bool(causal)
+        self.sampling = sampling
         if slopes is None:
             slopes = _plsh.alibi_slopes(self.heads)
         self.slopes = [float(m) for m in slopes]
@@ -233,7 +245,8 @@ class AlibiAttention(_torch.nn.Module):
 
     def extra_repr(self):
         return (f"heads={self.heads}, method={self.method!r}, samples={self.samples}, "
-                f"block_size={self.block_size}, seed={self.seed}, causal={self.causal}")
+                f"block_size={self.block_size}, seed={self.seed}, causal={self.causal}, "
+                f"sampling={self.sampling!r}")
 
     def current_seed(self):
         """The seed the next forward uses."""
@@ -249,7 +262,7 @@ class AlibiAttention(_torch.nn.Module):
             self.training_forwards += 1
         if self.method == "plsh":
             return plsh_attention(q, k, v, self.slopes, causal=self.causal, samples=self.samples,
-                                  seed=seed)
+                                  seed=seed, sampling=self.sampling)
         if self.method == "exact":
             return exact_alibi_attention(q, k, v, self.slopes, causal=self.causal)
         if self.method == "none":

@@ -339,6 +339,24 @@ plsh::Kernel kernel_of(const std::string& kernel) {
   throw py::value_error("kernel must be \"fused\" or \"passes\" (got \"" + kernel + "\")");
 }
 
+plsh::Sampling sampling_of(const std::string& sampling) {
+  if (sampling == "independent") return plsh::Sampling::Independent;
+  if (sampling == "latin_hypercube") return plsh::Sampling::LatinHypercube;
+  throw py::value_error("sampling must be \"independent\" or \"latin_hypercube\" (got \"" +
+                        sampling + "\")");
+}
+
+// PlshOptions with the attention options and the draws (samples, seed, sampling) set.
+plsh::PlshOptions plsh_options_of(bool causal, double scale, Index query_position,
+                                  Index key_position, Index samples, std::uint64_t seed,
+                                  const std::string& sampling) {
+  auto options = options_of<plsh::PlshOptions>(causal, scale, query_position, key_position);
+  options.samples = samples;
+  options.seed = seed;
+  options.sampling = sampling_of(sampling);
+  return options;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Kernels
 // ---------------------------------------------------------------------------------------------
@@ -422,11 +440,10 @@ py::array windowed_alibi_attention(const py::object& q, const py::object& k, con
 py::array plsh_attention(const py::object& q, const py::object& k, const py::object& v,
                          const std::optional<std::vector<double>>& slopes, bool causal,
                          double scale, Index query_position, Index key_position, Index samples,
-                         std::uint64_t seed, const std::string& kernel, const py::object& out,
-                         bool bfloat16) {
-  auto options = options_of<plsh::PlshOptions>(causal, scale, query_position, key_position);
-  options.samples = samples;
-  options.seed = seed;
+                         std::uint64_t seed, const std::string& sampling, const std::string& kernel,
+                         const py::object& out, bool bfloat16) {
+  auto options =
+      plsh_options_of(causal, scale, query_position, key_position, samples, seed, sampling);
   options.kernel = kernel_of(kernel);
   return forward(
       q, k, v, out, bfloat16, [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov) {
@@ -466,11 +483,11 @@ py::tuple plsh_attention_backward(const py::object& q, const py::object& k, cons
                                   const py::object& out, const py::object& dout,
                                   const std::optional<std::vector<double>>& slopes, bool causal,
                                   double scale, Index query_position, Index key_position,
-                                  Index samples, std::uint64_t seed, const py::object& dq,
-                                  const py::object& dk, const py::object& dv, bool bfloat16) {
-  auto options = options_of<plsh::PlshOptions>(causal, scale, query_position, key_position);
-  options.samples = samples;
-  options.seed = seed;
+                                  Index samples, std::uint64_t seed, const std::string& sampling,
+                                  const py::object& dq, const py::object& dk, const py::object& dv,
+                                  bool bfloat16) {
+  const auto options =
+      plsh_options_of(causal, scale, query_position, key_position, samples, seed, sampling);
   return backward(q, k, v, out, dout, dq, dk, dv, bfloat16,
                   [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov,
                       const auto& dov, const auto& dqv, const auto& dkv, const auto& dvv) {
@@ -592,13 +609,12 @@ class KvCacheOf : public KvCacheBase {
 
 std::unique_ptr<KvCacheBase> make_kv_cache(Index heads, Index kv_heads, Index dim, Index value_dim,
                                            const std::optional<std::vector<double>>& slopes,
-                                           Index samples, std::uint64_t seed, double scale,
+                                           Index samples, std::uint64_t seed,
+                                           const std::string& sampling, double scale,
                                            Index key_position, const std::string& kernel,
                                            const py::object& dtype) {
   const py::dtype type = py::dtype::from_args(dtype);
-  auto options = options_of<plsh::PlshOptions>(true, scale, 0, key_position);
-  options.samples = samples;
-  options.seed = seed;
+  auto options = plsh_options_of(true, scale, 0, key_position, samples, seed, sampling);
   options.kernel = kernel_of(kernel);
   const std::vector<double> slope_list = slopes_or_default(slopes, heads);
   if (type.kind() == 'f' && type.itemsize() == 4) {
@@ -656,7 +672,22 @@ PYBIND11_MODULE(_plsh, m) {
         "The seed of head `head` in a kernel run with `seed`: head h, draw t uses "
         "RandomBinning(slopes[h], head_seed(seed, h))(t).");
   m.def("draw_head_grids", &plsh::draw_head_grids, "slopes"_a, "samples"_a, "seed"_a,
-        "The grids the Positional LSH kernels use: [head][draw].");
+        "The grids the Positional LSH kernels use with independent draws: [head][draw]; "
+        "grids[h][t] is RandomBinning(slopes[h], head_seed(seed, h))(t).");
+  m.def(
+      "kernel_grids",
+      [](const std::vector<double>& slopes, Index samples, std::uint64_t seed,
+         const std::string& sampling) {
+        // kernel_grids reads only samples, seed and sampling.
+        return plsh::kernel_grids(slopes,
+                                  plsh_options_of(true, 0.0, 0, 0, samples, seed, sampling));
+      },
+      "slopes"_a, "samples"_a, "seed"_a = 0, py::kw_only(), "sampling"_a = "independent",
+      "The grids plsh_attention, plsh_attention_backward and KvCache use with these samples, "
+      "seed and sampling: [head][draw]. sampling \"independent\": draw_head_grids(slopes, "
+      "samples, seed); \"latin_hypercube\": the draws of head h jointly, each of the three "
+      "uniforms of a draw in a different stratum [k/samples, (k+1)/samples) (seed "
+      "head_seed(seed, h)).");
 
   py::class_<plsh::MaskError>(m, "MaskError", "Norms of the mean mask minus the Laplacian kernel.")
       .def_readonly("spectral", &plsh::MaskError::spectral)
@@ -687,10 +718,13 @@ PYBIND11_MODULE(_plsh, m) {
         "ALiBi attention over the keys whose factor exp(-m |i - j|) is at least `tolerance`.");
   m.def("plsh_attention", &plsh_attention, "q"_a, "k"_a, "v"_a, "slopes"_a = none, py::kw_only(),
         "causal"_a = true, "scale"_a = 0.0, "query_position"_a = 0, "key_position"_a = 0,
-        "samples"_a = 20, "seed"_a = 0, "kernel"_a = "fused", "out"_a = none, "bfloat16"_a = false,
-        "ALiBi attention through Positional LSH: `samples` random block partitions per head "
-        "(head h uses RandomBinning(slopes[h], head_seed(seed, h))); kernel \"fused\" or "
-        "\"passes\". Every batch element uses the same draws.");
+        "samples"_a = 20, "seed"_a = 0, "sampling"_a = "independent", "kernel"_a = "fused",
+        "out"_a = none, "bfloat16"_a = false,
+        "ALiBi attention through Positional LSH: `samples` random block partitions per head, "
+        "the grids kernel_grids(slopes, samples, seed, sampling=sampling): sampling "
+        "\"independent\" (head h uses RandomBinning(slopes[h], head_seed(seed, h))) or "
+        "\"latin_hypercube\" (the draws of a head stratified jointly; lower error at equal "
+        "samples); kernel \"fused\" or \"passes\". Every batch element uses the same draws.");
   m.def("fixed_block_attention", &fixed_block_attention, "q"_a, "k"_a, "v"_a, "block_size"_a,
         py::kw_only(), "causal"_a = true, "scale"_a = 0.0, "query_position"_a = 0,
         "key_position"_a = 0, "out"_a = none, "bfloat16"_a = false,
@@ -703,9 +737,11 @@ PYBIND11_MODULE(_plsh, m) {
         "`dout` of a loss with respect to it.");
   m.def("plsh_attention_backward", &plsh_attention_backward, "q"_a, "k"_a, "v"_a, "out"_a, "dout"_a,
         "slopes"_a = none, py::kw_only(), "causal"_a = true, "scale"_a = 0.0,
-        "query_position"_a = 0, "key_position"_a = 0, "samples"_a = 20, "seed"_a = 0, "dq"_a = none,
-        "dk"_a = none, "dv"_a = none, "bfloat16"_a = false,
-        "Gradients (dq, dk, dv) of plsh_attention with the same slopes, samples and seed.");
+        "query_position"_a = 0, "key_position"_a = 0, "samples"_a = 20, "seed"_a = 0,
+        "sampling"_a = "independent", "dq"_a = none, "dk"_a = none, "dv"_a = none,
+        "bfloat16"_a = false,
+        "Gradients (dq, dk, dv) of plsh_attention with the same slopes, samples, seed and "
+        "sampling.");
 
   m.def("fixed_block_attention_backward", &fixed_block_attention_backward, "q"_a, "k"_a, "v"_a,
         "out"_a, "dout"_a, "block_size"_a, py::kw_only(), "causal"_a = true, "scale"_a = 0.0,
@@ -713,15 +749,16 @@ PYBIND11_MODULE(_plsh, m) {
         "bfloat16"_a = false,
         "Gradients (dq, dk, dv) of fixed_block_attention with the same block size.");
 
-  py::class_<KvCacheBase>(m, "KvCache",
-                          "Key/value cache for incremental causal Positional LSH decoding that "
-                          "forgets the keys no later query can reach. append(k, v) with k [n, "
-                          "kv_heads, dim], v [n, kv_heads, value_dim]; attend(q) for the queries "
-                          "at the newest positions, q [n, heads, dim] -> [n, heads, value_dim].")
+  py::class_<KvCacheBase>(
+      m, "KvCache",
+      "Key/value cache for incremental causal Positional LSH decoding that forgets the keys no "
+      "later query can reach. append(k, v) with k [n, kv_heads, dim], v [n, kv_heads, "
+      "value_dim]; attend(q) for the queries at the newest positions, q [n, heads, dim] -> [n, "
+      "heads, value_dim]. samples, seed and sampling choose the draws as in plsh_attention.")
       .def(py::init(&make_kv_cache), "heads"_a, "kv_heads"_a, "dim"_a, "value_dim"_a,
-           "slopes"_a = none, py::kw_only(), "samples"_a = 20, "seed"_a = 0, "scale"_a = 0.0,
-           "key_position"_a = 0, "kernel"_a = "fused",
-           "dtype"_a = py::module_::import("numpy").attr("float32"))
+           "slopes"_a = none, py::kw_only(), "samples"_a = 20, "seed"_a = 0,
+           "sampling"_a = "independent", "scale"_a = 0.0, "key_position"_a = 0,
+           "kernel"_a = "fused", "dtype"_a = py::module_::import("numpy").attr("float32"))
       .def("append", &KvCacheBase::append, "k"_a, "v"_a,
            "Appends the keys and values of positions position .. position + n - 1 (k [n, "
            "kv_heads, dim], v [n, kv_heads, value_dim]), after forgetting the keys no query at "

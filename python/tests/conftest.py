@@ -35,14 +35,15 @@ def same_bin(grid, i, j):
     return np.floor((i - grid.shift) / grid.pitch) == np.floor((j - grid.shift) / grid.pitch)
 
 
-def alibi_log_factor(slopes, samples=None, seed=None):
-    """log F_h(i, j): ALiBi -m_h |i - j| (samples None) or log of the mean block mask c/s."""
+def alibi_log_factor(slopes, samples=None, seed=None, sampling="independent"):
+    """log F_h(i, j): ALiBi -m_h |i - j| (samples None) or log of the mean block mask c/s of the
+    grids plsh.kernel_grids(slopes, samples, seed, sampling=sampling)."""
     def exact(h, i, j):
         return -slopes[h] * np.abs(i - j).astype(np.float64)
 
     if samples is None:
         return exact
-    grids = plsh.draw_head_grids(slopes, samples, seed)
+    grids = plsh.kernel_grids(slopes, samples, seed, sampling=sampling)
 
     def counted(h, i, j):
         count = sum(same_bin(grid, i, j).astype(np.float64) for grid in grids[h])

@@ -85,6 +85,36 @@ def test_draw_head_grids_and_head_seed():
     assert plsh.head_seed(11, 0) != plsh.head_seed(11, 1)
 
 
+def test_kernel_grids_follow_the_sampling():
+    slopes = [0.5, 0.1, 0.01]
+    independent = plsh.draw_head_grids(slopes, 6, 11)
+    assert plsh.kernel_grids(slopes, 6, 11) == independent
+    assert plsh.kernel_grids(slopes, 6, 11, sampling="independent") == independent
+    latin = plsh.kernel_grids(slopes, 6, 11, sampling="latin_hypercube")
+    assert latin == plsh.kernel_grids(slopes, 6, 11, sampling="latin_hypercube")
+    assert [len(head) for head in latin] == [6, 6, 6]
+    for h in range(len(slopes)):
+        assert latin[h] != independent[h]
+        assert all(0 <= g.shift < g.pitch for g in latin[h])
+        # The uniform of the shift, shift / pitch, takes one value in each stratum [k/6, (k+1)/6).
+        assert sorted(math.floor(6 * g.shift / g.pitch) for g in latin[h]) == list(range(6))
+    # One draw: its one stratum is [0, 1), and latin_hypercube_grids (plsh/sampler.hpp) makes it
+    # the independent draw RandomBinning(slope, seed)(0).
+    assert plsh.kernel_grids(slopes, 1, 11, sampling="latin_hypercube") == \
+        plsh.draw_head_grids(slopes, 1, 11)
+
+
+def test_latin_hypercube_draws_co_locate_with_the_alibi_probability():
+    # Every draw has the Random Binning law; a Latin hypercube's variance is at most
+    # s/(s - 1) times that of s independent draws (Owen 1997), so the binomial bound holds.
+    slope, draws = 0.25, 4000
+    grids = plsh.kernel_grids([slope], draws, 3, sampling="latin_hypercube")[0]
+    for distance in (1, 4, 8):
+        together = np.mean([same_bin(g, np.int64(10), np.int64(10 + distance)) for g in grids])
+        expected = math.exp(-slope * distance)
+        assert abs(together - expected) < 5 * math.sqrt(expected * (1 - expected) / (draws - 1))
+
+
 def test_mask_error_against_numpy():
     n, slope = 24, 0.2
     grids = plsh.RandomBinning(slope, seed=5).draw(20)
@@ -119,6 +149,13 @@ def test_forward_kernels_against_dense_references(dtype, causal, positions):
                   alibi_log_factor(slopes, 6, 4)),
         "passes": (plsh.plsh_attention(q, k, v, slopes, samples=6, seed=4, kernel="passes",
                                        **options), alibi_log_factor(slopes, 6, 4)),
+        "fused latin": (plsh.plsh_attention(q, k, v, slopes, samples=6, seed=4,
+                                            sampling="latin_hypercube", **options),
+                        alibi_log_factor(slopes, 6, 4, "latin_hypercube")),
+        "passes latin": (plsh.plsh_attention(q, k, v, slopes, samples=6, seed=4,
+                                             sampling="latin_hypercube", kernel="passes",
+                                             **options),
+                         alibi_log_factor(slopes, 6, 4, "latin_hypercube")),
         "fixed": (plsh.fixed_block_attention(q, k, v, 8, **options), fixed_log_factor(8)),
     }
     for name, (result, log_factor) in cases.items():
@@ -149,6 +186,16 @@ def test_plsh_is_unbiased_for_alibi_in_the_mean_mask():
     few = plsh.plsh_attention(q, k, v, [0.2, 0.05], samples=4, seed=1)
     many = plsh.plsh_attention(q, k, v, [0.2, 0.05], samples=400, seed=1)
     assert np.abs(many - exact).max() < 0.5 * np.abs(few - exact).max()
+
+
+def test_latin_hypercube_attention_differs_from_independent_except_with_one_draw(inputs):
+    q, k, v = inputs
+    latin = plsh.plsh_attention(q, k, v, samples=6, seed=2, sampling="latin_hypercube")
+    assert not np.array_equal(latin, plsh.plsh_attention(q, k, v, samples=6, seed=2))
+    # samples = 1: the same grids (test_kernel_grids_follow_the_sampling), the same output.
+    np.testing.assert_array_equal(
+        plsh.plsh_attention(q, k, v, samples=1, seed=2, sampling="latin_hypercube"),
+        plsh.plsh_attention(q, k, v, samples=1, seed=2))
 
 
 def test_fused_and_passes_agree_to_rounding(inputs):
@@ -191,7 +238,7 @@ def reference_backward(q, k, v, dout, log_factor, causal=True, scale=0.0, query_
     return dq, dk, dv
 
 
-@pytest.mark.parametrize("method", ["exact", "plsh"])
+@pytest.mark.parametrize("method", ["exact", "plsh", "plsh latin"])
 def test_backward_kernels_against_dense_reference(method):
     q, k, v = random_inputs((33, 4, 6), kv_heads=2, value_dim=5, n_k=40, seed=8)
     dout = np.random.default_rng(9).standard_normal((33, 4, 5))
@@ -202,10 +249,12 @@ def test_backward_kernels_against_dense_reference(method):
         grads = plsh.exact_alibi_attention_backward(q, k, v, out, dout, slopes, **options)
         log_factor = alibi_log_factor(slopes)
     else:
-        out = plsh.plsh_attention(q, k, v, slopes, samples=5, seed=3, **options)
+        sampling = "latin_hypercube" if method == "plsh latin" else "independent"
+        out = plsh.plsh_attention(q, k, v, slopes, samples=5, seed=3, sampling=sampling,
+                                  **options)
         grads = plsh.plsh_attention_backward(q, k, v, out, dout, slopes, samples=5, seed=3,
-                                             **options)
-        log_factor = alibi_log_factor(slopes, 5, 3)
+                                             sampling=sampling, **options)
+        log_factor = alibi_log_factor(slopes, 5, 3, sampling)
     expected = reference_backward(q, k, v, dout, log_factor, **options)
     for name, result, reference in zip(("dq", "dk", "dv"), grads, expected):
         assert result.shape == reference.shape
@@ -411,6 +460,17 @@ def test_option_errors_are_value_errors_with_the_cpp_message(inputs):
         plsh.plsh_attention(q, k, v, samples=0)
     with pytest.raises(ValueError, match=r'^kernel must be "fused" or "passes" \(got "dense"\)'):
         plsh.plsh_attention(q, k, v, kernel="dense")
+    sampling_error = r'^sampling must be "independent" or "latin_hypercube" \(got "%s"\)$'
+    with pytest.raises(ValueError, match=sampling_error % "stratified"):
+        plsh.plsh_attention(q, k, v, sampling="stratified")
+    with pytest.raises(ValueError, match=sampling_error % "Latin_Hypercube"):
+        plsh.plsh_attention_backward(q, k, v, q[..., :6], q[..., :6], sampling="Latin_Hypercube")
+    with pytest.raises(ValueError, match=sampling_error % ""):
+        plsh.kernel_grids([0.1], 4, 0, sampling="")
+    with pytest.raises(ValueError, match=r"^kernel_grids: options.samples must lie in \[1, "):
+        plsh.kernel_grids([0.1], 0, 0, sampling="latin_hypercube")
+    with pytest.raises(ValueError, match=r"^kernel_grids: slopes\[0\] must be finite"):
+        plsh.kernel_grids([-0.1], 4, 0)
     with pytest.raises(ValueError, match=r"options.query_position \+ q.tokens must lie in \[0, kMaxPosition = 2\^53\]"):
         plsh.exact_alibi_attention(q, k, v, query_position=-1)
     with pytest.raises(ValueError, match=r"options.key_position \+ k.tokens must lie in \[0, kMaxPosition = 2\^53\]"):
@@ -431,13 +491,16 @@ def test_option_errors_are_value_errors_with_the_cpp_message(inputs):
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("chunk", [1, 7])
-def test_kv_cache_decode_equals_the_full_forward(dtype, chunk):
+@pytest.mark.parametrize("sampling", ["independent", "latin_hypercube"])
+def test_kv_cache_decode_equals_the_full_forward(dtype, chunk, sampling):
     n, heads, kv_heads, dim, value_dim = 60, 4, 2, 8, 5
     q, k, v = random_inputs((n, heads, dim), kv_heads=kv_heads, value_dim=value_dim, seed=12,
                             dtype=dtype)
     slopes = [0.3, 0.2, 0.1, 0.05]
-    full = plsh.plsh_attention(q, k, v, slopes, samples=8, seed=6, key_position=0)
-    cache = plsh.KvCache(heads, kv_heads, dim, value_dim, slopes, samples=8, seed=6, dtype=dtype)
+    full = plsh.plsh_attention(q, k, v, slopes, samples=8, seed=6, sampling=sampling,
+                               key_position=0)
+    cache = plsh.KvCache(heads, kv_heads, dim, value_dim, slopes, samples=8, seed=6,
+                         sampling=sampling, dtype=dtype)
     assert cache.dtype == np.dtype(dtype)
     outputs = []
     for start in range(0, n, chunk):
@@ -446,7 +509,14 @@ def test_kv_cache_decode_equals_the_full_forward(dtype, chunk):
         assert cache.position == stop
         assert cache.oldest_position == cache.position - cache.resident
         outputs.append(cache.attend(q[start:stop]))
-    assert cache.resident < n  # keys no query can reach were forgotten
+    if sampling == "independent":
+        assert cache.resident < n  # keys no query can reach were forgotten
+    else:
+        # Here one Latin hypercube block of the slope-0.05 head holds positions 0 to n - 1: the
+        # query at n - 1 reaches every key, none can be forgotten.
+        grids = plsh.kernel_grids(slopes, 8, 6, sampling=sampling)[3]
+        assert any(same_bin(g, np.int64(0), np.int64(n - 1)) for g in grids)
+        assert cache.resident == n
     tolerance = 1e-12 if dtype == np.float64 else 2e-6
     np.testing.assert_allclose(np.concatenate(outputs), full, rtol=0, atol=tolerance)
 
@@ -481,6 +551,9 @@ def test_kv_cache_out_and_errors():
         plsh.KvCache(2, 1, 4, 4, dtype=np.int32)
     with pytest.raises(ValueError, match=r"kernel must be"):
         plsh.KvCache(2, 1, 4, 4, kernel="dense")
+    with pytest.raises(ValueError, match=r'^sampling must be "independent" or "latin_hypercube" '
+                                         r'\(got "lhs"\)$'):
+        plsh.KvCache(2, 1, 4, 4, sampling="lhs")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -47,10 +47,11 @@ def dense_alibi(q, k, v, slopes, causal=True, scale=0.0, query_position=0, key_p
     return (weights @ vh).transpose(-2, -3)
 
 
-def log_counts(slopes, samples, seed, n_q, n_k, query_position=0, key_position=0):
+def log_counts(slopes, samples, seed, n_q, n_k, query_position=0, key_position=0,
+               sampling="independent"):
     i = query_position + np.arange(n_q)[:, None]
     j = key_position + np.arange(n_k)[None, :]
-    grids = plsh.draw_head_grids(slopes, samples, seed)
+    grids = plsh.kernel_grids(slopes, samples, seed, sampling=sampling)
     counts = np.stack([sum(same_bin(g, i, j).astype(np.float64) for g in head) for head in grids])
     with np.errstate(divide="ignore"):
         return torch.from_numpy(np.log(counts / samples))
@@ -58,13 +59,16 @@ def log_counts(slopes, samples, seed, n_q, n_k, query_position=0, key_position=0
 
 OPTIONS = dict(causal=True, scale=0.0, query_position=7, key_position=2)
 
+# The draws of each Positional LSH method of the tests.
+SAMPLING = {"plsh": "independent", "plsh latin": "latin_hypercube"}
+
 
 def assert_close(a, b, atol):
     assert a.shape == b.shape
     assert torch.allclose(a, b, rtol=0, atol=atol), (a - b).abs().max().item()
 
 
-@pytest.mark.parametrize("method", ["exact", "plsh"])
+@pytest.mark.parametrize("method", ["exact", "plsh", "plsh latin"])
 def test_forward_and_gradients_against_dense_pytorch(method):
     q, k, v = random_tensors(seed=1)
     slopes = [0.4, 0.2, 0.1, 0.0]
@@ -72,8 +76,9 @@ def test_forward_and_gradients_against_dense_pytorch(method):
         out = pt.exact_alibi_attention(q, k, v, slopes, **OPTIONS)
         reference = dense_alibi(q, k, v, slopes, **OPTIONS)
     else:
-        out = pt.plsh_attention(q, k, v, slopes, samples=7, seed=3, **OPTIONS)
-        counts = log_counts(slopes, 7, 3, q.shape[1], k.shape[1], 7, 2)
+        sampling = SAMPLING[method]
+        out = pt.plsh_attention(q, k, v, slopes, samples=7, seed=3, sampling=sampling, **OPTIONS)
+        counts = log_counts(slopes, 7, 3, q.shape[1], k.shape[1], 7, 2, sampling)
         reference = dense_alibi(q, k, v, slopes, log_counts=counts, **OPTIONS)
     assert_close(out, reference, 1e-12)
     weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(5),
@@ -84,7 +89,7 @@ def test_forward_and_gradients_against_dense_pytorch(method):
         assert_close(grad, reference_grad, 1e-11)
 
 
-@pytest.mark.parametrize("method", ["exact", "plsh"])
+@pytest.mark.parametrize("method", ["exact", "plsh", "plsh latin"])
 def test_results_equal_the_cpp_kernels_bit_for_bit(method):
     q, k, v = random_tensors(dtype=torch.float32, seed=2)
     arrays = [t.detach().numpy() for t in (q, k, v)]
@@ -94,10 +99,10 @@ def test_results_equal_the_cpp_kernels_bit_for_bit(method):
         expected = plsh.exact_alibi_attention(*arrays, **OPTIONS)
         grads = plsh.exact_alibi_attention_backward(*arrays, expected, dout.numpy(), **OPTIONS)
     else:
-        out = pt.plsh_attention(q, k, v, samples=9, seed=4, **OPTIONS)
-        expected = plsh.plsh_attention(*arrays, samples=9, seed=4, **OPTIONS)
-        grads = plsh.plsh_attention_backward(*arrays, expected, dout.numpy(), samples=9, seed=4,
-                                             **OPTIONS)
+        draws = dict(samples=9, seed=4, sampling=SAMPLING[method])
+        out = pt.plsh_attention(q, k, v, **draws, **OPTIONS)
+        expected = plsh.plsh_attention(*arrays, **draws, **OPTIONS)
+        grads = plsh.plsh_attention_backward(*arrays, expected, dout.numpy(), **draws, **OPTIONS)
     assert out.dtype == torch.float32
     assert np.array_equal(out.detach().numpy(), expected)
     out.backward(dout)
@@ -105,7 +110,7 @@ def test_results_equal_the_cpp_kernels_bit_for_bit(method):
         assert np.array_equal(tensor.grad.numpy(), grad)
 
 
-@pytest.mark.parametrize("method", ["exact", "plsh"])
+@pytest.mark.parametrize("method", ["exact", "plsh", "plsh latin"])
 def test_gradcheck_with_grouped_heads_and_offsets(method):
     q, k, v = random_tensors(batch=2, n=6, heads=4, kv_heads=2, dim=3, value_dim=2, n_k=8, seed=3)
     options = dict(causal=True, scale=0.7, query_position=5, key_position=1)
@@ -114,7 +119,8 @@ def test_gradcheck_with_grouped_heads_and_offsets(method):
             return pt.exact_alibi_attention(q, k, v, [0.5, 0.3, 0.2, 0.1], **options)
     else:
         def function(q, k, v):
-            return pt.plsh_attention(q, k, v, [0.5, 0.3, 0.2, 0.1], samples=4, seed=2, **options)
+            return pt.plsh_attention(q, k, v, [0.5, 0.3, 0.2, 0.1], samples=4, seed=2,
+                                     sampling=SAMPLING[method], **options)
     assert torch.autograd.gradcheck(function, (q, k, v), eps=1e-6, atol=1e-7, rtol=1e-5)
 
 
@@ -221,6 +227,9 @@ def test_errors():
         pt.plsh_attention(q, k[..., :5], v)
     with pytest.raises(ValueError, match=r"slopes.size\(\) \(2\) must equal q.heads \(4\)"):
         pt.exact_alibi_attention(q, k, v, [0.1, 0.2])
+    with pytest.raises(ValueError, match=r'^sampling must be "independent" or "latin_hypercube" '
+                                         r'\(got "stratified"\)$'):
+        pt.plsh_attention(q, k, v, sampling="stratified")
 
 
 def test_slopes_as_a_tensor():
@@ -249,6 +258,25 @@ def test_alibi_attention_module_seeds():
     resumed.load_state_dict(state)
     assert resumed.current_seed() == 103
     assert torch.equal(resumed(q, k, v), pt.plsh_attention(q, k, v, samples=5, seed=103))
+
+
+def test_alibi_attention_module_sampling():
+    q, k, v = random_tensors(seed=13, requires_grad=False)
+    module = pt.AlibiAttention(4, method="plsh", samples=5, seed=100, sampling="latin_hypercube")
+    assert "sampling='latin_hypercube'" in repr(module)
+    assert "sampling='independent'" in repr(pt.AlibiAttention(4))
+    module.train()
+    for step in range(2):
+        out = module(q, k, v)
+        assert torch.equal(out, pt.plsh_attention(q, k, v, samples=5, seed=100 + step,
+                                                  sampling="latin_hypercube"))
+        assert not torch.equal(out, pt.plsh_attention(q, k, v, samples=5, seed=100 + step))
+    module.eval()
+    assert torch.equal(module(q, k, v),
+                       pt.plsh_attention(q, k, v, samples=5, seed=100, sampling="latin_hypercube"))
+    with pytest.raises(ValueError, match=r"^sampling must be one of \('independent', "
+                                         r"'latin_hypercube'\) \(got 'lhs'\)$"):
+        pt.AlibiAttention(4, sampling="lhs")
 
 
 def test_alibi_attention_module_methods():
