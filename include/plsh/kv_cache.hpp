@@ -430,8 +430,11 @@ class KvCache {
         Block& block = blocks_[static_cast<std::size_t>(h * samples + t)];
         if (!block.contains(position)) {
           const Index old_begin = block.begin;
-          block = grid_block(grids_[static_cast<std::size_t>(h)][static_cast<std::size_t>(t)],
-                             position, options_.key_position, kMaxPosition);
+          // A position just past its draw's block starts the next block: only its end is
+          // looked up.
+          block =
+              grid_block(grids_[static_cast<std::size_t>(h)][static_cast<std::size_t>(t)], position,
+                         position == block.end ? position : options_.key_position, kMaxPosition);
           replace_sorted(begins, samples, old_begin, block.begin);
         }
       }

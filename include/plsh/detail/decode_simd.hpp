@@ -228,6 +228,67 @@ void weighted_sum(const Storage* values, Index count, Index value_dim, Index str
   }
 }
 
+/// weighted_sum of bfloat16 values, 32 columns per load: a 32-bit lane holds the bfloat16 pair
+/// (2i, 2i + 1), and a bfloat16 is the upper half of a float, so the lane shifted left by 16 is
+/// column 2i and the lane with its lower half cleared is column 2i + 1 (no cross-lane widening).
+/// The even and odd columns are summed apart and interleaved once at the end; each column sees
+/// the same multiply-adds in the same order as in the generic weighted_sum.
+inline void weighted_sum(const Eigen::bfloat16* values, Index count, Index value_dim, Index stride,
+                         const float* weights, float* out) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  // Lanes of the interleaved columns: (even 0, odd 0, even 1, odd 1, ...), in two halves.
+  const __m512i low_half =
+      _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i high_half =
+      _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  for (Index c = 0; c < value_dim; c += 64) {
+    const __mmask32 m0 = first_lanes32(value_dim - c);
+    const __mmask32 m1 = value_dim - c > 32 ? first_lanes32(value_dim - c - 32) : 0;
+    // A column block past value_dim loads nothing (mask 0) from the row's start.
+    const Index c1 = m1 != 0 ? 32 : 0;
+    // [set][even 0-31, odd 0-31, even 32-63, odd 32-63]: two sets as in weighted_sum.
+    __m512 o[2][4];
+    for (auto& set : o) {
+      for (__m512& column : set) column = _mm512_setzero_ps();
+    }
+    const auto add_row = [&](__m512(&set)[4], const Eigen::bfloat16* row, float weight) {
+      const __m512 w = _mm512_set1_ps(weight);
+      const __m512i a = _mm512_maskz_loadu_epi16(m0, row);
+      const __m512i b = _mm512_maskz_loadu_epi16(m1, row + c1);
+      set[0] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), w, set[0]);
+      set[1] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(a, high)), w, set[1]);
+      set[2] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), w, set[2]);
+      set[3] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(b, high)), w, set[3]);
+    };
+    const Eigen::bfloat16* row = values + c;
+    Index j = 0;
+    for (; j + 1 < count; j += 2, row += 2 * stride) {
+      add_row(o[0], row, weights[j]);
+      add_row(o[1], row + stride, weights[j + 1]);
+    }
+    if (j < count) add_row(o[0], row, weights[j]);
+    const __m512 even0 = _mm512_add_ps(o[0][0], o[1][0]);
+    const __m512 odd0 = _mm512_add_ps(o[0][1], o[1][1]);
+    const __m512 even1 = _mm512_add_ps(o[0][2], o[1][2]);
+    const __m512 odd1 = _mm512_add_ps(o[0][3], o[1][3]);
+    const Index left = value_dim - c;
+    _mm512_mask_storeu_ps(out + c, first_lanes16(left),
+                          _mm512_permutex2var_ps(even0, low_half, odd0));
+    if (left > 16) {
+      _mm512_mask_storeu_ps(out + c + 16, first_lanes16(left - 16),
+                            _mm512_permutex2var_ps(even0, high_half, odd0));
+    }
+    if (left > 32) {
+      _mm512_mask_storeu_ps(out + c + 32, first_lanes16(left - 32),
+                            _mm512_permutex2var_ps(even1, low_half, odd1));
+    }
+    if (left > 48) {
+      _mm512_mask_storeu_ps(out + c + 48, first_lanes16(left - 48),
+                            _mm512_permutex2var_ps(even1, high_half, odd1));
+    }
+  }
+}
+
 }  // namespace avx512
 }  // namespace detail
 }  // namespace plsh
