@@ -116,6 +116,7 @@ struct DecodeThreadState {
   AlignedVector<Scalar> keys;    // a chunk of keys in the compute type (16-bit storage)
   AlignedVector<Scalar> values;  // a chunk of values in the compute type (16-bit storage)
   alignas(64) Scalar scores[kDecodeKeyChunk];
+  OutputRows<Storage> output;  // the output rows of the (row, head)s this thread merges
 };
 
 /// Scratch of the single-query path of one calling thread, reused across calls: after the first
@@ -131,8 +132,8 @@ struct DecodeWorkspace {
   AlignedVector<Scalar> partial;  // [job][value_dim]: normalised output of the job's keys
   AlignedVector<Scalar> lse;      // [job]: log-sum-exp of the job's logits
   std::vector<Scalar> log_count;  // log(c) for c = 0..s, log(0) = -inf
+  std::vector<char> merged;       // [row * heads + head]: merged inside the parallel region
   std::vector<DecodeThreadState<Storage>> threads;
-  OutputRows<Storage> output;
 };
 
 /// Adds \f$\log c_j\f$ to the logits of keys `first_position .. first_position + count - 1`:
@@ -315,33 +316,8 @@ class KvCache {
   /// would pass kMaxPosition.
   void append(HeadsView<const Scalar> k, HeadsView<const Scalar> v) {
     const char* function = "KvCache::append";
-    detail::require_view(k, function, "k");
-    detail::require_view(v, function, "v");
-    detail::require(k.heads == kv_heads_, function, "k.heads must equal the cache's kv_heads");
-    detail::require(k.dim == dim_, function, "k.dim must equal the cache's dim");
-    detail::require(v.heads == kv_heads_, function, "v.heads must equal the cache's kv_heads");
-    detail::require(v.dim == value_dim_, function, "v.dim must equal the cache's value_dim");
-    detail::require(v.tokens == k.tokens, function, "v.tokens must equal k.tokens");
-    detail::require(k.tokens <= kMaxPosition - position_, function,
-                    "position() + k.tokens must not exceed kMaxPosition = 2^53");
-    if (k.tokens == 0) return;
-    evict(reachable_from(position_));
-    reserve(k.tokens);
-    const Index first_row = start_ + resident_;
-    for (Index g = 0; g < kv_heads_; ++g) {
-      for (Index t = 0; t < k.tokens; ++t) {
-        std::copy_n(k.data + t * k.token_stride + g * k.head_stride, dim_,
-                    keys_.data() + (g * capacity_ + first_row + t) * dim_);
-        std::copy_n(v.data + t * v.token_stride + g * v.head_stride, value_dim_,
-                    values_.data() + (g * capacity_ + first_row + t) * value_dim_);
-      }
-    }
-    resident_ += k.tokens;
-    position_ += k.tokens;
-    last_append_ = k.tokens;
-    // The blocks of the newest position: a one-token attend looks none up. (After one token they
-    // are those of the eviction above.)
-    if (k.tokens > 1) reachable_from(position_ - 1);
+    check_append(function, k, v);
+    append_checked(k, v);
   }
 
   /// Outputs of the queries at positions `position() - q.tokens .. position() - 1`.
@@ -351,31 +327,44 @@ class KvCache {
   /// the last append, or when `out` overlaps q or the cache.
   void attend(HeadsView<const Scalar> q, HeadsView<Scalar> out) const {
     const char* function = "KvCache::attend";
-    detail::require_view(q, function, "q");
-    detail::require_view(out, function, "out");
-    detail::require(q.heads == heads_, function, "q.heads must equal the cache's heads");
-    detail::require(q.dim == dim_, function, "q.dim must equal the cache's dim");
+    check_query(function, q, out);
     detail::require(q.tokens <= last_append_, function, [&] {
       return "q.tokens (" + std::to_string(q.tokens) +
              ") must not exceed the tokens of the last append (" + std::to_string(last_append_) +
              ")";
     });
-    detail::require(out.tokens == q.tokens, function, "out.tokens must equal q.tokens");
-    detail::require(out.heads == heads_, function, "out.heads must equal the cache's heads");
-    detail::require(out.dim == value_dim_, function, "out.dim must equal the cache's value_dim");
     if (q.tokens == 0) return;
-    PlshOptions options = options_;
-    options.query_position = position_ - q.tokens;
-    options.key_position = oldest_;
     // The same checks as plsh_attention (out against q and the cache) on the resident views.
-    detail::validate_attention(function, q, keys(), values(), out, options);
-    if (q.tokens <= detail::kDecodeRows) {
-      attend_rows(q, out, detail::resolved_scale(options, dim_));
-    } else if (options.kernel == Kernel::Passes) {
-      detail::pass_attention(q, keys(), values(), out, grids_, options, RegularAttention{});
-    } else {
-      detail::fused_attention(q, keys(), values(), out, grids_, slopes_, options);
-    }
+    detail::validate_attention(function, q, keys(), values(), out, attend_options(q.tokens));
+    attend_checked(q, out);
+  }
+
+  /// One decoding step: `append(k, v)` then `attend(q, out)` with `q.tokens == k.tokens` (the
+  /// queries of the appended positions), the same outputs bit for bit. Every check is made
+  /// before the cache changes (a call that throws leaves it as it was), and once per step.
+  /// \param q `[n][heads][dim]`, \param k `[n][kv_heads][dim]`, \param v
+  /// `[n][kv_heads][value_dim]`, \param out `[n][heads][value_dim]`; n = 0 does nothing.
+  /// \throws std::invalid_argument as append and attend: shapes that disagree with the cache or
+  /// with each other, positions past kMaxPosition, or `out` overlapping q, k, v or the cache.
+  void decode(HeadsView<const Scalar> q, HeadsView<const Scalar> k, HeadsView<const Scalar> v,
+              HeadsView<Scalar> out) {
+    const char* function = "KvCache::decode";
+    check_append(function, k, v);
+    check_query(function, q, out);
+    detail::require(q.tokens == k.tokens, function, "q.tokens must equal k.tokens");
+    detail::require_injective(out, function, "out");
+    detail::require(!detail::views_overlap(out, q), function, "out overlaps q");
+    detail::require(!detail::views_overlap(out, k), function, "out overlaps k");
+    detail::require(!detail::views_overlap(out, v), function, "out overlaps v");
+    // The whole buffers: the appended rows land in them (or in new ones, which out cannot
+    // overlap).
+    detail::require(!detail::views_overlap(out, buffer_view(keys_, dim_)), function,
+                    "out overlaps the cache's keys");
+    detail::require(!detail::views_overlap(out, buffer_view(values_, value_dim_)), function,
+                    "out overlaps the cache's values");
+    if (k.tokens == 0) return;
+    append_checked(k, v);
+    attend_checked(q, out);
   }
 
   /// The absolute position of the next token: `options.key_position` plus the tokens appended so
@@ -418,6 +407,81 @@ class KvCache {
   const PlshOptions& options() const { return options_; }
 
  private:
+  /// append's checks of k and v.
+  void check_append(const char* function, const HeadsView<const Scalar>& k,
+                    const HeadsView<const Scalar>& v) const {
+    detail::require_view(k, function, "k");
+    detail::require_view(v, function, "v");
+    detail::require(k.heads == kv_heads_, function, "k.heads must equal the cache's kv_heads");
+    detail::require(k.dim == dim_, function, "k.dim must equal the cache's dim");
+    detail::require(v.heads == kv_heads_, function, "v.heads must equal the cache's kv_heads");
+    detail::require(v.dim == value_dim_, function, "v.dim must equal the cache's value_dim");
+    detail::require(v.tokens == k.tokens, function, "v.tokens must equal k.tokens");
+    detail::require(k.tokens <= kMaxPosition - position_, function,
+                    "position() + k.tokens must not exceed kMaxPosition = 2^53");
+  }
+
+  /// The shapes of q and out against the cache.
+  void check_query(const char* function, const HeadsView<const Scalar>& q,
+                   const HeadsView<Scalar>& out) const {
+    detail::require_view(q, function, "q");
+    detail::require_view(out, function, "out");
+    detail::require(q.heads == heads_, function, "q.heads must equal the cache's heads");
+    detail::require(q.dim == dim_, function, "q.dim must equal the cache's dim");
+    detail::require(out.tokens == q.tokens, function, "out.tokens must equal q.tokens");
+    detail::require(out.heads == heads_, function, "out.heads must equal the cache's heads");
+    detail::require(out.dim == value_dim_, function, "out.dim must equal the cache's value_dim");
+  }
+
+  /// A key or value buffer as one view (for overlap checks).
+  static HeadsView<const Scalar> buffer_view(const detail::AlignedVector<Scalar>& buffer,
+                                             Index width) {
+    return HeadsView<const Scalar>{buffer.data(), static_cast<Index>(buffer.size()) / width, 1,
+                                   width};
+  }
+
+  /// The options of plsh_attention over the resident keys for the newest `tokens` queries.
+  PlshOptions attend_options(Index tokens) const {
+    PlshOptions options = options_;
+    options.query_position = position_ - tokens;
+    options.key_position = oldest_;
+    return options;
+  }
+
+  /// append after its checks.
+  void append_checked(const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v) {
+    if (k.tokens == 0) return;
+    evict(reachable_from(position_));
+    reserve(k.tokens);
+    const Index first_row = start_ + resident_;
+    for (Index g = 0; g < kv_heads_; ++g) {
+      for (Index t = 0; t < k.tokens; ++t) {
+        std::copy_n(k.data + t * k.token_stride + g * k.head_stride, dim_,
+                    keys_.data() + (g * capacity_ + first_row + t) * dim_);
+        std::copy_n(v.data + t * v.token_stride + g * v.head_stride, value_dim_,
+                    values_.data() + (g * capacity_ + first_row + t) * value_dim_);
+      }
+    }
+    resident_ += k.tokens;
+    position_ += k.tokens;
+    last_append_ = k.tokens;
+    // The blocks of the newest position: a one-token attend looks none up. (After one token they
+    // are those of the eviction above.)
+    if (k.tokens > 1) reachable_from(position_ - 1);
+  }
+
+  /// attend after its checks, for 1 <= q.tokens <= last_append_.
+  void attend_checked(const HeadsView<const Scalar>& q, const HeadsView<Scalar>& out) const {
+    const PlshOptions options = attend_options(q.tokens);
+    if (q.tokens <= detail::kDecodeRows) {
+      attend_rows(q, out, detail::resolved_scale(options, dim_));
+    } else if (options.kernel == Kernel::Passes) {
+      detail::pass_attention(q, keys(), values(), out, grids_, options, RegularAttention{});
+    } else {
+      detail::fused_attention(q, keys(), values(), out, grids_, slopes_, options);
+    }
+  }
+
   /// \f$E(p) = \min_{h,t} b_{h,t}(p)\f$. Blocks are cached per (head, draw): p only grows, so
   /// each block is looked up once, when p enters it. The partitions are cut to
   /// `[key_position, kMaxPosition)`, which holds every position append accepts.
@@ -607,33 +671,51 @@ class KvCache {
       }
       while (part < threads) workspace.part_first[static_cast<std::size_t>(++part)] = jobs;
     }
+    // The log-sum-exp merge of the jobs of (row r, head h), in job order, into its output row.
+    const auto merge = [&](Index r, Index h, detail::OutputRows<Scalar>& output) {
+      HeadMap<Compute> row =
+          output.bind(HeadMap<Scalar>(out.data + r * out.token_stride + h * out.head_stride, 1,
+                                      value_dim_, Eigen::OuterStride<>(value_dim_)));
+      row.setZero();
+      Compute lse = -std::numeric_limits<Compute>::infinity();
+      const Index first = workspace.first_job[static_cast<std::size_t>(r * heads_ + h)];
+      const Index last = workspace.first_job[static_cast<std::size_t>(r * heads_ + h + 1)];
+      for (Index j = first; j < last; ++j) {
+        online_softmax_merge(
+            row, Eigen::Map<Eigen::Matrix<Compute, 1, 1>>(&lse),
+            Eigen::Map<const RowMatrix<Compute>>(
+                &workspace.partial[static_cast<std::size_t>(j * value_dim_)], 1, value_dim_),
+            Eigen::Map<const Eigen::Matrix<Compute, 1, 1>>(
+                &workspace.lse[static_cast<std::size_t>(j)]));
+      }
+      output.store();
+    };
+    // A (row, head) whose jobs all lie in one part is merged by that part's thread as soon as its
+    // last job is done; the others (at most threads - 1) after the parallel region.
+    workspace.merged.assign(static_cast<std::size_t>(rows * heads_), 0);
     detail::parallel_for_threads(
         threads, threads > 1,
         [&](Index part, int thread) {
-          for (Index j = workspace.part_first[static_cast<std::size_t>(part)];
-               j < workspace.part_first[static_cast<std::size_t>(part + 1)]; ++j) {
-            run_job(j, workspace.threads[static_cast<std::size_t>(thread)]);
+          detail::DecodeThreadState<Scalar>& state =
+              workspace.threads[static_cast<std::size_t>(thread)];
+          const Index first = workspace.part_first[static_cast<std::size_t>(part)];
+          const Index last = workspace.part_first[static_cast<std::size_t>(part + 1)];
+          for (Index j = first; j < last; ++j) {
+            run_job(j, state);
+            const detail::DecodeJob& job = workspace.jobs[static_cast<std::size_t>(j)];
+            const std::size_t index = static_cast<std::size_t>(job.row * heads_ + job.head);
+            if (workspace.first_job[index] >= first && workspace.first_job[index + 1] == j + 1) {
+              merge(job.row, job.head, state.output);
+              workspace.merged[index] = 1;
+            }
           }
         },
         detail::Schedule::Static);
     for (Index r = 0; r < rows; ++r) {
       for (Index h = 0; h < heads_; ++h) {
-        HeadMap<Compute> row = workspace.output.bind(
-            HeadMap<Scalar>(out.data + r * out.token_stride + h * out.head_stride, 1, value_dim_,
-                            Eigen::OuterStride<>(value_dim_)));
-        row.setZero();
-        Compute lse = -std::numeric_limits<Compute>::infinity();
-        const Index first = workspace.first_job[static_cast<std::size_t>(r * heads_ + h)];
-        const Index last = workspace.first_job[static_cast<std::size_t>(r * heads_ + h + 1)];
-        for (Index j = first; j < last; ++j) {
-          online_softmax_merge(
-              row, Eigen::Map<Eigen::Matrix<Compute, 1, 1>>(&lse),
-              Eigen::Map<const RowMatrix<Compute>>(
-                  &workspace.partial[static_cast<std::size_t>(j * value_dim_)], 1, value_dim_),
-              Eigen::Map<const Eigen::Matrix<Compute, 1, 1>>(
-                  &workspace.lse[static_cast<std::size_t>(j)]));
+        if (workspace.merged[static_cast<std::size_t>(r * heads_ + h)] == 0) {
+          merge(r, h, workspace.threads[0].output);
         }
-        workspace.output.store();
       }
     }
   }
