@@ -25,9 +25,11 @@
 /// the fused estimator. The union is split into ranges of detail::kDecodeKeyChunk keys; each
 /// (query, head, range) is a job: a matrix-vector product for its scores, \f$\log c_j\f$ added,
 /// an online softmax of one row and a matrix-vector product with its values, giving a partial
-/// (output, lse). The jobs run in one OpenMP region (when the work is worth it) and are merged by
-/// log-sum-exp in job order, so the result is identical for any number of threads (one thread
-/// runs them without opening a parallel region). A job's two products run in the AVX-512 code of
+/// (output, lse). The jobs run in one OpenMP region (when the work is worth it), each thread a
+/// contiguous part of them, and are merged by log-sum-exp in job order (in the region by the
+/// thread that ran all of a head's jobs, after it for a head whose jobs two threads shared), so
+/// the result is identical for any number of threads (one thread runs them without opening a
+/// parallel region). A job's two products run in the AVX-512 code of
 /// detail/decode_simd.hpp when the library is compiled for it (the counts then multiply the
 /// exponentials instead of adding their logarithms, and bfloat16 keys meet the bfloat16 query
 /// in `vdpbf16ps` where AVX-512 BF16 is present), else in Eigen's matrix-vector products. Either
@@ -39,15 +41,19 @@
 /// scratch has grown. More queries go to the fused (or pass) kernel of
 /// plsh_attention on the resident keys, whose products are GEMMs over query tiles.
 ///
+/// `decode(q, k, v, out)` is one decoding step: append then attend, every check made once and
+/// before the cache changes.
+///
 /// Storage: float, double, Eigen::bfloat16 or Eigen::half keys, values, queries and outputs,
 /// computed in detail::Compute (float for the 16-bit types: each key and value range is
 /// converted once per job, each output row rounded once).
 ///
 /// Tested in tests/test_kv_cache.cpp against plsh_attention over the whole sequence (every chunk
 /// size, grouped heads, float, double, bfloat16 and half, non-finite inputs), for identical
-/// results at 1, 2 and 3 threads, for no allocation in a decoding step, and for the resident
-/// bound computed from the partitions; the same tests run through the AVX-512 products in
-/// test_kv_cache_avx512, where the build machine has AVX-512.
+/// results at 1, 2 and 3 threads, for decode against append then attend (bit for bit), for no
+/// allocation in a decoding step, and for the resident bound computed from the partitions; the
+/// same tests run through the AVX-512 products in test_kv_cache_avx512, where the build machine
+/// has AVX-512.
 
 #include <algorithm>
 #include <cmath>
@@ -259,8 +265,8 @@ void decode_job(const ConstHeadMap<Storage>& keys, const ConstHeadMap<Storage>& 
 /// plsh::KvCache<float> cache(heads, kv_heads, dim, dim, plsh::alibi_slopes(heads), options);
 /// for (Index step = 0; step < steps; ++step) {
 ///   // ... compute q, k, v of one token: [1][heads][dim], [1][kv_heads][dim] ...
-///   cache.append(k_view, v_view);
-///   cache.attend(q_view, out_view);   // out: [1][heads][dim]
+///   cache.decode(q_view, k_view, v_view, out_view);  // out: [1][heads][dim]
+///   // the same as cache.append(k_view, v_view); cache.attend(q_view, out_view);
 /// }
 /// \endcode
 ///

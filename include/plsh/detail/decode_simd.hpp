@@ -16,11 +16,13 @@
 ///   summed into float accumulators, so the scores differ from the converted path by the order
 ///   of the float sums (and denormals flushed to zero) only. The scale multiplies the sums.
 /// - `avx512::weighted_sum`: \f$o = \sum_j w_j v_j\f$, 64 output columns at a time in registers,
-///   values converted in registers.
+///   values converted in registers; bfloat16 values 32 at a time by a shift and a mask (even and
+///   odd columns summed apart, interleaved once at the end).
 ///
 /// Rows are `stride` entries apart; every size is allowed (tails by masked loads, which do not
-/// touch memory past the last row). Tested in tests/test_decode_simd.cpp against sums in double,
-/// for every size from 1 to past two vectors, where the build machine has these instructions.
+/// touch memory past the last row). Tested in tests/simd/decode_avx512.cpp (test_kv_cache_avx512)
+/// against sums in double, for every size from 1 to past two vectors, where the build machine has
+/// these instructions.
 
 #include <Eigen/Core>
 
@@ -78,6 +80,19 @@ inline __m512 load(const Eigen::bfloat16* data, __mmask16 mask) {
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, data)), 16));
 }
 
+/// 16 floats from `data`, all of them read (the products load whole vectors without a mask and
+/// mask only the tail of a row).
+inline __m512 load(const float* data) { return _mm512_loadu_ps(data); }
+
+inline __m512 load(const Eigen::half* data) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(data)));
+}
+
+inline __m512 load(const Eigen::bfloat16* data) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(data))), 16));
+}
+
 /// The sums of 16 vectors, lane j holding the sum of the lanes of `v[j]`.
 inline __m512 sum16(const __m512* v) {
   // Within each 128-bit lane, pairs (v[2i], v[2i+1]): [x0+x2, y0+y2, x1+x3, y1+y3].
@@ -121,7 +136,12 @@ void scores(const Storage* keys, Index count, Index dim, Index stride, const flo
     block_rows(keys, stride, first, count, rows);
     __m512 sums[16];
     for (__m512& sum : sums) sum = _mm512_setzero_ps();
-    for (Index d = 0; d < dim; d += 16) {
+    Index d = 0;
+    for (; d + 16 <= dim; d += 16) {
+      const __m512 q = _mm512_loadu_ps(query + d);
+      for (int r = 0; r < 16; ++r) sums[r] = _mm512_fmadd_ps(load(rows[r] + d), q, sums[r]);
+    }
+    if (d < dim) {
       const __mmask16 mask = first_lanes16(dim - d);
       const __m512 q = _mm512_maskz_loadu_ps(mask, query + d);
       for (int r = 0; r < 16; ++r) sums[r] = _mm512_fmadd_ps(load(rows[r] + d, mask), q, sums[r]);
@@ -140,7 +160,14 @@ inline void scores_bf16(const Eigen::bfloat16* keys, Index count, Index dim, Ind
     block_rows(keys, stride, first, count, rows);
     __m512 sums[16];
     for (__m512& sum : sums) sum = _mm512_setzero_ps();
-    for (Index d = 0; d < dim; d += 32) {
+    Index d = 0;
+    for (; d + 32 <= dim; d += 32) {
+      const __m512bh q = (__m512bh)_mm512_loadu_si512(query + d);
+      for (int r = 0; r < 16; ++r) {
+        sums[r] = _mm512_dpbf16_ps(sums[r], (__m512bh)_mm512_loadu_si512(rows[r] + d), q);
+      }
+    }
+    if (d < dim) {
       const __mmask32 mask = first_lanes32(dim - d);
       const __m512bh q = (__m512bh)_mm512_maskz_loadu_epi16(mask, query + d);
       for (int r = 0; r < 16; ++r) {
@@ -199,24 +226,28 @@ void weighted_sum(const Storage* values, Index count, Index value_dim, Index str
     for (auto& set : o) {
       for (__m512& column : set) column = _mm512_setzero_ps();
     }
-    const Storage* row = values + c;
-    // A column block past value_dim loads nothing (mask 0) from the row's start.
-    const Index c1 = m1 != 0 ? 16 : 0;
-    const Index c2 = m2 != 0 ? 32 : 0;
-    const Index c3 = m3 != 0 ? 48 : 0;
-    const auto add_row = [&](__m512(&set)[4], const Storage* values_row, float weight) {
-      const __m512 w = _mm512_set1_ps(weight);
-      set[0] = _mm512_fmadd_ps(load(values_row, m0), w, set[0]);
-      set[1] = _mm512_fmadd_ps(load(values_row + c1, m1), w, set[1]);
-      set[2] = _mm512_fmadd_ps(load(values_row + c2, m2), w, set[2]);
-      set[3] = _mm512_fmadd_ps(load(values_row + c3, m3), w, set[3]);
+    // `load_column(row, i)`: columns c + 16 i .. c + 16 i + 15 of a row.
+    const auto accumulate = [&](auto&& load_column) {
+      const auto add_row = [&](__m512(&set)[4], const Storage* values_row, float weight) {
+        const __m512 w = _mm512_set1_ps(weight);
+        for (int i = 0; i < 4; ++i) set[i] = _mm512_fmadd_ps(load_column(values_row, i), w, set[i]);
+      };
+      const Storage* row = values + c;
+      Index j = 0;
+      for (; j + 1 < count; j += 2, row += 2 * stride) {
+        add_row(o[0], row, weights[j]);
+        add_row(o[1], row + stride, weights[j + 1]);
+      }
+      if (j < count) add_row(o[0], row, weights[j]);
     };
-    Index j = 0;
-    for (; j + 1 < count; j += 2, row += 2 * stride) {
-      add_row(o[0], row, weights[j]);
-      add_row(o[1], row + stride, weights[j + 1]);
+    if (value_dim - c >= 64) {
+      accumulate([](const Storage* row, int i) { return load(row + 16 * i); });
+    } else {
+      // A column block past value_dim loads nothing (mask 0) from the row's start.
+      const __mmask16 masks[4] = {m0, m1, m2, m3};
+      const Index offsets[4] = {0, m1 != 0 ? 16 : 0, m2 != 0 ? 32 : 0, m3 != 0 ? 48 : 0};
+      accumulate([&](const Storage* row, int i) { return load(row + offsets[i], masks[i]); });
     }
-    if (j < count) add_row(o[0], row, weights[j]);
     const __m512 o0 = _mm512_add_ps(o[0][0], o[1][0]);
     const __m512 o1 = _mm512_add_ps(o[0][1], o[1][1]);
     const __m512 o2 = _mm512_add_ps(o[0][2], o[1][2]);
@@ -251,22 +282,33 @@ inline void weighted_sum(const Eigen::bfloat16* values, Index count, Index value
     for (auto& set : o) {
       for (__m512& column : set) column = _mm512_setzero_ps();
     }
-    const auto add_row = [&](__m512(&set)[4], const Eigen::bfloat16* row, float weight) {
-      const __m512 w = _mm512_set1_ps(weight);
-      const __m512i a = _mm512_maskz_loadu_epi16(m0, row);
-      const __m512i b = _mm512_maskz_loadu_epi16(m1, row + c1);
-      set[0] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), w, set[0]);
-      set[1] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(a, high)), w, set[1]);
-      set[2] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), w, set[2]);
-      set[3] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(b, high)), w, set[3]);
+    // `load_half(row, i)`: columns c + 32 i .. c + 32 i + 31 of a row, as 16 pairs.
+    const auto accumulate = [&](auto&& load_half) {
+      const auto add_row = [&](__m512(&set)[4], const Eigen::bfloat16* row, float weight) {
+        const __m512 w = _mm512_set1_ps(weight);
+        const __m512i a = load_half(row, 0);
+        const __m512i b = load_half(row, 1);
+        set[0] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), w, set[0]);
+        set[1] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(a, high)), w, set[1]);
+        set[2] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), w, set[2]);
+        set[3] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(b, high)), w, set[3]);
+      };
+      const Eigen::bfloat16* row = values + c;
+      Index j = 0;
+      for (; j + 1 < count; j += 2, row += 2 * stride) {
+        add_row(o[0], row, weights[j]);
+        add_row(o[1], row + stride, weights[j + 1]);
+      }
+      if (j < count) add_row(o[0], row, weights[j]);
     };
-    const Eigen::bfloat16* row = values + c;
-    Index j = 0;
-    for (; j + 1 < count; j += 2, row += 2 * stride) {
-      add_row(o[0], row, weights[j]);
-      add_row(o[1], row + stride, weights[j + 1]);
+    if (value_dim - c >= 64) {
+      accumulate(
+          [](const Eigen::bfloat16* row, int i) { return _mm512_loadu_si512(row + 32 * i); });
+    } else {
+      accumulate([&](const Eigen::bfloat16* row, int i) {
+        return i == 0 ? _mm512_maskz_loadu_epi16(m0, row) : _mm512_maskz_loadu_epi16(m1, row + c1);
+      });
     }
-    if (j < count) add_row(o[0], row, weights[j]);
     const __m512 even0 = _mm512_add_ps(o[0][0], o[1][0]);
     const __m512 odd0 = _mm512_add_ps(o[0][1], o[1][1]);
     const __m512 even1 = _mm512_add_ps(o[0][2], o[1][2]);
