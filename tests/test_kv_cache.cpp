@@ -386,7 +386,8 @@ TEMPLATE_TEST_CASE("KvCache::decode equals append then attend, bit for bit", "[k
   // The standard slopes at d = 64 on grouped heads, one token at a time and chunks of up to 16
   // (the single-query path) and 40 (the fused kernel), on 1 and 2 threads: decode(q, k, v, out)
   // must leave the cache in the same state and write the same bits as append(k, v) followed by
-  // attend(q, out).
+  // attend(q, out), also where appends follow decodes (on 2 threads a one-token decode looks up
+  // the blocks of the next position ahead).
   const Sequence<TestType> sequence(Sequence<float>(600, 8, 2, 64, 64, 47));
   const std::vector<double> slopes = plsh::alibi_slopes(8);
   const std::vector<Index> chunks = chunk_schedule(sequence.tokens, {1, 1, 1, 3, 16, 1, 40});
@@ -399,14 +400,23 @@ TEMPLATE_TEST_CASE("KvCache::decode equals append then attend, bit for bit", "[k
     std::vector<TestType> out;
     Index done = 0;
     Index mismatches = 0;
+    Index step = 0;
     for (const Index chunk : chunks) {
       expected.assign(static_cast<std::size_t>(chunk * row_size), TestType(0));
       out.assign(expected.size(), TestType(-7));
       const HeadsView<TestType> expected_view{expected.data(), chunk, 8, 64};
       stepped.append(sequence.keys(done, chunk), sequence.values(done, chunk));
       stepped.attend(sequence.queries(done, chunk), expected_view);
-      decoded.decode(sequence.queries(done, chunk), sequence.keys(done, chunk),
-                     sequence.values(done, chunk), HeadsView<TestType>{out.data(), chunk, 8, 64});
+      const HeadsView<TestType> out_view{out.data(), chunk, 8, 64};
+      if (++step % 5 == 0) {
+        // Now and then an append and an attend on the decoding cache as well: the append takes
+        // over the blocks that the decode before it looked up ahead.
+        decoded.append(sequence.keys(done, chunk), sequence.values(done, chunk));
+        decoded.attend(sequence.queries(done, chunk), out_view);
+      } else {
+        decoded.decode(sequence.queries(done, chunk), sequence.keys(done, chunk),
+                       sequence.values(done, chunk), out_view);
+      }
       done += chunk;
       if (std::memcmp(out.data(), expected.data(), out.size() * sizeof(TestType)) != 0) {
         ++mismatches;

@@ -370,7 +370,22 @@ class KvCache {
                     "out overlaps the cache's values");
     if (k.tokens == 0) return;
     append_checked(k, v);
-    attend_checked(q, out);
+    if (q.tokens == 1) {
+      // The blocks of the next position depend on nothing but the position: with more than one
+      // thread they are looked up inside this step's parallel region, off the serial path of the
+      // next append.
+      const Index next = position_;
+      const auto look_ahead = [this, next] {
+        next_blocks_ = blocks_;
+        next_begins_ = block_begins_;
+        next_reachable_ = advance_blocks(next, next_blocks_, next_begins_);
+        next_position_ = next;
+      };
+      attend_rows(q, out, detail::resolved_scale(attend_options(1), dim_), look_ahead,
+                  heads_ * options_.samples);
+    } else {
+      attend_checked(q, out);
+    }
   }
 
   /// The absolute position of the next token: `options.key_position` plus the tokens appended so
@@ -480,7 +495,8 @@ class KvCache {
   void attend_checked(const HeadsView<const Scalar>& q, const HeadsView<Scalar>& out) const {
     const PlshOptions options = attend_options(q.tokens);
     if (q.tokens <= detail::kDecodeRows) {
-      attend_rows(q, out, detail::resolved_scale(options, dim_));
+      attend_rows(
+          q, out, detail::resolved_scale(options, dim_), [] {}, 0);
     } else if (options.kernel == Kernel::Passes) {
       detail::pass_attention(q, keys(), values(), out, grids_, options, RegularAttention{});
     } else {
@@ -492,12 +508,26 @@ class KvCache {
   /// each block is looked up once, when p enters it. The partitions are cut to
   /// `[key_position, kMaxPosition)`, which holds every position append accepts.
   Index reachable_from(Index position) {
+    if (next_position_ == position) {
+      // Looked up during the previous step's parallel region (decode).
+      blocks_.swap(next_blocks_);
+      block_begins_.swap(next_begins_);
+      next_position_ = -1;
+      return next_reachable_;
+    }
+    next_position_ = -1;
+    return advance_blocks(position, blocks_, block_begins_);
+  }
+
+  /// reachable_from on given arrays of blocks ([head][draw]) and their sorted begins.
+  Index advance_blocks(Index position, std::vector<Block>& blocks,
+                       std::vector<Index>& block_begins) const {
     Index start = position;
     const Index samples = options_.samples;
     for (Index h = 0; h < heads_; ++h) {
-      Index* begins = &block_begins_[static_cast<std::size_t>(h * samples)];
+      Index* begins = &block_begins[static_cast<std::size_t>(h * samples)];
       for (Index t = 0; t < samples; ++t) {
-        Block& block = blocks_[static_cast<std::size_t>(h * samples + t)];
+        Block& block = blocks[static_cast<std::size_t>(h * samples + t)];
         if (!block.contains(position)) {
           const Index old_begin = block.begin;
           // A position just past its draw's block starts the next block: only its end is
@@ -569,8 +599,12 @@ class KvCache {
   /// The single-query path (file comment): the jobs (row, head, key range), one parallel region
   /// over them, then per row and head the log-sum-exp merge of its jobs, in job order, so that
   /// the result does not depend on the number of threads.
-  void attend_rows(const HeadsView<const Scalar>& q, const HeadsView<Scalar>& out,
-                   double scale) const {
+  ///
+  /// With more than one thread, `extra()` runs in the region as well, after the last part's jobs,
+  /// counted as `extra_keys` keys of work when the parts are cut; on one thread it does not run.
+  template <class Extra>
+  void attend_rows(const HeadsView<const Scalar>& q, const HeadsView<Scalar>& out, double scale,
+                   Extra&& extra, Index extra_keys) const {
     using Compute = detail::Compute<Scalar>;
     static thread_local detail::DecodeWorkspace<Scalar> calling_thread_workspace;
     // A reference: inside the parallel region the name must denote the calling thread's
@@ -668,10 +702,11 @@ class KvCache {
       Index part = 0;
       Index keys_before = 0;
       workspace.part_first[0] = 0;
+      const Index total = union_keys + (threads > 1 ? extra_keys : 0);
       for (Index j = 0; j < jobs && part + 1 < threads; ++j) {
         keys_before += workspace.jobs[static_cast<std::size_t>(j)].end -
                        workspace.jobs[static_cast<std::size_t>(j)].begin;
-        if (keys_before * threads >= (part + 1) * union_keys) {
+        if (keys_before * threads >= (part + 1) * total) {
           workspace.part_first[static_cast<std::size_t>(++part)] = j + 1;
         }
       }
@@ -715,6 +750,7 @@ class KvCache {
               workspace.merged[index] = 1;
             }
           }
+          if (threads > 1 && part == threads - 1) extra();
         },
         detail::Schedule::Static);
     for (Index r = 0; r < rows; ++r) {
@@ -735,6 +771,12 @@ class KvCache {
   std::vector<std::vector<Grid>> grids_;
   std::vector<Block> blocks_;        // [head][draw]: the block of the newest position
   std::vector<Index> block_begins_;  // [head][]: the begins of blocks_, sorted per head
+  // The blocks, sorted begins and E of position next_position_ (-1: none), looked up by decode
+  // ahead of the append that reaches it.
+  std::vector<Block> next_blocks_;
+  std::vector<Index> next_begins_;
+  Index next_reachable_ = 0;
+  Index next_position_ = -1;
   // [kv_head][capacity_][dim]: rows [start_, start_ + resident_) of each head's region hold
   // positions oldest_ on.
   detail::AlignedVector<Scalar> keys_;
