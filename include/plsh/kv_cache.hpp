@@ -94,6 +94,11 @@ constexpr Index kDecodeRows = 16;
 /// ranges of this many keys, so that one wide head does not leave the other threads idle.
 constexpr Index kDecodeKeyChunk = 128;
 
+/// The fixed work of a job of the single-query path (its maximum, exponentials, counts and merge)
+/// in keys, when the jobs are shared among threads: measured, short jobs of steep heads otherwise
+/// left the thread that ran them behind.
+constexpr Index kDecodeJobKeys = 16;
+
 /// Estimated multiply-adds from which the single-query path opens a parallel region. A region of
 /// warm threads costs about a microsecond, the time of some 10^4 multiply-adds.
 constexpr double kDecodeParallelWork = 1 << 15;
@@ -695,16 +700,18 @@ class KvCache {
           &workspace.partial[static_cast<std::size_t>(j * value_dim_)],
           &workspace.lse[static_cast<std::size_t>(j)]);
     };
-    // Each thread takes a contiguous part of the jobs with about its share of the keys: from one
-    // token to the next the parts cover nearly the same keys, which stay in that core's cache.
+    // Each thread takes a contiguous part of the jobs with about its share of the keys (each job
+    // counted kDecodeJobKeys more, the extra work extra_keys at the end): from one token to the
+    // next the parts cover nearly the same keys, which stay in that core's cache.
     workspace.part_first.resize(static_cast<std::size_t>(threads + 1));
     {
       Index part = 0;
       Index keys_before = 0;
       workspace.part_first[0] = 0;
-      const Index total = union_keys + (threads > 1 ? extra_keys : 0);
+      const Index total =
+          union_keys + detail::kDecodeJobKeys * jobs + (threads > 1 ? extra_keys : 0);
       for (Index j = 0; j < jobs && part + 1 < threads; ++j) {
-        keys_before += workspace.jobs[static_cast<std::size_t>(j)].end -
+        keys_before += detail::kDecodeJobKeys + workspace.jobs[static_cast<std::size_t>(j)].end -
                        workspace.jobs[static_cast<std::size_t>(j)].begin;
         if (keys_before * threads >= (part + 1) * total) {
           workspace.part_first[static_cast<std::size_t>(++part)] = j + 1;
