@@ -210,6 +210,21 @@ inline float multiply_counts(float* weights, Index count, Index first, const Ind
   return _mm512_reduce_add_ps(total);
 }
 
+/// `add_row(set, row, w_j)` for the `count` rows `stride` apart from `first`: even rows into
+/// `sets[0]`, odd rows into `sets[1]` (one chain of dependent multiply-adds per set, so that the
+/// adds of one row wait for the previous row's only every other step).
+template <class Storage, class AddRow>
+void add_rows(const Storage* first, Index count, Index stride, const float* weights,
+              __m512 (&sets)[2][4], AddRow&& add_row) {
+  const Storage* row = first;
+  Index j = 0;
+  for (; j + 1 < count; j += 2, row += 2 * stride) {
+    add_row(sets[0], row, weights[j]);
+    add_row(sets[1], row + stride, weights[j + 1]);
+  }
+  if (j < count) add_row(sets[0], row, weights[j]);
+}
+
 /// \f$o = \sum_{j < \text{count}} w_j v_j\f$ (`out` overwritten): `values` rows `stride` apart,
 /// `value_dim` entries each.
 template <class Storage>
@@ -220,8 +235,7 @@ void weighted_sum(const Storage* values, Index count, Index value_dim, Index str
     const __mmask16 m1 = value_dim - c > 16 ? first_lanes16(value_dim - c - 16) : 0;
     const __mmask16 m2 = value_dim - c > 32 ? first_lanes16(value_dim - c - 32) : 0;
     const __mmask16 m3 = value_dim - c > 48 ? first_lanes16(value_dim - c - 48) : 0;
-    // Two keys per step into two sets of accumulators: one chain of dependent multiply-adds
-    // per set, so that the adds of one key wait for the previous key's only every other step.
+    // Two sets of accumulators (add_rows).
     __m512 o[2][4];
     for (auto& set : o) {
       for (__m512& column : set) column = _mm512_setzero_ps();
@@ -232,13 +246,7 @@ void weighted_sum(const Storage* values, Index count, Index value_dim, Index str
         const __m512 w = _mm512_set1_ps(weight);
         for (int i = 0; i < 4; ++i) set[i] = _mm512_fmadd_ps(load_column(values_row, i), w, set[i]);
       };
-      const Storage* row = values + c;
-      Index j = 0;
-      for (; j + 1 < count; j += 2, row += 2 * stride) {
-        add_row(o[0], row, weights[j]);
-        add_row(o[1], row + stride, weights[j + 1]);
-      }
-      if (j < count) add_row(o[0], row, weights[j]);
+      add_rows(values + c, count, stride, weights, o, add_row);
     };
     if (value_dim - c >= 64) {
       accumulate([](const Storage* row, int i) { return load(row + 16 * i); });
@@ -293,13 +301,7 @@ inline void weighted_sum(const Eigen::bfloat16* values, Index count, Index value
         set[2] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), w, set[2]);
         set[3] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(b, high)), w, set[3]);
       };
-      const Eigen::bfloat16* row = values + c;
-      Index j = 0;
-      for (; j + 1 < count; j += 2, row += 2 * stride) {
-        add_row(o[0], row, weights[j]);
-        add_row(o[1], row + stride, weights[j + 1]);
-      }
-      if (j < count) add_row(o[0], row, weights[j]);
+      add_rows(values + c, count, stride, weights, o, add_row);
     };
     if (value_dim - c >= 64) {
       accumulate(
