@@ -1,9 +1,10 @@
 // Tests of kv_cache.hpp: KvCache::attend equals the rows of plsh_attention over the whole
 // sequence whatever the chunking of the appends (grouped heads, offsets, both kernels; float,
 // double, bfloat16 and half storage); the single-query path gives identical results at any
-// thread count and allocates nothing once warm; the number of resident tokens stays within the
-// bound computed from the partitions over a 10^5 token run; degenerate slopes; every rejected
-// argument.
+// thread count and allocates nothing once warm; KvCache::decode gives the bits of append then
+// attend and rejects bad arguments before changing the cache; the number of resident tokens stays
+// within the bound computed from the partitions over a 10^5 token run; degenerate slopes; every
+// rejected argument.
 //
 // Accuracy: the cache and the whole-sequence kernel weight the same keys by the same counts, but
 // tile the keys differently, so float sums differ by rounding only. Outputs are convex
