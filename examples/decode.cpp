@@ -2,9 +2,9 @@
 //
 // Generates 20000 tokens (or as many as the first argument says) one at a time with plsh::KvCache:
 // 8 query heads on 2 key/value heads (grouped-query attention), the standard ALiBi slopes, head dim
-// 64, s = 20 partitions per head. Each step appends the new token's key and value and attends its
-// query. The toy "model" feeds the previous output back into the next token's q, k, v (plus fresh
-// uniform random numbers), so every step depends on the last.
+// 64, s = 20 partitions per head. Each step is one KvCache::decode call, which appends the new
+// token's key and value and attends its query. The toy "model" feeds the previous output back into
+// the next token's q, k, v (plus fresh uniform random numbers), so every step depends on the last.
 //
 // Every 1000 tokens it prints how many tokens the cache still stores: the partitions live on
 // absolute positions, so keys that no later query can share a block with are evicted, and the
@@ -92,13 +92,13 @@ int main(int argc, char** argv) {
       k[i] = uniform(engine) + 0.5f * previous;
       v[i] = uniform(engine) + 0.5f * previous;
     }
-    cache.append({k, 1, kv_heads, dim}, {v, 1, kv_heads, dim});
-    cache.attend({q, 1, heads, dim}, {out.data(), 1, heads, dim});
+    cache.decode({q, 1, heads, dim}, {k, 1, kv_heads, dim}, {v, 1, kv_heads, dim},
+                 {out.data(), 1, heads, dim});
     to_bfloat16(q, q16);
     to_bfloat16(k, k16);
     to_bfloat16(v, v16);
-    cache16.append({k16.data(), 1, kv_heads, dim}, {v16.data(), 1, kv_heads, dim});
-    cache16.attend({q16.data(), 1, heads, dim}, {out16.data(), 1, heads, dim});
+    cache16.decode({q16.data(), 1, heads, dim}, {k16.data(), 1, kv_heads, dim},
+                   {v16.data(), 1, kv_heads, dim}, {out16.data(), 1, heads, dim});
     for (std::size_t i = 0; i < out.size(); ++i) {
       bfloat16_difference =
           std::max(bfloat16_difference,

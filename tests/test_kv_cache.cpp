@@ -1,9 +1,10 @@
 // Tests of kv_cache.hpp: KvCache::attend equals the rows of plsh_attention over the whole
 // sequence whatever the chunking of the appends (grouped heads, offsets, both kernels; float,
 // double, bfloat16 and half storage); the single-query path gives identical results at any
-// thread count and allocates nothing once warm; the number of resident tokens stays within the
-// bound computed from the partitions over a 10^5 token run; degenerate slopes; every rejected
-// argument.
+// thread count and allocates nothing once warm; KvCache::decode gives the bits of append then
+// attend and rejects bad arguments before changing the cache; the number of resident tokens stays
+// within the bound computed from the partitions over a 10^5 token run; degenerate slopes; every
+// rejected argument.
 //
 // Accuracy: the cache and the whole-sequence kernel weight the same keys by the same counts, but
 // tile the keys differently, so float sums differ by rounding only. Outputs are convex
@@ -381,6 +382,61 @@ TEST_CASE("KvCache decoding gives identical results at 1, 2 and 3 threads", "[kv
   }
 }
 
+TEMPLATE_TEST_CASE("KvCache::decode equals append then attend, bit for bit", "[kv_cache][decode]",
+                   float, Eigen::bfloat16) {
+  // The standard slopes at d = 64 on grouped heads, one token at a time and chunks of up to 16
+  // (the single-query path) and 40 (the fused kernel), on 1 and 2 threads: decode(q, k, v, out)
+  // must leave the cache in the same state and write the same bits as append(k, v) followed by
+  // attend(q, out), also where appends follow decodes (on 2 threads a one-token decode looks up
+  // the blocks of the next position ahead).
+  const Sequence<TestType> sequence(Sequence<float>(600, 8, 2, 64, 64, 47));
+  const std::vector<double> slopes = plsh::alibi_slopes(8);
+  const std::vector<Index> chunks = chunk_schedule(sequence.tokens, {1, 1, 1, 3, 16, 1, 40});
+  const Index row_size = sequence.heads * sequence.value_dim;
+  for (const int threads : {1, 2}) {
+    const plsh_test::ThreadCount thread_count(threads);
+    plsh::KvCache<TestType> stepped(8, 2, 64, 64, slopes);
+    plsh::KvCache<TestType> decoded(8, 2, 64, 64, slopes);
+    std::vector<TestType> expected;
+    std::vector<TestType> out;
+    Index done = 0;
+    Index mismatches = 0;
+    Index step = 0;
+    for (const Index chunk : chunks) {
+      expected.assign(static_cast<std::size_t>(chunk * row_size), TestType(0));
+      out.assign(expected.size(), TestType(-7));
+      const HeadsView<TestType> expected_view{expected.data(), chunk, 8, 64};
+      stepped.append(sequence.keys(done, chunk), sequence.values(done, chunk));
+      stepped.attend(sequence.queries(done, chunk), expected_view);
+      const HeadsView<TestType> out_view{out.data(), chunk, 8, 64};
+      if (++step % 5 == 0) {
+        // Now and then an append and an attend on the decoding cache as well: the append takes
+        // over the blocks that the decode before it looked up ahead.
+        decoded.append(sequence.keys(done, chunk), sequence.values(done, chunk));
+        decoded.attend(sequence.queries(done, chunk), out_view);
+      } else {
+        decoded.decode(sequence.queries(done, chunk), sequence.keys(done, chunk),
+                       sequence.values(done, chunk), out_view);
+      }
+      done += chunk;
+      if (std::memcmp(out.data(), expected.data(), out.size() * sizeof(TestType)) != 0) {
+        ++mismatches;
+      }
+      REQUIRE(decoded.position() == stepped.position());
+      REQUIRE(decoded.resident() == stepped.resident());
+      REQUIRE(decoded.oldest_position() == stepped.oldest_position());
+    }
+    INFO(threads << " threads: " << mismatches << " of " << chunks.size()
+                 << " steps differ from append + attend");
+    CHECK(mismatches == 0);
+    // An attend after a decode sees the same cache as after an append.
+    decoded.attend(sequence.queries(done - 1, 1), HeadsView<TestType>{out.data(), 1, 8, 64});
+    stepped.attend(sequence.queries(done - 1, 1), HeadsView<TestType>{expected.data(), 1, 8, 64});
+    CHECK(std::memcmp(out.data(), expected.data(),
+                      static_cast<std::size_t>(row_size) * sizeof(TestType)) == 0);
+  }
+}
+
 TEST_CASE("a decoding step allocates nothing once the cache is warm", "[kv_cache][allocations]") {
   // One token at a time, then chunks of 3 queries, on 1 and 2 threads: after a warm-up, attend
   // allocates nothing unless the cache's buffer grew at the append before (its scratch is sized
@@ -411,6 +467,26 @@ TEST_CASE("a decoding step allocates nothing once the cache is warm", "[kv_cache
                    << " allocations in " << counted << " attends");
       CHECK(counted >= 200);
       CHECK(attend_allocations == 0);
+      // The same with decode, which appends as well: a step that does not grow the buffer (its
+      // bytes unchanged) allocates nothing.
+      plsh::KvCache<float> decoded(8, 2, 32, 32, slopes);
+      long decode_allocations = 0;
+      counted = 0;
+      bytes = 0;
+      for (Index done = 0; done + chunk <= sequence.tokens; done += chunk) {
+        const long before = plsh_test::allocations.load();
+        decoded.decode(sequence.queries(done, chunk), sequence.keys(done, chunk),
+                       sequence.values(done, chunk), out_view);
+        const bool grown = decoded.bytes() != bytes;
+        bytes = decoded.bytes();
+        if (done >= 800 && !grown) {
+          decode_allocations += plsh_test::allocations.load() - before;
+          ++counted;
+        }
+      }
+      INFO(decode_allocations << " allocations in " << counted << " decoding steps");
+      CHECK(counted >= 200);
+      CHECK(decode_allocations == 0);
     }
   }
 }
@@ -593,4 +669,52 @@ TEST_CASE("KvCache rejects bad arguments", "[kv_cache][validation]") {
         cache.attend(q_view, Out{const_cast<float*>(stored.data), 1, 2, 3});
       },
       attend, "out overlaps v");
+
+  // decode checks everything before it changes the cache: a rejected step appends nothing.
+  const std::string decode = "KvCache::decode";
+  plsh::KvCache<float> fresh(2, 1, 4, 3, slopes, good);
+  std::vector<float> k_one(4, 0.2f);
+  std::vector<float> v_one(3, 0.3f);
+  const View q1{q.data(), 1, 2, 4};
+  const View k1{k_one.data(), 1, 1, 4};
+  const View v1{v_one.data(), 1, 1, 3};
+  const Out out1{out.data(), 1, 2, 3};
+  const auto expect_decode_rejected = [&](const View& q_arg, const View& k_arg, const View& v_arg,
+                                          const Out& out_arg, const std::string& argument) {
+    const Index position = fresh.position();
+    expect_rejected([&] { fresh.decode(q_arg, k_arg, v_arg, out_arg); }, decode, argument);
+    CHECK(fresh.position() == position);
+  };
+  expect_decode_rejected(q1, View{k_one.data(), 1, 1, 3}, v1, out1, "k.dim");
+  expect_decode_rejected(q1, k1, View{v_one.data(), 1, 1, 2}, out1, "v.dim");
+  expect_decode_rejected(q1, k1, View{v_one.data(), 0, 1, 3}, out1, "v.tokens");
+  expect_decode_rejected(View{q.data(), 1, 1, 4}, k1, v1, out1, "q.heads");
+  expect_decode_rejected(View{q.data(), 1, 2, 3}, k1, v1, out1, "q.dim");
+  expect_decode_rejected(q1, k1, v1, Out{out.data(), 2, 2, 3}, "out.tokens");
+  expect_decode_rejected(q1, k1, v1, Out{out.data(), 1, 2, 2}, "out.dim");
+  expect_decode_rejected(View{q.data(), 2, 2, 4}, k1, v1, Out{out.data(), 2, 2, 3},
+                         "q.tokens must equal k.tokens");
+  expect_decode_rejected(q1, k1, v1, Out{out.data(), 1, 2, 3, 6, 1},
+                         "out strides make rows overlap");
+  expect_decode_rejected(q1, k1, v1, Out{q.data(), 1, 2, 3}, "out overlaps q");
+  expect_decode_rejected(q1, k1, v1, Out{k_one.data(), 1, 1, 3}.slice(0, 1), "out.heads");
+  std::vector<float> shared(8, 0.2f);
+  expect_decode_rejected(q1, View{shared.data(), 1, 1, 4}, v1, Out{shared.data() + 2, 1, 2, 3},
+                         "out overlaps k");
+  expect_decode_rejected(q1, k1, View{shared.data(), 1, 1, 3}, Out{shared.data() + 1, 1, 2, 3},
+                         "out overlaps v");
+  REQUIRE_NOTHROW(fresh.decode(q1, k1, v1, out1));
+  CHECK(fresh.position() == 1);
+  REQUIRE_NOTHROW(fresh.decode(q1.slice(0, 0), k1.slice(0, 0), v1.slice(0, 0), out1.slice(0, 0)));
+  CHECK(fresh.position() == 1);
+  expect_decode_rejected(q1, k1, v1, Out{const_cast<float*>(fresh.keys().data), 1, 2, 3},
+                         "out overlaps the cache's keys");
+  expect_decode_rejected(q1, k1, v1, Out{const_cast<float*>(fresh.values().data), 1, 2, 3},
+                         "out overlaps the cache's values");
+  plsh::KvCache<float> far(2, 1, 4, 3, slopes, [] {
+    plsh::PlshOptions options;
+    options.key_position = plsh::kMaxPosition;
+    return options;
+  }());
+  expect_rejected([&] { far.decode(q1, k1, v1, out1); }, decode, "kMaxPosition");
 }

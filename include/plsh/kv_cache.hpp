@@ -25,9 +25,11 @@
 /// the fused estimator. The union is split into ranges of detail::kDecodeKeyChunk keys; each
 /// (query, head, range) is a job: a matrix-vector product for its scores, \f$\log c_j\f$ added,
 /// an online softmax of one row and a matrix-vector product with its values, giving a partial
-/// (output, lse). The jobs run in one OpenMP region (when the work is worth it) and are merged by
-/// log-sum-exp in job order, so the result is identical for any number of threads (one thread
-/// runs them without opening a parallel region). A job's two products run in the AVX-512 code of
+/// (output, lse). The jobs run in one OpenMP region (when the work is worth it), each thread a
+/// contiguous part of them, and are merged by log-sum-exp in job order (in the region by the
+/// thread that ran all of a head's jobs, after it for a head whose jobs two threads shared), so
+/// the result is identical for any number of threads (one thread runs them without opening a
+/// parallel region). A job's two products run in the AVX-512 code of
 /// detail/decode_simd.hpp when the library is compiled for it (the counts then multiply the
 /// exponentials instead of adding their logarithms, and bfloat16 keys meet the bfloat16 query
 /// in `vdpbf16ps` where AVX-512 BF16 is present), else in Eigen's matrix-vector products. Either
@@ -39,15 +41,19 @@
 /// scratch has grown. More queries go to the fused (or pass) kernel of
 /// plsh_attention on the resident keys, whose products are GEMMs over query tiles.
 ///
+/// `decode(q, k, v, out)` is one decoding step: append then attend, every check made once and
+/// before the cache changes.
+///
 /// Storage: float, double, Eigen::bfloat16 or Eigen::half keys, values, queries and outputs,
 /// computed in detail::Compute (float for the 16-bit types: each key and value range is
 /// converted once per job, each output row rounded once).
 ///
 /// Tested in tests/test_kv_cache.cpp against plsh_attention over the whole sequence (every chunk
 /// size, grouped heads, float, double, bfloat16 and half, non-finite inputs), for identical
-/// results at 1, 2 and 3 threads, for no allocation in a decoding step, and for the resident
-/// bound computed from the partitions; the same tests run through the AVX-512 products in
-/// test_kv_cache_avx512, where the build machine has AVX-512.
+/// results at 1, 2 and 3 threads, for decode against append then attend (bit for bit), for no
+/// allocation in a decoding step, and for the resident bound computed from the partitions; the
+/// same tests run through the AVX-512 products in test_kv_cache_avx512, where the build machine
+/// has AVX-512.
 
 #include <algorithm>
 #include <cmath>
@@ -88,6 +94,11 @@ constexpr Index kDecodeRows = 16;
 /// ranges of this many keys, so that one wide head does not leave the other threads idle.
 constexpr Index kDecodeKeyChunk = 128;
 
+/// The fixed work of a job of the single-query path (its maximum, exponentials, counts and merge)
+/// in keys, when the jobs are shared among threads: measured, short jobs of steep heads otherwise
+/// left the thread that ran them behind.
+constexpr Index kDecodeJobKeys = 16;
+
 /// Estimated multiply-adds from which the single-query path opens a parallel region. A region of
 /// warm threads costs about a microsecond, the time of some 10^4 multiply-adds.
 constexpr double kDecodeParallelWork = 1 << 15;
@@ -116,6 +127,7 @@ struct DecodeThreadState {
   AlignedVector<Scalar> keys;    // a chunk of keys in the compute type (16-bit storage)
   AlignedVector<Scalar> values;  // a chunk of values in the compute type (16-bit storage)
   alignas(64) Scalar scores[kDecodeKeyChunk];
+  OutputRows<Storage> output;  // the output rows of the (row, head)s this thread merges
 };
 
 /// Scratch of the single-query path of one calling thread, reused across calls: after the first
@@ -131,8 +143,8 @@ struct DecodeWorkspace {
   AlignedVector<Scalar> partial;  // [job][value_dim]: normalised output of the job's keys
   AlignedVector<Scalar> lse;      // [job]: log-sum-exp of the job's logits
   std::vector<Scalar> log_count;  // log(c) for c = 0..s, log(0) = -inf
+  std::vector<char> merged;       // [row * heads + head]: merged inside the parallel region
   std::vector<DecodeThreadState<Storage>> threads;
-  OutputRows<Storage> output;
 };
 
 /// Adds \f$\log c_j\f$ to the logits of keys `first_position .. first_position + count - 1`:
@@ -258,8 +270,8 @@ void decode_job(const ConstHeadMap<Storage>& keys, const ConstHeadMap<Storage>& 
 /// plsh::KvCache<float> cache(heads, kv_heads, dim, dim, plsh::alibi_slopes(heads), options);
 /// for (Index step = 0; step < steps; ++step) {
 ///   // ... compute q, k, v of one token: [1][heads][dim], [1][kv_heads][dim] ...
-///   cache.append(k_view, v_view);
-///   cache.attend(q_view, out_view);   // out: [1][heads][dim]
+///   cache.decode(q_view, k_view, v_view, out_view);  // out: [1][heads][dim]
+///   // the same as cache.append(k_view, v_view); cache.attend(q_view, out_view);
 /// }
 /// \endcode
 ///
@@ -315,33 +327,8 @@ class KvCache {
   /// would pass kMaxPosition.
   void append(HeadsView<const Scalar> k, HeadsView<const Scalar> v) {
     const char* function = "KvCache::append";
-    detail::require_view(k, function, "k");
-    detail::require_view(v, function, "v");
-    detail::require(k.heads == kv_heads_, function, "k.heads must equal the cache's kv_heads");
-    detail::require(k.dim == dim_, function, "k.dim must equal the cache's dim");
-    detail::require(v.heads == kv_heads_, function, "v.heads must equal the cache's kv_heads");
-    detail::require(v.dim == value_dim_, function, "v.dim must equal the cache's value_dim");
-    detail::require(v.tokens == k.tokens, function, "v.tokens must equal k.tokens");
-    detail::require(k.tokens <= kMaxPosition - position_, function,
-                    "position() + k.tokens must not exceed kMaxPosition = 2^53");
-    if (k.tokens == 0) return;
-    evict(reachable_from(position_));
-    reserve(k.tokens);
-    const Index first_row = start_ + resident_;
-    for (Index g = 0; g < kv_heads_; ++g) {
-      for (Index t = 0; t < k.tokens; ++t) {
-        std::copy_n(k.data + t * k.token_stride + g * k.head_stride, dim_,
-                    keys_.data() + (g * capacity_ + first_row + t) * dim_);
-        std::copy_n(v.data + t * v.token_stride + g * v.head_stride, value_dim_,
-                    values_.data() + (g * capacity_ + first_row + t) * value_dim_);
-      }
-    }
-    resident_ += k.tokens;
-    position_ += k.tokens;
-    last_append_ = k.tokens;
-    // The blocks of the newest position: a one-token attend looks none up. (After one token they
-    // are those of the eviction above.)
-    if (k.tokens > 1) reachable_from(position_ - 1);
+    check_append(function, k, v);
+    append_checked(k, v);
   }
 
   /// Outputs of the queries at positions `position() - q.tokens .. position() - 1`.
@@ -351,30 +338,58 @@ class KvCache {
   /// the last append, or when `out` overlaps q or the cache.
   void attend(HeadsView<const Scalar> q, HeadsView<Scalar> out) const {
     const char* function = "KvCache::attend";
-    detail::require_view(q, function, "q");
-    detail::require_view(out, function, "out");
-    detail::require(q.heads == heads_, function, "q.heads must equal the cache's heads");
-    detail::require(q.dim == dim_, function, "q.dim must equal the cache's dim");
+    check_query(function, q, out);
     detail::require(q.tokens <= last_append_, function, [&] {
       return "q.tokens (" + std::to_string(q.tokens) +
              ") must not exceed the tokens of the last append (" + std::to_string(last_append_) +
              ")";
     });
-    detail::require(out.tokens == q.tokens, function, "out.tokens must equal q.tokens");
-    detail::require(out.heads == heads_, function, "out.heads must equal the cache's heads");
-    detail::require(out.dim == value_dim_, function, "out.dim must equal the cache's value_dim");
     if (q.tokens == 0) return;
-    PlshOptions options = options_;
-    options.query_position = position_ - q.tokens;
-    options.key_position = oldest_;
     // The same checks as plsh_attention (out against q and the cache) on the resident views.
-    detail::validate_attention(function, q, keys(), values(), out, options);
-    if (q.tokens <= detail::kDecodeRows) {
-      attend_rows(q, out, detail::resolved_scale(options, dim_));
-    } else if (options.kernel == Kernel::Passes) {
-      detail::pass_attention(q, keys(), values(), out, grids_, options, RegularAttention{});
+    detail::validate_attention(function, q, keys(), values(), out, attend_options(q.tokens));
+    attend_checked(q, out);
+  }
+
+  /// One decoding step: `append(k, v)` then `attend(q, out)` with `q.tokens == k.tokens` (the
+  /// queries of the appended positions), the same outputs bit for bit. Every check is made
+  /// before the cache changes (a call that throws leaves it as it was), and once per step.
+  /// \param q `[n][heads][dim]`, \param k `[n][kv_heads][dim]`, \param v
+  /// `[n][kv_heads][value_dim]`, \param out `[n][heads][value_dim]`; n = 0 does nothing.
+  /// \throws std::invalid_argument as append and attend: shapes that disagree with the cache or
+  /// with each other, positions past kMaxPosition, or `out` overlapping q, k, v or the cache.
+  void decode(HeadsView<const Scalar> q, HeadsView<const Scalar> k, HeadsView<const Scalar> v,
+              HeadsView<Scalar> out) {
+    const char* function = "KvCache::decode";
+    check_append(function, k, v);
+    check_query(function, q, out);
+    detail::require(q.tokens == k.tokens, function, "q.tokens must equal k.tokens");
+    detail::require_injective(out, function, "out");
+    detail::require(!detail::views_overlap(out, q), function, "out overlaps q");
+    detail::require(!detail::views_overlap(out, k), function, "out overlaps k");
+    detail::require(!detail::views_overlap(out, v), function, "out overlaps v");
+    // The whole buffers: the appended rows land in them (or in new ones, which out cannot
+    // overlap).
+    detail::require(!detail::views_overlap(out, buffer_view(keys_, dim_)), function,
+                    "out overlaps the cache's keys");
+    detail::require(!detail::views_overlap(out, buffer_view(values_, value_dim_)), function,
+                    "out overlaps the cache's values");
+    if (k.tokens == 0) return;
+    append_checked(k, v);
+    if (q.tokens == 1) {
+      // The blocks of the next position depend on nothing but the position: with more than one
+      // thread they are looked up inside this step's parallel region, off the serial path of the
+      // next append.
+      const Index next = position_;
+      const auto look_ahead = [this, next] {
+        next_blocks_ = blocks_;
+        next_begins_ = block_begins_;
+        next_reachable_ = advance_blocks(next, next_blocks_, next_begins_);
+        next_position_ = next;
+      };
+      attend_rows(q, out, detail::resolved_scale(attend_options(1), dim_), look_ahead,
+                  heads_ * options_.samples);
     } else {
-      detail::fused_attention(q, keys(), values(), out, grids_, slopes_, options);
+      attend_checked(q, out);
     }
   }
 
@@ -418,20 +433,113 @@ class KvCache {
   const PlshOptions& options() const { return options_; }
 
  private:
+  /// append's checks of k and v.
+  void check_append(const char* function, const HeadsView<const Scalar>& k,
+                    const HeadsView<const Scalar>& v) const {
+    detail::require_view(k, function, "k");
+    detail::require_view(v, function, "v");
+    detail::require(k.heads == kv_heads_, function, "k.heads must equal the cache's kv_heads");
+    detail::require(k.dim == dim_, function, "k.dim must equal the cache's dim");
+    detail::require(v.heads == kv_heads_, function, "v.heads must equal the cache's kv_heads");
+    detail::require(v.dim == value_dim_, function, "v.dim must equal the cache's value_dim");
+    detail::require(v.tokens == k.tokens, function, "v.tokens must equal k.tokens");
+    detail::require(k.tokens <= kMaxPosition - position_, function,
+                    "position() + k.tokens must not exceed kMaxPosition = 2^53");
+  }
+
+  /// The shapes of q and out against the cache.
+  void check_query(const char* function, const HeadsView<const Scalar>& q,
+                   const HeadsView<Scalar>& out) const {
+    detail::require_view(q, function, "q");
+    detail::require_view(out, function, "out");
+    detail::require(q.heads == heads_, function, "q.heads must equal the cache's heads");
+    detail::require(q.dim == dim_, function, "q.dim must equal the cache's dim");
+    detail::require(out.tokens == q.tokens, function, "out.tokens must equal q.tokens");
+    detail::require(out.heads == heads_, function, "out.heads must equal the cache's heads");
+    detail::require(out.dim == value_dim_, function, "out.dim must equal the cache's value_dim");
+  }
+
+  /// A key or value buffer as one view (for overlap checks).
+  static HeadsView<const Scalar> buffer_view(const detail::AlignedVector<Scalar>& buffer,
+                                             Index width) {
+    return HeadsView<const Scalar>{buffer.data(), static_cast<Index>(buffer.size()) / width, 1,
+                                   width};
+  }
+
+  /// The options of plsh_attention over the resident keys for the newest `tokens` queries.
+  PlshOptions attend_options(Index tokens) const {
+    PlshOptions options = options_;
+    options.query_position = position_ - tokens;
+    options.key_position = oldest_;
+    return options;
+  }
+
+  /// append after its checks.
+  void append_checked(const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v) {
+    if (k.tokens == 0) return;
+    evict(reachable_from(position_));
+    reserve(k.tokens);
+    const Index first_row = start_ + resident_;
+    for (Index g = 0; g < kv_heads_; ++g) {
+      for (Index t = 0; t < k.tokens; ++t) {
+        std::copy_n(k.data + t * k.token_stride + g * k.head_stride, dim_,
+                    keys_.data() + (g * capacity_ + first_row + t) * dim_);
+        std::copy_n(v.data + t * v.token_stride + g * v.head_stride, value_dim_,
+                    values_.data() + (g * capacity_ + first_row + t) * value_dim_);
+      }
+    }
+    resident_ += k.tokens;
+    position_ += k.tokens;
+    last_append_ = k.tokens;
+    // The blocks of the newest position: a one-token attend looks none up. (After one token they
+    // are those of the eviction above.)
+    if (k.tokens > 1) reachable_from(position_ - 1);
+  }
+
+  /// attend after its checks, for 1 <= q.tokens <= last_append_.
+  void attend_checked(const HeadsView<const Scalar>& q, const HeadsView<Scalar>& out) const {
+    const PlshOptions options = attend_options(q.tokens);
+    if (q.tokens <= detail::kDecodeRows) {
+      attend_rows(
+          q, out, detail::resolved_scale(options, dim_), [] {}, 0);
+    } else if (options.kernel == Kernel::Passes) {
+      detail::pass_attention(q, keys(), values(), out, grids_, options, RegularAttention{});
+    } else {
+      detail::fused_attention(q, keys(), values(), out, grids_, slopes_, options);
+    }
+  }
+
   /// \f$E(p) = \min_{h,t} b_{h,t}(p)\f$. Blocks are cached per (head, draw): p only grows, so
   /// each block is looked up once, when p enters it. The partitions are cut to
   /// `[key_position, kMaxPosition)`, which holds every position append accepts.
   Index reachable_from(Index position) {
+    if (next_position_ == position) {
+      // Looked up during the previous step's parallel region (decode).
+      blocks_.swap(next_blocks_);
+      block_begins_.swap(next_begins_);
+      next_position_ = -1;
+      return next_reachable_;
+    }
+    next_position_ = -1;
+    return advance_blocks(position, blocks_, block_begins_);
+  }
+
+  /// reachable_from on given arrays of blocks ([head][draw]) and their sorted begins.
+  Index advance_blocks(Index position, std::vector<Block>& blocks,
+                       std::vector<Index>& block_begins) const {
     Index start = position;
     const Index samples = options_.samples;
     for (Index h = 0; h < heads_; ++h) {
-      Index* begins = &block_begins_[static_cast<std::size_t>(h * samples)];
+      Index* begins = &block_begins[static_cast<std::size_t>(h * samples)];
       for (Index t = 0; t < samples; ++t) {
-        Block& block = blocks_[static_cast<std::size_t>(h * samples + t)];
+        Block& block = blocks[static_cast<std::size_t>(h * samples + t)];
         if (!block.contains(position)) {
           const Index old_begin = block.begin;
-          block = grid_block(grids_[static_cast<std::size_t>(h)][static_cast<std::size_t>(t)],
-                             position, options_.key_position, kMaxPosition);
+          // A position just past its draw's block starts the next block: only its end is
+          // looked up.
+          block =
+              grid_block(grids_[static_cast<std::size_t>(h)][static_cast<std::size_t>(t)], position,
+                         position == block.end ? position : options_.key_position, kMaxPosition);
           replace_sorted(begins, samples, old_begin, block.begin);
         }
       }
@@ -496,8 +604,12 @@ class KvCache {
   /// The single-query path (file comment): the jobs (row, head, key range), one parallel region
   /// over them, then per row and head the log-sum-exp merge of its jobs, in job order, so that
   /// the result does not depend on the number of threads.
-  void attend_rows(const HeadsView<const Scalar>& q, const HeadsView<Scalar>& out,
-                   double scale) const {
+  ///
+  /// With more than one thread, `extra()` runs in the region as well, after the last part's jobs,
+  /// counted as `extra_keys` keys of work when the parts are cut; on one thread it does not run.
+  template <class Extra>
+  void attend_rows(const HeadsView<const Scalar>& q, const HeadsView<Scalar>& out, double scale,
+                   Extra&& extra, Index extra_keys) const {
     using Compute = detail::Compute<Scalar>;
     static thread_local detail::DecodeWorkspace<Scalar> calling_thread_workspace;
     // A reference: inside the parallel region the name must denote the calling thread's
@@ -588,49 +700,71 @@ class KvCache {
           &workspace.partial[static_cast<std::size_t>(j * value_dim_)],
           &workspace.lse[static_cast<std::size_t>(j)]);
     };
-    // Each thread takes a contiguous part of the jobs with about its share of the keys: from one
-    // token to the next the parts cover nearly the same keys, which stay in that core's cache.
+    // Each thread takes a contiguous part of the jobs with about its share of the keys (each job
+    // counted kDecodeJobKeys more, the extra work extra_keys at the end): from one token to the
+    // next the parts cover nearly the same keys, which stay in that core's cache.
     workspace.part_first.resize(static_cast<std::size_t>(threads + 1));
     {
       Index part = 0;
       Index keys_before = 0;
       workspace.part_first[0] = 0;
+      const Index total =
+          union_keys + detail::kDecodeJobKeys * jobs + (threads > 1 ? extra_keys : 0);
       for (Index j = 0; j < jobs && part + 1 < threads; ++j) {
-        keys_before += workspace.jobs[static_cast<std::size_t>(j)].end -
+        keys_before += detail::kDecodeJobKeys + workspace.jobs[static_cast<std::size_t>(j)].end -
                        workspace.jobs[static_cast<std::size_t>(j)].begin;
-        if (keys_before * threads >= (part + 1) * union_keys) {
+        if (keys_before * threads >= (part + 1) * total) {
           workspace.part_first[static_cast<std::size_t>(++part)] = j + 1;
         }
       }
       while (part < threads) workspace.part_first[static_cast<std::size_t>(++part)] = jobs;
     }
+    // The log-sum-exp merge of the jobs of (row r, head h), in job order, into its output row.
+    const auto merge = [&](Index r, Index h, detail::OutputRows<Scalar>& output) {
+      HeadMap<Compute> row =
+          output.bind(HeadMap<Scalar>(out.data + r * out.token_stride + h * out.head_stride, 1,
+                                      value_dim_, Eigen::OuterStride<>(value_dim_)));
+      row.setZero();
+      Compute lse = -std::numeric_limits<Compute>::infinity();
+      const Index first = workspace.first_job[static_cast<std::size_t>(r * heads_ + h)];
+      const Index last = workspace.first_job[static_cast<std::size_t>(r * heads_ + h + 1)];
+      for (Index j = first; j < last; ++j) {
+        online_softmax_merge(
+            row, Eigen::Map<Eigen::Matrix<Compute, 1, 1>>(&lse),
+            Eigen::Map<const RowMatrix<Compute>>(
+                &workspace.partial[static_cast<std::size_t>(j * value_dim_)], 1, value_dim_),
+            Eigen::Map<const Eigen::Matrix<Compute, 1, 1>>(
+                &workspace.lse[static_cast<std::size_t>(j)]));
+      }
+      output.store();
+    };
+    // A (row, head) whose jobs all lie in one part is merged by that part's thread as soon as its
+    // last job is done; the others (at most threads - 1) after the parallel region.
+    workspace.merged.assign(static_cast<std::size_t>(rows * heads_), 0);
     detail::parallel_for_threads(
         threads, threads > 1,
         [&](Index part, int thread) {
-          for (Index j = workspace.part_first[static_cast<std::size_t>(part)];
-               j < workspace.part_first[static_cast<std::size_t>(part + 1)]; ++j) {
-            run_job(j, workspace.threads[static_cast<std::size_t>(thread)]);
+          detail::DecodeThreadState<Scalar>& state =
+              workspace.threads[static_cast<std::size_t>(thread)];
+          const Index first = workspace.part_first[static_cast<std::size_t>(part)];
+          const Index last = workspace.part_first[static_cast<std::size_t>(part + 1)];
+          for (Index j = first; j < last; ++j) {
+            run_job(j, state);
+            const detail::DecodeJob& job = workspace.jobs[static_cast<std::size_t>(j)];
+            const std::size_t index = static_cast<std::size_t>(job.row * heads_ + job.head);
+            if (workspace.first_job[index] >= first && workspace.first_job[index + 1] == j + 1) {
+              merge(job.row, job.head, state.output);
+              workspace.merged[index] = 1;
+            }
           }
+          if (threads > 1 && part == threads - 1) extra();
         },
         detail::Schedule::Static);
     for (Index r = 0; r < rows; ++r) {
       for (Index h = 0; h < heads_; ++h) {
-        HeadMap<Compute> row = workspace.output.bind(
-            HeadMap<Scalar>(out.data + r * out.token_stride + h * out.head_stride, 1, value_dim_,
-                            Eigen::OuterStride<>(value_dim_)));
-        row.setZero();
-        Compute lse = -std::numeric_limits<Compute>::infinity();
-        const Index first = workspace.first_job[static_cast<std::size_t>(r * heads_ + h)];
-        const Index last = workspace.first_job[static_cast<std::size_t>(r * heads_ + h + 1)];
-        for (Index j = first; j < last; ++j) {
-          online_softmax_merge(
-              row, Eigen::Map<Eigen::Matrix<Compute, 1, 1>>(&lse),
-              Eigen::Map<const RowMatrix<Compute>>(
-                  &workspace.partial[static_cast<std::size_t>(j * value_dim_)], 1, value_dim_),
-              Eigen::Map<const Eigen::Matrix<Compute, 1, 1>>(
-                  &workspace.lse[static_cast<std::size_t>(j)]));
+        if (workspace.merged[static_cast<std::size_t>(r * heads_ + h)] == 0) {
+          merge(r, h, workspace.threads[0].output);
         }
-        workspace.output.store();
       }
     }
   }
@@ -644,6 +778,12 @@ class KvCache {
   std::vector<std::vector<Grid>> grids_;
   std::vector<Block> blocks_;        // [head][draw]: the block of the newest position
   std::vector<Index> block_begins_;  // [head][]: the begins of blocks_, sorted per head
+  // The blocks, sorted begins and E of position next_position_ (-1: none), looked up by decode
+  // ahead of the append that reaches it.
+  std::vector<Block> next_blocks_;
+  std::vector<Index> next_begins_;
+  Index next_reachable_ = 0;
+  Index next_position_ = -1;
   // [kv_head][capacity_][dim]: rows [start_, start_ + resident_) of each head's region hold
   // positions oldest_ on.
   detail::AlignedVector<Scalar> keys_;

@@ -16,11 +16,13 @@
 ///   summed into float accumulators, so the scores differ from the converted path by the order
 ///   of the float sums (and denormals flushed to zero) only. The scale multiplies the sums.
 /// - `avx512::weighted_sum`: \f$o = \sum_j w_j v_j\f$, 64 output columns at a time in registers,
-///   values converted in registers.
+///   values converted in registers; bfloat16 values 32 at a time by a shift and a mask (even and
+///   odd columns summed apart, interleaved once at the end).
 ///
 /// Rows are `stride` entries apart; every size is allowed (tails by masked loads, which do not
-/// touch memory past the last row). Tested in tests/test_decode_simd.cpp against sums in double,
-/// for every size from 1 to past two vectors, where the build machine has these instructions.
+/// touch memory past the last row). Tested in tests/simd/decode_avx512.cpp (test_kv_cache_avx512)
+/// against sums in double, for every size from 1 to past two vectors, where the build machine has
+/// these instructions.
 
 #include <Eigen/Core>
 
@@ -78,6 +80,19 @@ inline __m512 load(const Eigen::bfloat16* data, __mmask16 mask) {
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, data)), 16));
 }
 
+/// 16 floats from `data`, all of them read (the products load whole vectors without a mask and
+/// mask only the tail of a row).
+inline __m512 load(const float* data) { return _mm512_loadu_ps(data); }
+
+inline __m512 load(const Eigen::half* data) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(data)));
+}
+
+inline __m512 load(const Eigen::bfloat16* data) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(data))), 16));
+}
+
 /// The sums of 16 vectors, lane j holding the sum of the lanes of `v[j]`.
 inline __m512 sum16(const __m512* v) {
   // Within each 128-bit lane, pairs (v[2i], v[2i+1]): [x0+x2, y0+y2, x1+x3, y1+y3].
@@ -121,7 +136,12 @@ void scores(const Storage* keys, Index count, Index dim, Index stride, const flo
     block_rows(keys, stride, first, count, rows);
     __m512 sums[16];
     for (__m512& sum : sums) sum = _mm512_setzero_ps();
-    for (Index d = 0; d < dim; d += 16) {
+    Index d = 0;
+    for (; d + 16 <= dim; d += 16) {
+      const __m512 q = _mm512_loadu_ps(query + d);
+      for (int r = 0; r < 16; ++r) sums[r] = _mm512_fmadd_ps(load(rows[r] + d), q, sums[r]);
+    }
+    if (d < dim) {
       const __mmask16 mask = first_lanes16(dim - d);
       const __m512 q = _mm512_maskz_loadu_ps(mask, query + d);
       for (int r = 0; r < 16; ++r) sums[r] = _mm512_fmadd_ps(load(rows[r] + d, mask), q, sums[r]);
@@ -140,7 +160,14 @@ inline void scores_bf16(const Eigen::bfloat16* keys, Index count, Index dim, Ind
     block_rows(keys, stride, first, count, rows);
     __m512 sums[16];
     for (__m512& sum : sums) sum = _mm512_setzero_ps();
-    for (Index d = 0; d < dim; d += 32) {
+    Index d = 0;
+    for (; d + 32 <= dim; d += 32) {
+      const __m512bh q = (__m512bh)_mm512_loadu_si512(query + d);
+      for (int r = 0; r < 16; ++r) {
+        sums[r] = _mm512_dpbf16_ps(sums[r], (__m512bh)_mm512_loadu_si512(rows[r] + d), q);
+      }
+    }
+    if (d < dim) {
       const __mmask32 mask = first_lanes32(dim - d);
       const __m512bh q = (__m512bh)_mm512_maskz_loadu_epi16(mask, query + d);
       for (int r = 0; r < 16; ++r) {
@@ -183,6 +210,21 @@ inline float multiply_counts(float* weights, Index count, Index first, const Ind
   return _mm512_reduce_add_ps(total);
 }
 
+/// `add_row(set, row, w_j)` for the `count` rows `stride` apart from `first`: even rows into
+/// `sets[0]`, odd rows into `sets[1]` (one chain of dependent multiply-adds per set, so that the
+/// adds of one row wait for the previous row's only every other step).
+template <class Storage, class AddRow>
+void add_rows(const Storage* first, Index count, Index stride, const float* weights,
+              __m512 (&sets)[2][4], AddRow&& add_row) {
+  const Storage* row = first;
+  Index j = 0;
+  for (; j + 1 < count; j += 2, row += 2 * stride) {
+    add_row(sets[0], row, weights[j]);
+    add_row(sets[1], row + stride, weights[j + 1]);
+  }
+  if (j < count) add_row(sets[0], row, weights[j]);
+}
+
 /// \f$o = \sum_{j < \text{count}} w_j v_j\f$ (`out` overwritten): `values` rows `stride` apart,
 /// `value_dim` entries each.
 template <class Storage>
@@ -193,30 +235,27 @@ void weighted_sum(const Storage* values, Index count, Index value_dim, Index str
     const __mmask16 m1 = value_dim - c > 16 ? first_lanes16(value_dim - c - 16) : 0;
     const __mmask16 m2 = value_dim - c > 32 ? first_lanes16(value_dim - c - 32) : 0;
     const __mmask16 m3 = value_dim - c > 48 ? first_lanes16(value_dim - c - 48) : 0;
-    // Two keys per step into two sets of accumulators: one chain of dependent multiply-adds
-    // per set, so that the adds of one key wait for the previous key's only every other step.
+    // Two sets of accumulators (add_rows).
     __m512 o[2][4];
     for (auto& set : o) {
       for (__m512& column : set) column = _mm512_setzero_ps();
     }
-    const Storage* row = values + c;
-    // A column block past value_dim loads nothing (mask 0) from the row's start.
-    const Index c1 = m1 != 0 ? 16 : 0;
-    const Index c2 = m2 != 0 ? 32 : 0;
-    const Index c3 = m3 != 0 ? 48 : 0;
-    const auto add_row = [&](__m512(&set)[4], const Storage* values_row, float weight) {
-      const __m512 w = _mm512_set1_ps(weight);
-      set[0] = _mm512_fmadd_ps(load(values_row, m0), w, set[0]);
-      set[1] = _mm512_fmadd_ps(load(values_row + c1, m1), w, set[1]);
-      set[2] = _mm512_fmadd_ps(load(values_row + c2, m2), w, set[2]);
-      set[3] = _mm512_fmadd_ps(load(values_row + c3, m3), w, set[3]);
+    // `load_column(row, i)`: columns c + 16 i .. c + 16 i + 15 of a row.
+    const auto accumulate = [&](auto&& load_column) {
+      const auto add_row = [&](__m512(&set)[4], const Storage* values_row, float weight) {
+        const __m512 w = _mm512_set1_ps(weight);
+        for (int i = 0; i < 4; ++i) set[i] = _mm512_fmadd_ps(load_column(values_row, i), w, set[i]);
+      };
+      add_rows(values + c, count, stride, weights, o, add_row);
     };
-    Index j = 0;
-    for (; j + 1 < count; j += 2, row += 2 * stride) {
-      add_row(o[0], row, weights[j]);
-      add_row(o[1], row + stride, weights[j + 1]);
+    if (value_dim - c >= 64) {
+      accumulate([](const Storage* row, int i) { return load(row + 16 * i); });
+    } else {
+      // A column block past value_dim loads nothing (mask 0) from the row's start.
+      const __mmask16 masks[4] = {m0, m1, m2, m3};
+      const Index offsets[4] = {0, m1 != 0 ? 16 : 0, m2 != 0 ? 32 : 0, m3 != 0 ? 48 : 0};
+      accumulate([&](const Storage* row, int i) { return load(row + offsets[i], masks[i]); });
     }
-    if (j < count) add_row(o[0], row, weights[j]);
     const __m512 o0 = _mm512_add_ps(o[0][0], o[1][0]);
     const __m512 o1 = _mm512_add_ps(o[0][1], o[1][1]);
     const __m512 o2 = _mm512_add_ps(o[0][2], o[1][2]);
@@ -225,6 +264,72 @@ void weighted_sum(const Storage* values, Index count, Index value_dim, Index str
     if (m1 != 0) _mm512_mask_storeu_ps(out + c + 16, m1, o1);
     if (m2 != 0) _mm512_mask_storeu_ps(out + c + 32, m2, o2);
     if (m3 != 0) _mm512_mask_storeu_ps(out + c + 48, m3, o3);
+  }
+}
+
+/// weighted_sum of bfloat16 values, 32 columns per load: a 32-bit lane holds the bfloat16 pair
+/// (2i, 2i + 1), and a bfloat16 is the upper half of a float, so the lane shifted left by 16 is
+/// column 2i and the lane with its lower half cleared is column 2i + 1 (no cross-lane widening).
+/// The even and odd columns are summed apart and interleaved once at the end; each column sees
+/// the same multiply-adds in the same order as in the generic weighted_sum.
+inline void weighted_sum(const Eigen::bfloat16* values, Index count, Index value_dim, Index stride,
+                         const float* weights, float* out) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  // Lanes of the interleaved columns: (even 0, odd 0, even 1, odd 1, ...), in two halves.
+  const __m512i low_half =
+      _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i high_half =
+      _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  for (Index c = 0; c < value_dim; c += 64) {
+    const __mmask32 m0 = first_lanes32(value_dim - c);
+    const __mmask32 m1 = value_dim - c > 32 ? first_lanes32(value_dim - c - 32) : 0;
+    // A column block past value_dim loads nothing (mask 0) from the row's start.
+    const Index c1 = m1 != 0 ? 32 : 0;
+    // [set][even 0-31, odd 0-31, even 32-63, odd 32-63]: two sets as in weighted_sum.
+    __m512 o[2][4];
+    for (auto& set : o) {
+      for (__m512& column : set) column = _mm512_setzero_ps();
+    }
+    // `load_half(row, i)`: columns c + 32 i .. c + 32 i + 31 of a row, as 16 pairs.
+    const auto accumulate = [&](auto&& load_half) {
+      const auto add_row = [&](__m512(&set)[4], const Eigen::bfloat16* row, float weight) {
+        const __m512 w = _mm512_set1_ps(weight);
+        const __m512i a = load_half(row, 0);
+        const __m512i b = load_half(row, 1);
+        set[0] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), w, set[0]);
+        set[1] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(a, high)), w, set[1]);
+        set[2] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), w, set[2]);
+        set[3] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(b, high)), w, set[3]);
+      };
+      add_rows(values + c, count, stride, weights, o, add_row);
+    };
+    if (value_dim - c >= 64) {
+      accumulate(
+          [](const Eigen::bfloat16* row, int i) { return _mm512_loadu_si512(row + 32 * i); });
+    } else {
+      accumulate([&](const Eigen::bfloat16* row, int i) {
+        return i == 0 ? _mm512_maskz_loadu_epi16(m0, row) : _mm512_maskz_loadu_epi16(m1, row + c1);
+      });
+    }
+    const __m512 even0 = _mm512_add_ps(o[0][0], o[1][0]);
+    const __m512 odd0 = _mm512_add_ps(o[0][1], o[1][1]);
+    const __m512 even1 = _mm512_add_ps(o[0][2], o[1][2]);
+    const __m512 odd1 = _mm512_add_ps(o[0][3], o[1][3]);
+    const Index left = value_dim - c;
+    _mm512_mask_storeu_ps(out + c, first_lanes16(left),
+                          _mm512_permutex2var_ps(even0, low_half, odd0));
+    if (left > 16) {
+      _mm512_mask_storeu_ps(out + c + 16, first_lanes16(left - 16),
+                            _mm512_permutex2var_ps(even0, high_half, odd0));
+    }
+    if (left > 32) {
+      _mm512_mask_storeu_ps(out + c + 32, first_lanes16(left - 32),
+                            _mm512_permutex2var_ps(even1, low_half, odd1));
+    }
+    if (left > 48) {
+      _mm512_mask_storeu_ps(out + c + 48, first_lanes16(left - 48),
+                            _mm512_permutex2var_ps(even1, high_half, odd1));
+    }
   }
 }
 
