@@ -239,6 +239,30 @@ TEST_CASE("slopes beyond float's range confine each query to its own position", 
   check(float{});
 }
 
+TEST_CASE("with a slope beyond float's range, a query whose own logit overflows sees nothing",
+          "[alibi]") {
+  // float, d = 1, three positions, bidirectional, slope 1e39 (beyond the largest float). The
+  // middle query's own score -1e20 * 1e20 overflows to -inf in float; its neighbours' scores are
+  // finite, but their biases -1e39 are -inf in float: every logit the row sees is -inf, and the
+  // row is zero, as in the other kernels. (Cutting the slope to the largest float would leave
+  // the neighbours' logits finite, and the row their mean value 20.) The outer rows see their
+  // own keys only.
+  std::vector<float> q = {1, -1e20f, 1};
+  std::vector<float> k = {1, 1e20f, 1};
+  std::vector<float> v = {10, 20, 30};
+  std::vector<float> out(3, -1);
+  plsh::AttentionOptions options;
+  options.causal = false;
+  plsh::exact_alibi_attention<float>({q.data(), 3, 1, 1}, {k.data(), 3, 1, 1}, {v.data(), 3, 1, 1},
+                                     {out.data(), 3, 1, 1}, {1e39}, options);
+  CHECK(out == std::vector<float>{10, 0, 30});
+  std::fill(out.begin(), out.end(), -1.0f);
+  plsh::windowed_alibi_attention<float>({q.data(), 3, 1, 1}, {k.data(), 3, 1, 1},
+                                        {v.data(), 3, 1, 1}, {out.data(), 3, 1, 1}, {1e39}, 1e-6,
+                                        options);
+  CHECK(out == std::vector<float>{10, 0, 30});
+}
+
 TEST_CASE("mutable views are accepted where read-only views are expected", "[alibi]") {
   Problem<float> problem(Shape{65, 65, 4, 2, 8, 8}, 2500);
   const std::vector<double> slopes = plsh::alibi_slopes(4);

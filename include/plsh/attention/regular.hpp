@@ -124,10 +124,11 @@ void apply_linear_bias(Eigen::Map<RowMatrix<Scalar>>& scores, Index distance, bo
                        const LinearBias& bias, const KeySpan& span,
                        const Eigen::Array<Scalar, 1, Eigen::Dynamic>& offsets) {
   const Index cols = scores.cols();
-  // A slope beyond the largest Scalar would make slope * 0 a NaN; the largest finite value
-  // already drives every other key's weight to zero.
-  const Scalar slope = static_cast<Scalar>(
-      std::min(bias.slope, static_cast<double>(std::numeric_limits<Scalar>::max())));
+  // A slope beyond the largest Scalar makes every bias but the nearest keys' -inf, as the
+  // logits below -max<Scalar> are in the other kernels (the slope as Scalar would be +inf, and
+  // +inf * 0 a NaN for the nearest keys).
+  const bool infinite_slope = bias.slope > static_cast<double>(std::numeric_limits<Scalar>::max());
+  const Scalar slope = infinite_slope ? Scalar(0) : static_cast<Scalar>(bias.slope);
   for (Index r = 0; r < scores.rows(); ++r) {
     const Index d0 = distance + r;
     const Index lo = std::max<Index>(0, d0 - bias.window);
@@ -137,10 +138,15 @@ void apply_linear_bias(Eigen::Map<RowMatrix<Scalar>>& scores, Index distance, bo
       row.setConstant(-std::numeric_limits<Scalar>::infinity());
       continue;
     }
-    if (slope != 0) {
+    if (slope != 0 || infinite_slope) {
       const Index nearest = nearest_key_distance(span, r);
       const Index shifted = d0 > 0 ? d0 - nearest : d0 + nearest;
-      row -= slope * (static_cast<Scalar>(shifted) - offsets.head(cols)).abs();
+      const auto distances = (static_cast<Scalar>(shifted) - offsets.head(cols)).abs();
+      if (infinite_slope) {
+        row = (distances == Scalar(0)).select(row, -std::numeric_limits<Scalar>::infinity());
+      } else {
+        row -= slope * distances;
+      }
     }
     if (lo > 0) row.head(lo).setConstant(-std::numeric_limits<Scalar>::infinity());
     if (hi < cols) row.tail(cols - hi).setConstant(-std::numeric_limits<Scalar>::infinity());
