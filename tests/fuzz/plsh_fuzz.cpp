@@ -399,6 +399,18 @@ Expectation<Scalar> expect(const Config& c, const Buffer<Scalar>& q, const Buffe
         }
         row.tolerance = 64 * eps * (1 + row.weight_magnitude) * value_max;
         x.weight_magnitude = std::max(x.weight_magnitude, row.weight_magnitude);
+        // No visible logit within the range of Scalar: in the kernel's type every one is -Inf or
+        // overflowed (a score beyond max<Scalar>), or kept finite only by the linear bias's shift
+        // to the nearest key; which keys win is not the double reference's choice. Such a row's
+        // values are not checked.
+        bool any_carries = false;
+        for (Index j = 0; j < c.n_k; ++j) {
+          const auto jj = static_cast<std::size_t>(j);
+          any_carries = any_carries ||
+                        (visible[jj] && std::isfinite(logits[jj]) &&
+                         logits[jj] >= -static_cast<double>(std::numeric_limits<Scalar>::max()));
+        }
+        if (!any_carries) row.columns.assign(row.columns.size(), ColumnKind::Unknown);
       }
       if (!row.clean) {
         for (Index j = 0; j < c.n_k; ++j) {

@@ -143,7 +143,8 @@ void apply_linear_bias(Eigen::Map<RowMatrix<Scalar>>& scores, Index distance, bo
       const Index shifted = d0 > 0 ? d0 - nearest : d0 + nearest;
       const auto distances = (static_cast<Scalar>(shifted) - offsets.head(cols)).abs();
       if (infinite_slope) {
-        row = (distances == Scalar(0)).select(row, -std::numeric_limits<Scalar>::infinity());
+        // -inf added: a NaN or +inf score still makes a NaN logit.
+        row = (distances == Scalar(0)).select(row, row - std::numeric_limits<Scalar>::infinity());
       } else {
         row -= slope * distances;
       }
