@@ -210,18 +210,21 @@ void decode_job(const ConstHeadMap<Storage>& keys, const ConstHeadMap<Storage>& 
   constexpr bool simd = kDecodeSimd && std::is_same<Scalar, float>::value;
   static_cast<void>(raw_query);
   static_cast<void>(scale);
-  // Logits: with the AVX-512 products, the scores alone (the counts later multiply the
-  // exponentials instead of adding their logarithms here); else Eigen's product plus log c_j.
+  // Logits: with the AVX-512 products, the scores alone and their maximum (the counts later
+  // multiply the exponentials instead of adding their logarithms here); else Eigen's product plus
+  // log c_j.
+  Scalar max = -std::numeric_limits<Scalar>::infinity();
   if constexpr (simd) {
 #if defined(PLSH_DECODE_AVX512)
 #if defined(PLSH_DECODE_AVX512_BF16)
     if constexpr (std::is_same<Storage, Eigen::bfloat16>::value) {
-      avx512::scores_bf16(keys.data(), count, keys.cols(), keys.outerStride(), raw_query, scale,
-                          state.scores);
+      max = avx512::scores_bf16(keys.data(), count, keys.cols(), keys.outerStride(), raw_query,
+                                scale, state.scores);
     } else
 #endif
     {
-      avx512::scores(keys.data(), count, keys.cols(), keys.outerStride(), query, state.scores);
+      max =
+          avx512::scores(keys.data(), count, keys.cols(), keys.outerStride(), query, state.scores);
     }
 #endif
   } else {
@@ -229,18 +232,18 @@ void decode_job(const ConstHeadMap<Storage>& keys, const ConstHeadMap<Storage>& 
     scores.noalias() =
         k * Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>(query, keys.cols());
     add_log_counts(state.scores, count, first_position, begins, samples, log_count);
+    max = scores.maxCoeff();
   }
-  const Scalar max = scores.maxCoeff();
   if (max > -std::numeric_limits<Scalar>::infinity()) {
-    scores.array() = (scores.array() - max).exp();
     Scalar sum = 0;
     if constexpr (simd) {
 #if defined(PLSH_DECODE_AVX512)
-      sum = avx512::multiply_counts(state.scores, count, first_position, begins, samples);
+      sum = avx512::exp_counts(state.scores, count, first_position, begins, samples, max);
       avx512::weighted_sum(values.data(), count, value_dim, values.outerStride(), state.scores,
                            out);
 #endif
     } else {
+      scores.array() = (scores.array() - max).exp();
       sum = scores.sum();
       Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>(out, value_dim).noalias() =
           compute_rows(values, state.values).transpose() * scores;
