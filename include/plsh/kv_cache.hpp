@@ -30,9 +30,10 @@
 /// thread that ran all of a head's jobs, after it for a head whose jobs two threads shared), so
 /// the result is identical for any number of threads (one thread runs them without opening a
 /// parallel region). A job's two products run in the AVX-512 code of
-/// detail/decode_simd.hpp when the library is compiled for it (the counts then multiply the
-/// exponentials instead of adding their logarithms, and bfloat16 keys meet the bfloat16 query
-/// in `vdpbf16ps` where AVX-512 BF16 is present), else in Eigen's matrix-vector products. Either
+/// detail/decode_simd.hpp when the library is compiled for it (the scores' product also returns
+/// their maximum, and one pass then computes the exponentials times the counts instead of adding
+/// the counts' logarithms; bfloat16 keys meet the bfloat16 query in `vdpbf16ps` where AVX-512
+/// BF16 is present), else in Eigen's matrix-vector products. Either
 /// way a job is plain arithmetic; one whose output or sum comes out non-finite is recomputed by
 /// the OnlineSoftmax of the other kernels, which applies the non-finite contract. Cost per query
 /// and head: \f$(d + d_v)\f$ times the union width (about \f$(\ln s + \ln\ln s)/m\f$), plus

@@ -8,21 +8,25 @@
 /// matrix-vector products (the portable path, which the default build of the tests runs).
 ///
 /// - `avx512::scores`: \f$s_j = q \cdot k_j\f$ for up to 16 keys at once: one accumulator per key,
-///   one fused multiply-add per 16 entries, then the 16 accumulators reduced together by three
-///   rounds of shuffles (45 operations per 16 keys instead of a horizontal sum per key). Keys in
-///   float, or in bfloat16 or half converted in registers (no copy of the key rows).
+///   one fused multiply-add per 16 entries (each key row read whole before the next, in two
+///   chains of sums for d = 64), then the 16 accumulators reduced together by three rounds of
+///   shuffles (45 operations per 16 keys instead of a horizontal sum per key). Keys in float, or
+///   in bfloat16 or half converted in registers (no copy of the key rows). Returns the largest
+///   score as well, so that no other pass looks for it.
 /// - With AVX-512 BF16 as well (`-mavx512bf16`), bfloat16 keys and the bfloat16 query go to
 ///   `vdpbf16ps`: products of two bfloat16 numbers are exact in float, and pairs of them are
 ///   summed into float accumulators, so the scores differ from the converted path by the order
 ///   of the float sums (and denormals flushed to zero) only. The scale multiplies the sums.
+/// - `avx512::exp_counts`: the weights \f$w_j = c_j e^{s_j - \max}\f$ and their sum in one pass,
+///   with Eigen's vectorised exponential and the counts \f$c_j\f$ by vector compares.
 /// - `avx512::weighted_sum`: \f$o = \sum_j w_j v_j\f$, 64 output columns at a time in registers,
 ///   values converted in registers; bfloat16 values 32 at a time by a shift and a mask (even and
 ///   odd columns summed apart, interleaved once at the end).
 ///
 /// Rows are `stride` entries apart; every size is allowed (tails by masked loads, which do not
 /// touch memory past the last row). Tested in tests/simd/decode_avx512.cpp (test_kv_cache_avx512)
-/// against sums in double, for every size from 1 to past two vectors, where the build machine has
-/// these instructions.
+/// against sums and exponentials in double, for every size from 1 to past two vectors, where the
+/// build machine has these instructions.
 
 #include <Eigen/Core>
 
