@@ -30,9 +30,10 @@
 /// thread that ran all of a head's jobs, after it for a head whose jobs two threads shared), so
 /// the result is identical for any number of threads (one thread runs them without opening a
 /// parallel region). A job's two products run in the AVX-512 code of
-/// detail/decode_simd.hpp when the library is compiled for it (the counts then multiply the
-/// exponentials instead of adding their logarithms, and bfloat16 keys meet the bfloat16 query
-/// in `vdpbf16ps` where AVX-512 BF16 is present), else in Eigen's matrix-vector products. Either
+/// detail/decode_simd.hpp when the library is compiled for it (the scores' product also returns
+/// their maximum, and one pass then computes the exponentials times the counts instead of adding
+/// the counts' logarithms; bfloat16 keys meet the bfloat16 query in `vdpbf16ps` where AVX-512
+/// BF16 is present), else in Eigen's matrix-vector products. Either
 /// way a job is plain arithmetic; one whose output or sum comes out non-finite is recomputed by
 /// the OnlineSoftmax of the other kernels, which applies the non-finite contract. Cost per query
 /// and head: \f$(d + d_v)\f$ times the union width (about \f$(\ln s + \ln\ln s)/m\f$), plus
@@ -210,18 +211,21 @@ void decode_job(const ConstHeadMap<Storage>& keys, const ConstHeadMap<Storage>& 
   constexpr bool simd = kDecodeSimd && std::is_same<Scalar, float>::value;
   static_cast<void>(raw_query);
   static_cast<void>(scale);
-  // Logits: with the AVX-512 products, the scores alone (the counts later multiply the
-  // exponentials instead of adding their logarithms here); else Eigen's product plus log c_j.
+  // Logits: with the AVX-512 products, the scores alone and their maximum (the counts later
+  // multiply the exponentials instead of adding their logarithms here); else Eigen's product plus
+  // log c_j.
+  Scalar max = -std::numeric_limits<Scalar>::infinity();
   if constexpr (simd) {
 #if defined(PLSH_DECODE_AVX512)
 #if defined(PLSH_DECODE_AVX512_BF16)
     if constexpr (std::is_same<Storage, Eigen::bfloat16>::value) {
-      avx512::scores_bf16(keys.data(), count, keys.cols(), keys.outerStride(), raw_query, scale,
-                          state.scores);
+      max = avx512::scores_bf16(keys.data(), count, keys.cols(), keys.outerStride(), raw_query,
+                                scale, state.scores);
     } else
 #endif
     {
-      avx512::scores(keys.data(), count, keys.cols(), keys.outerStride(), query, state.scores);
+      max =
+          avx512::scores(keys.data(), count, keys.cols(), keys.outerStride(), query, state.scores);
     }
 #endif
   } else {
@@ -229,18 +233,18 @@ void decode_job(const ConstHeadMap<Storage>& keys, const ConstHeadMap<Storage>& 
     scores.noalias() =
         k * Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>(query, keys.cols());
     add_log_counts(state.scores, count, first_position, begins, samples, log_count);
+    max = scores.maxCoeff();
   }
-  const Scalar max = scores.maxCoeff();
   if (max > -std::numeric_limits<Scalar>::infinity()) {
-    scores.array() = (scores.array() - max).exp();
     Scalar sum = 0;
     if constexpr (simd) {
 #if defined(PLSH_DECODE_AVX512)
-      sum = avx512::multiply_counts(state.scores, count, first_position, begins, samples);
+      sum = avx512::exp_counts(state.scores, count, first_position, begins, samples, max);
       avx512::weighted_sum(values.data(), count, value_dim, values.outerStride(), state.scores,
                            out);
 #endif
     } else {
+      scores.array() = (scores.array() - max).exp();
       sum = scores.sum();
       Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>>(out, value_dim).noalias() =
           compute_rows(values, state.values).transpose() * scores;

@@ -5,14 +5,16 @@
 // Each product is compared with its definition summed in double, over every count of keys from 1
 // to past two blocks of 16, and sizes that leave every kind of tail (1, 15, 16, 17, 31, 32, 33, 64
 // and 100 entries). Bounds: a float sum of n products errs by at most about n u sum|terms|
-// (u = 2^-24); the products of two bfloat16 numbers are exact in float. multiply_counts is
-// compared with the counts computed one key at a time, exactly.
+// (u = 2^-24); the products of two bfloat16 numbers are exact in float. The maximum the score
+// products return is compared with the scores they wrote, exactly. exp_counts is compared with
+// the counts computed one key at a time times the exponential in double.
 
 #include <catch2/catch.hpp>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include <plsh/detail/decode_simd.hpp>
@@ -66,8 +68,9 @@ ExactSum exact_dot(const A* a, const B* b, Index n, Index b_step) {
 }
 
 /// `compute(keys, count, dim, stride, query, out)` must write `scale` times the dot products of
-/// the query with `count` key rows into out[0, count) and nothing past them; `roundings` beyond
-/// the dim of the sum (the scale's multiplication) widen the bound by one u each.
+/// the query with `count` key rows into out[0, count) and nothing past them, and return their
+/// maximum; `roundings` beyond the dim of the sum (the scale's multiplication) widen the bound by
+/// one u each.
 template <class Storage, class Query, class Compute>
 void check_scores(std::uint64_t seed, double scale, Index roundings, Compute&& compute) {
   for (const Index dim : kSizes) {
@@ -76,7 +79,9 @@ void check_scores(std::uint64_t seed, double scale, Index roundings, Compute&& c
       const std::vector<Storage> keys = rows<Storage>(count, dim, stride, seed + count);
       const std::vector<Query> query = rows<Query>(1, dim, dim, seed + 1000 + dim);
       std::vector<float> scores(static_cast<std::size_t>(count) + 1, -7.0f);
-      compute(keys.data(), count, dim, stride, query.data(), scores.data());
+      const float max = compute(keys.data(), count, dim, stride, query.data(), scores.data());
+      INFO("dim " << dim << ", count " << count << ": the maximum returned");
+      CHECK(max == *std::max_element(scores.begin(), scores.begin() + count));
       for (Index j = 0; j < count; ++j) {
         const ExactSum exact =
             exact_dot(query.data(), &keys[static_cast<std::size_t>(j * stride)], dim, 1);
@@ -119,7 +124,7 @@ void check_weighted_sum(std::uint64_t seed) {
 TEMPLATE_TEST_CASE("avx512::scores equals the dot products summed in double", "[simd]", float,
                    Eigen::bfloat16, Eigen::half) {
   check_scores<TestType, float>(100, 1.0, 0,
-                                [](auto... arguments) { avx512::scores(arguments...); });
+                                [](auto... arguments) { return avx512::scores(arguments...); });
 }
 
 TEMPLATE_TEST_CASE("avx512::weighted_sum equals the weighted sum in double", "[simd]", float,
@@ -134,7 +139,7 @@ TEST_CASE("avx512::scores_bf16 (vdpbf16ps) equals the scaled dot products", "[si
       300, scale, 1,
       [&](const Eigen::bfloat16* keys, Index count, Index dim, Index stride,
           const Eigen::bfloat16* query,
-          float* out) { avx512::scores_bf16(keys, count, dim, stride, query, scale, out); });
+          float* out) { return avx512::scores_bf16(keys, count, dim, stride, query, scale, out); });
 }
 #else
 TEST_CASE("avx512::scores_bf16 needs AVX-512 BF16", "[simd][bf16]") {
@@ -142,7 +147,24 @@ TEST_CASE("avx512::scores_bf16 needs AVX-512 BF16", "[simd][bf16]") {
 }
 #endif
 
-TEST_CASE("avx512::multiply_counts multiplies by the number of block starts reached", "[simd]") {
+TEST_CASE("avx512::scores passes over NaN scores in its maximum", "[simd]") {
+  const Index dim = 16;
+  std::vector<float> keys(static_cast<std::size_t>(3 * dim), 0.0f);
+  keys[0] = 2.0f;                                   // score 2
+  keys[static_cast<std::size_t>(dim)] = NAN;        // score NaN
+  keys[static_cast<std::size_t>(2 * dim)] = -1.0f;  // score -1
+  std::vector<float> query(static_cast<std::size_t>(dim), 0.0f);
+  query[0] = 1.0f;
+  std::vector<float> scores(3);
+  CHECK(avx512::scores(keys.data(), 3, dim, dim, query.data(), scores.data()) == 2.0f);
+  CHECK(std::isnan(scores[1]));
+  keys[0] = NAN;
+  CHECK(avx512::scores(keys.data(), 2, dim, dim, query.data(), scores.data()) ==
+        -std::numeric_limits<float>::infinity());
+}
+
+TEST_CASE("avx512::exp_counts weighs each exponential by the number of block starts reached",
+          "[simd]") {
   // Starts before, inside and after the keys' positions, repeated starts, and none inside.
   const std::vector<std::vector<Index>> begin_lists = {{1000},
                                                        {980, 990, 1000},
@@ -152,23 +174,29 @@ TEST_CASE("avx512::multiply_counts multiplies by the number of block starts reac
   const Index first = 1000;
   for (const auto& begins : begin_lists) {
     for (Index count = 1; count <= 40; ++count) {
+      // Scores in [-8, 8]: exponentials from e^-16 to 1 after the shift by the maximum.
       std::vector<float> weights = plsh_test::uniform_values<float>(
-          static_cast<std::size_t>(count), 500 + static_cast<std::uint64_t>(count), 1.0);
-      const std::vector<float> original = weights;
-      const float sum = avx512::multiply_counts(weights.data(), count, first, begins.data(),
-                                                static_cast<Index>(begins.size()));
+          static_cast<std::size_t>(count), 500 + static_cast<std::uint64_t>(count), 8.0);
+      const std::vector<float> scores = weights;
+      const float max = *std::max_element(scores.begin(), scores.end());
+      const float sum = avx512::exp_counts(weights.data(), count, first, begins.data(),
+                                           static_cast<Index>(begins.size()), max);
       double exact_sum = 0;
-      double magnitude = 0;
       for (Index j = 0; j < count; ++j) {
         const auto reached = std::count_if(begins.begin(), begins.end(),
                                            [&](Index begin) { return begin <= first + j; });
-        const float expected = static_cast<float>(reached) * original[static_cast<std::size_t>(j)];
+        const double shifted = static_cast<double>(scores[static_cast<std::size_t>(j)] - max);
+        const double expected = static_cast<double>(reached) * std::exp(shifted);
+        // The shifted score x is one rounding (|x| u / 2 relative in e^x), Eigen's exp is within
+        // a few units in the last place and the product by the count is one more rounding:
+        // (4 + |x|) u relative in all.
         INFO("begins from " << begins.front() << ", count " << count << ", key " << j);
-        CHECK(weights[static_cast<std::size_t>(j)] == expected);
-        exact_sum += static_cast<double>(expected);
-        magnitude += std::abs(static_cast<double>(expected));
+        CHECK(std::abs(weights[static_cast<std::size_t>(j)] - expected) <=
+              (4.0 + std::abs(shifted)) * kFloatRoundoff * expected);
+        exact_sum += expected;
       }
-      CHECK(std::abs(sum - exact_sum) <= static_cast<double>(count) * kFloatRoundoff * magnitude);
+      CHECK(std::abs(sum - exact_sum) <=
+            (static_cast<double>(count) + 4.0 + 16.0) * kFloatRoundoff * exact_sum);
     }
   }
 }

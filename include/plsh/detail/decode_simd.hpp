@@ -8,25 +8,30 @@
 /// matrix-vector products (the portable path, which the default build of the tests runs).
 ///
 /// - `avx512::scores`: \f$s_j = q \cdot k_j\f$ for up to 16 keys at once: one accumulator per key,
-///   one fused multiply-add per 16 entries, then the 16 accumulators reduced together by three
-///   rounds of shuffles (45 operations per 16 keys instead of a horizontal sum per key). Keys in
-///   float, or in bfloat16 or half converted in registers (no copy of the key rows).
+///   one fused multiply-add per 16 entries (each key row read whole before the next, in two
+///   chains of sums for d = 64), then the 16 accumulators reduced together by three rounds of
+///   shuffles (45 operations per 16 keys instead of a horizontal sum per key). Keys in float, or
+///   in bfloat16 or half converted in registers (no copy of the key rows). Returns the largest
+///   score as well, so that no other pass looks for it.
 /// - With AVX-512 BF16 as well (`-mavx512bf16`), bfloat16 keys and the bfloat16 query go to
 ///   `vdpbf16ps`: products of two bfloat16 numbers are exact in float, and pairs of them are
 ///   summed into float accumulators, so the scores differ from the converted path by the order
 ///   of the float sums (and denormals flushed to zero) only. The scale multiplies the sums.
+/// - `avx512::exp_counts`: the weights \f$w_j = c_j e^{s_j - \max}\f$ and their sum in one pass,
+///   with Eigen's vectorised exponential and the counts \f$c_j\f$ by vector compares.
 /// - `avx512::weighted_sum`: \f$o = \sum_j w_j v_j\f$, 64 output columns at a time in registers,
 ///   values converted in registers; bfloat16 values 32 at a time by a shift and a mask (even and
 ///   odd columns summed apart, interleaved once at the end).
 ///
 /// Rows are `stride` entries apart; every size is allowed (tails by masked loads, which do not
 /// touch memory past the last row). Tested in tests/simd/decode_avx512.cpp (test_kv_cache_avx512)
-/// against sums in double, for every size from 1 to past two vectors, where the build machine has
-/// these instructions.
+/// against sums and exponentials in double, for every size from 1 to past two vectors, where the
+/// build machine has these instructions.
 
 #include <Eigen/Core>
 
 #include <algorithm>
+#include <limits>
 
 #include "../tensor.hpp"
 
@@ -126,35 +131,63 @@ void block_rows(const Storage* keys, Index stride, Index first, Index count,
   }
 }
 
+/// `best` raised to `sums` in the lanes of `mask`; a NaN in `sums` leaves its lane as it was.
+inline __m512 raise_max(__m512 best, __mmask16 mask, __m512 sums) {
+  // _mm512_max_ps returns its second operand where either is NaN.
+  return _mm512_mask_max_ps(best, mask, sums, best);
+}
+
 /// \f$s_j = q \cdot k_j\f$, \f$j < \f$ `count`: `keys` rows `stride` apart, `query` of `dim`
-/// floats.
+/// floats. Returns \f$\max_j s_j\f$ over the scores that are not NaN (\f$-\infty\f$ if none is
+/// above it).
 template <class Storage>
-void scores(const Storage* keys, Index count, Index dim, Index stride, const float* query,
-            float* out) {
+float scores(const Storage* keys, Index count, Index dim, Index stride, const float* query,
+             float* out) {
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (Index first = 0; first < count; first += 16) {
     const Storage* rows[16];
     block_rows(keys, stride, first, count, rows);
     __m512 sums[16];
     for (__m512& sum : sums) sum = _mm512_setzero_ps();
-    Index d = 0;
-    for (; d + 16 <= dim; d += 16) {
-      const __m512 q = _mm512_loadu_ps(query + d);
-      for (int r = 0; r < 16; ++r) sums[r] = _mm512_fmadd_ps(load(rows[r] + d), q, sums[r]);
+    const Index whole = dim / 16 * 16;
+    if (whole == 64) {
+      const __m512 q0 = _mm512_loadu_ps(query), q1 = _mm512_loadu_ps(query + 16),
+                   q2 = _mm512_loadu_ps(query + 32), q3 = _mm512_loadu_ps(query + 48);
+      for (int r = 0; r < 16; ++r) {
+        __m512 a = _mm512_mul_ps(load(rows[r]), q0);
+        __m512 b = _mm512_mul_ps(load(rows[r] + 16), q1);
+        a = _mm512_fmadd_ps(load(rows[r] + 32), q2, a);
+        b = _mm512_fmadd_ps(load(rows[r] + 48), q3, b);
+        sums[r] = _mm512_add_ps(a, b);
+      }
+    } else {
+      for (int r = 0; r < 16; ++r) {
+        for (Index d = 0; d < whole; d += 16) {
+          sums[r] = _mm512_fmadd_ps(load(rows[r] + d), _mm512_loadu_ps(query + d), sums[r]);
+        }
+      }
     }
-    if (d < dim) {
+    if (whole < dim) {
+      const Index d = whole;
       const __mmask16 mask = first_lanes16(dim - d);
       const __m512 q = _mm512_maskz_loadu_ps(mask, query + d);
       for (int r = 0; r < 16; ++r) sums[r] = _mm512_fmadd_ps(load(rows[r] + d, mask), q, sums[r]);
     }
-    _mm512_mask_storeu_ps(out + first, first_lanes16(count - first), sum16(sums));
+    const __mmask16 stored = first_lanes16(count - first);
+    const __m512 block = sum16(sums);
+    _mm512_mask_storeu_ps(out + first, stored, block);
+    best = raise_max(best, stored, block);
   }
+  return _mm512_reduce_max_ps(best);
 }
 
 #if defined(PLSH_DECODE_AVX512_BF16)
 /// \f$s_j = \text{scale}\,(q \cdot k_j)\f$ with bfloat16 keys and query, by `vdpbf16ps`.
-inline void scores_bf16(const Eigen::bfloat16* keys, Index count, Index dim, Index stride,
-                        const Eigen::bfloat16* query, float scale, float* out) {
+/// Returns their maximum as scores does.
+inline float scores_bf16(const Eigen::bfloat16* keys, Index count, Index dim, Index stride,
+                         const Eigen::bfloat16* query, float scale, float* out) {
   const __m512 scale_vector = _mm512_set1_ps(scale);
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (Index first = 0; first < count; first += 16) {
     const Eigen::bfloat16* rows[16];
     block_rows(keys, stride, first, count, rows);
@@ -175,23 +208,29 @@ inline void scores_bf16(const Eigen::bfloat16* keys, Index count, Index dim, Ind
             _mm512_dpbf16_ps(sums[r], (__m512bh)_mm512_maskz_loadu_epi16(mask, rows[r] + d), q);
       }
     }
-    _mm512_mask_storeu_ps(out + first, first_lanes16(count - first),
-                          _mm512_mul_ps(sum16(sums), scale_vector));
+    const __mmask16 stored = first_lanes16(count - first);
+    const __m512 block = _mm512_mul_ps(sum16(sums), scale_vector);
+    _mm512_mask_storeu_ps(out + first, stored, block);
+    best = raise_max(best, stored, block);
   }
+  return _mm512_reduce_max_ps(best);
 }
 #endif
 
-/// \f$w_j \leftarrow c_j w_j\f$ for the keys at positions `first + j`, \f$j <\f$ `count`, with
-/// \f$c_j = \#\{t : b_t \le \text{first} + j\}\f$ over the `samples` sorted block starts
-/// `begins`; returns \f$\sum_j c_j w_j\f$. The starts at or before `first` count for every key;
-/// each one inside the range is one vector compare per 16 keys.
-inline float multiply_counts(float* weights, Index count, Index first, const Index* begins,
-                             Index samples) {
+/// \f$w_j \leftarrow c_j e^{s_j - \text{max}}\f$ for the scores \f$s_j\f$ in `weights` of the
+/// keys at positions `first + j`, \f$j <\f$ `count`, with \f$c_j = \#\{t : b_t \le \text{first} +
+/// j\}\f$ over the `samples` sorted block starts `begins`; returns \f$\sum_j w_j\f$. One pass over
+/// the scores: the exponentials by Eigen's vectorised exp (the one its array exp applies to whole
+/// packets; a NaN stays NaN), the starts at or before `first` counting for every key and each one
+/// inside the range by one vector compare per 16 keys.
+inline float exp_counts(float* weights, Index count, Index first, const Index* begins,
+                        Index samples, float max) {
   const Index* inside = std::upper_bound(begins, begins + samples, first);
   const Index* end = std::lower_bound(inside, begins + samples, first + count);
   const __m512i base = _mm512_set1_epi32(static_cast<int>(inside - begins));
   const __m512i one = _mm512_set1_epi32(1);
   const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 shift = _mm512_set1_ps(max);
   __m512 total = _mm512_setzero_ps();
   for (Index j = 0; j < count; j += 16) {
     const __m512i offset = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(j)));
@@ -202,10 +241,11 @@ inline float multiply_counts(float* weights, Index count, Index first, const Ind
       counts = _mm512_mask_add_epi32(counts, reached, counts, one);
     }
     const __mmask16 mask = first_lanes16(count - j);
-    const __m512 w =
-        _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, weights + j), _mm512_cvtepi32_ps(counts));
+    const __m512 e = Eigen::internal::pexp<Eigen::internal::Packet16f>(
+        _mm512_sub_ps(_mm512_maskz_loadu_ps(mask, weights + j), shift));
+    const __m512 w = _mm512_mul_ps(e, _mm512_cvtepi32_ps(counts));
     _mm512_mask_storeu_ps(weights + j, mask, w);
-    total = _mm512_add_ps(total, w);
+    total = _mm512_mask_add_ps(total, mask, total, w);
   }
   return _mm512_reduce_add_ps(total);
 }
