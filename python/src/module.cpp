@@ -518,16 +518,20 @@ py::tuple fixed_block_attention_backward(const py::object& q, const py::object& 
 // KvCache
 // ---------------------------------------------------------------------------------------------
 
-// The Python KvCache: a plsh::KvCache<float> or <double> behind one interface. A mutex keeps
-// calls from several Python threads (the GIL is released inside) from racing on the cache.
+// The Python KvCache: a plsh::KvCache of float, double, Eigen::half or Eigen::bfloat16 behind one
+// interface. A mutex keeps calls from several Python threads (the GIL is released inside) from
+// racing on the cache.
 class KvCacheBase {
  public:
   virtual ~KvCacheBase() = default;
   virtual void append(const py::object& k, const py::object& v) = 0;
   virtual py::array attend(const py::object& q, const py::object& out) = 0;
+  virtual py::array decode(const py::object& q, const py::object& k, const py::object& v,
+                           const py::object& out) = 0;
   virtual Index position() const = 0;
   virtual Index resident() const = 0;
   virtual Index oldest_position() const = 0;
+  virtual std::size_t bytes() const = 0;
   virtual py::dtype dtype() const = 0;
 };
 
@@ -541,9 +545,7 @@ class KvCacheOf : public KvCacheBase {
         cache_(heads, kv_heads, dim, value_dim, std::move(slopes), options) {}
 
   void append(const py::object& k, const py::object& v) override {
-    const Arrays arrays({{"k", k}, {"v", v}});
-    require_rank3(arrays);
-    require_dtype(arrays, "k");
+    const Arrays arrays = arrays_of({{"k", k}, {"v", v}});
     const Input<Scalar> k_in = arrays.input<Scalar>(0);
     const Input<Scalar> v_in = arrays.input<Scalar>(1);
     py::gil_scoped_release release;
@@ -552,18 +554,28 @@ class KvCacheOf : public KvCacheBase {
   }
 
   py::array attend(const py::object& q, const py::object& out) override {
-    const Arrays arrays({{"q", q}});
-    require_rank3(arrays);
-    require_dtype(arrays, "q");
+    const Arrays arrays = arrays_of({{"q", q}});
     const Input<Scalar> q_in = arrays.input<Scalar>(0);
-    const Output<Scalar> result =
-        output_of<Scalar>(out, "out",
-                          {arrays.shape(0)[0], static_cast<py::ssize_t>(heads_),
-                           static_cast<py::ssize_t>(value_dim_)});
+    const Output<Scalar> result = output_for(arrays, out);
     {
       py::gil_scoped_release release;
       const std::lock_guard<std::mutex> lock(mutex_);
       cache_.attend(q_in.view[0], result.view[0]);
+    }
+    return result.array;
+  }
+
+  py::array decode(const py::object& q, const py::object& k, const py::object& v,
+                   const py::object& out) override {
+    const Arrays arrays = arrays_of({{"q", q}, {"k", k}, {"v", v}});
+    const Input<Scalar> q_in = arrays.input<Scalar>(0);
+    const Input<Scalar> k_in = arrays.input<Scalar>(1);
+    const Input<Scalar> v_in = arrays.input<Scalar>(2);
+    const Output<Scalar> result = output_for(arrays, out);
+    {
+      py::gil_scoped_release release;
+      const std::lock_guard<std::mutex> lock(mutex_);
+      cache_.decode(q_in.view[0], k_in.view[0], v_in.view[0], result.view[0]);
     }
     return result.array;
   }
@@ -577,7 +589,11 @@ class KvCacheOf : public KvCacheBase {
   Index oldest_position() const override {
     return locked([&] { return cache_.oldest_position(); });
   }
-  py::dtype dtype() const override { return py::dtype::of<Scalar>(); }
+  std::size_t bytes() const override {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    return cache_.bytes();
+  }
+  py::dtype dtype() const override { return numpy_dtype(storage_of<Scalar>()); }
 
  private:
   template <class F>
@@ -586,19 +602,28 @@ class KvCacheOf : public KvCacheBase {
     return f();
   }
 
-  static void require_rank3(const Arrays& arrays) {
+  // The arrays of a call: ndarrays of the cache's dtype (TypeError naming the first that is not)
+  // and of 3 dimensions.
+  static Arrays arrays_of(std::initializer_list<std::pair<const char*, py::object>> named) {
+    const char* name = named.begin()->first;
+    const py::array first = as_ndarray(named.begin()->second, name);
+    if (!has_dtype<Scalar>(first)) {
+      throw py::type_error(std::string(name) + " must have the cache's dtype " +
+                           dtype_name<Scalar>() + " (got " + dtype_string(first) + ")");
+    }
+    Arrays arrays(named, storage_of<Scalar>() == Storage::BFloat16);
     if (arrays.arrays.front().ndim() != 3) {
       throw py::value_error("KvCache takes arrays of 3 dimensions [tokens, heads, dim] (got " +
                             std::to_string(arrays.arrays.front().ndim()) + ")");
     }
+    return arrays;
   }
 
-  static void require_dtype(const Arrays& arrays, const char* name) {
-    if (arrays.storage != storage_of<Scalar>()) {
-      throw py::type_error(std::string(name) + " must have the cache's dtype " +
-                           dtype_name<Scalar>() + " (got " + dtype_string(arrays.arrays.front()) +
-                           ")");
-    }
+  // The output [q tokens, heads, value_dim]: `out`, checked, or a new array.
+  Output<Scalar> output_for(const Arrays& arrays, const py::object& out) const {
+    return output_of<Scalar>(out, "out",
+                             {arrays.shape(0)[0], static_cast<py::ssize_t>(heads_),
+                              static_cast<py::ssize_t>(value_dim_)});
   }
 
   Index heads_;
@@ -613,18 +638,24 @@ std::unique_ptr<KvCacheBase> make_kv_cache(Index heads, Index kv_heads, Index di
                                            const std::string& sampling, double scale,
                                            Index key_position, const std::string& kernel,
                                            const py::object& dtype) {
-  const py::dtype type = py::dtype::from_args(dtype);
   auto options = plsh_options_of(true, scale, 0, key_position, samples, seed, sampling);
   options.kernel = kernel_of(kernel);
   const std::vector<double> slope_list = slopes_or_default(slopes, heads);
-  if (type.kind() == 'f' && type.itemsize() == 4) {
-    return std::make_unique<KvCacheOf<float>>(heads, kv_heads, dim, value_dim, slope_list, options);
-  }
-  if (type.kind() == 'f' && type.itemsize() == 8) {
-    return std::make_unique<KvCacheOf<double>>(heads, kv_heads, dim, value_dim, slope_list,
+  const auto make = [&](auto scalar) -> std::unique_ptr<KvCacheBase> {
+    using Scalar = decltype(scalar);
+    return std::make_unique<KvCacheOf<Scalar>>(heads, kv_heads, dim, value_dim, slope_list,
                                                options);
+  };
+  if (py::isinstance<py::str>(dtype) && dtype.cast<std::string>() == "bfloat16") {
+    return make(Eigen::bfloat16());
   }
-  throw py::type_error("dtype must be float32 or float64 (got " +
+  const py::dtype type = py::dtype::from_args(dtype);
+  for (const Storage storage : {Storage::Float32, Storage::Float64, Storage::Float16}) {
+    if (type.equal(numpy_dtype(storage))) {
+      return dispatch(storage, [&](auto scalar) { return make(scalar); });
+    }
+  }
+  throw py::type_error("dtype must be float32, float64, float16 or \"bfloat16\" (got " +
                        py::str(static_cast<const py::object&>(type)).cast<std::string>() + ")");
 }
 
@@ -754,7 +785,10 @@ PYBIND11_MODULE(_plsh, m) {
       "Key/value cache for incremental causal Positional LSH decoding that forgets the keys no "
       "later query can reach. append(k, v) with k [n, kv_heads, dim], v [n, kv_heads, "
       "value_dim]; attend(q) for the queries at the newest positions, q [n, heads, dim] -> [n, "
-      "heads, value_dim]. samples, seed and sampling choose the draws as in plsh_attention.")
+      "heads, value_dim]; decode(q, k, v) both in one step. samples, seed and sampling choose "
+      "the draws as in plsh_attention. dtype float32, float64, float16, or \"bfloat16\" "
+      "(arrays of uint16 bit patterns): the 16-bit types store the cache in half the bytes and "
+      "compute in float32.")
       .def(py::init(&make_kv_cache), "heads"_a, "kv_heads"_a, "dim"_a, "value_dim"_a,
            "slopes"_a = none, py::kw_only(), "samples"_a = 20, "seed"_a = 0,
            "sampling"_a = "independent", "scale"_a = 0.0, "key_position"_a = 0,
@@ -767,8 +801,17 @@ PYBIND11_MODULE(_plsh, m) {
            "Outputs [n, heads, value_dim] of the queries q [n, heads, dim] at positions "
            "position - n .. position - 1; n at most the tokens of the last append. Equal (to "
            "rounding) to those rows of plsh_attention over the whole sequence.")
+      .def("decode", &KvCacheBase::decode, "q"_a, "k"_a, "v"_a, "out"_a = none,
+           "One decoding step: append(k, v) then attend(q) for the same n tokens, with the same "
+           "result; every argument is checked before the cache changes, so a call that raises "
+           "leaves it as it was.")
+      .def_property_readonly("bytes", &KvCacheBase::bytes,
+                             "Bytes of the key and value buffers (resident rows and room for "
+                             "later appends); half as many for float16 and bfloat16 as for "
+                             "float32.")
       .def_property_readonly("position", &KvCacheBase::position)
       .def_property_readonly("resident", &KvCacheBase::resident)
       .def_property_readonly("oldest_position", &KvCacheBase::oldest_position)
-      .def_property_readonly("dtype", &KvCacheBase::dtype);
+      .def_property_readonly("dtype", &KvCacheBase::dtype,
+                             "The NumPy dtype of the cache's arrays (uint16 for bfloat16).");
 }
