@@ -557,20 +557,6 @@ struct SpanKeys {
   AlignedVector<Storage> k, v;
 };
 
-/// Rows `[begin, begin + count)` of `rows` copied into `to`, packed; returns the packed map.
-template <class Storage>
-ConstHeadMap<Storage> pack_rows(const ConstHeadMap<Storage>& rows, Index begin, Index count,
-                                AlignedVector<Storage>& to) {
-  const Index cols = rows.cols();
-  const std::size_t needed = static_cast<std::size_t>(count * cols);
-  if (to.size() < needed) to.resize(needed);
-  for (Index r = 0; r < count; ++r) {
-    const Storage* row = rows.data() + (begin + r) * rows.outerStride();
-    std::copy(row, row + cols, to.data() + r * cols);
-  }
-  return ConstHeadMap<Storage>(to.data(), count, cols, Eigen::OuterStride<>(cols));
-}
-
 /// The keys that query rows `[row_begin, row_end)` of a head may see: from the first row's
 /// earliest block start to the last row's latest block end (to the last row itself when
 /// causal), cut to the keys `[key_begin, key_end)`. Every row's blocks lie inside, blocks
