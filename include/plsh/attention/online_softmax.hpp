@@ -348,11 +348,16 @@ class OnlineSoftmax {
   /// score and value). The running maximum is that of the visible \f$S\f$, and the weights are
   /// \f$c_{ij} e^{S_{ij} - \mu}\f$: no logarithm, and each row in one walk (mask, maximum,
   /// exponentials, weights), which is the fused kernel's inner loop. Mixing update and
-  /// update_counted on one state shifts its lse by \f$\log c\f$: do not.
+  /// update_counted on one state shifts its lse by \f$\log c\f$: do not. `finite_values`: the
+  /// caller has checked that every entry of `values` is finite (their test is then skipped).
   template <class Counts>
   void update_counted(Eigen::Ref<Matrix> scores, const Eigen::Ref<const Matrix>& values,
-                      Counts&& counts) {
-    detail::find_nonfinite_rows(values, bad_);
+                      Counts&& counts, bool finite_values = false) {
+    if (finite_values) {
+      bad_.clear();
+    } else {
+      detail::find_nonfinite_rows(values, bad_);
+    }
     const Index rows = scores.rows();
     const Index cols = scores.cols();
     visible_.resize(bad_.size() * static_cast<std::size_t>(rows));

@@ -423,11 +423,15 @@ template <class Storage>
 void fused_row_by_row(FusedWorkspace<Storage>& workspace, const RowMatrix<Compute<Storage>>& query,
                       const ConstHeadMap<Compute<Storage>>& key_rows,
                       const ConstHeadMap<Compute<Storage>>& value_rows, Index first_key,
-                      HeadMap<Compute<Storage>> out) {
+                      HeadMap<Compute<Storage>> out, bool finite_values) {
   using Scalar = Compute<Storage>;
   constexpr Scalar kMinusInfinity = -std::numeric_limits<Scalar>::infinity();
   const Index width = key_rows.rows();
-  find_nonfinite_rows(value_rows, workspace.bad);
+  if (finite_values) {
+    workspace.bad.clear();
+  } else {
+    find_nonfinite_rows(value_rows, workspace.bad);
+  }
   workspace.counts.start_chunk(first_key, width);
   for (Index r = 0; r < query.rows(); ++r) {
     Index limit = 0;
@@ -494,7 +498,7 @@ template <class Storage>
 void fused_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
                 const ConstHeadMap<Storage>& v, const std::vector<Grid>& grids,
                 const AttentionOptions& options, const PositionRange& range, Index row_begin,
-                Index row_end, HeadMap<Storage>& out) {
+                Index row_end, HeadMap<Storage>& out, bool finite_values = false) {
   using Scalar = Compute<Storage>;
   static thread_local FusedWorkspace<Storage> workspace;
   const Index rows = row_end - row_begin;
@@ -509,7 +513,7 @@ void fused_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
     fused_row_by_row(workspace, workspace.query,
                      compute_rows(map_rows(k, first_key, width), workspace.key_rows),
                      compute_rows(map_rows(v, first_key, width), workspace.value_rows), keys.begin,
-                     workspace.output.bind(map_rows(out, row_begin, rows)));
+                     workspace.output.bind(map_rows(out, row_begin, rows)), finite_values);
     workspace.output.store();
     return;
   }
@@ -527,7 +531,8 @@ void fused_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
       workspace.counts.start_chunk(c0, cols);
       workspace.softmax.update_counted(
           scores, compute_rows(map_rows(v, first_key, cols), workspace.value_rows),
-          [&](Index r, Index& limit) { return workspace.counts.next_row(r, limit); });
+          [&](Index r, Index& limit) { return workspace.counts.next_row(r, limit); },
+          finite_values);
     }
   }
   workspace.softmax.finish(workspace.output.bind(map_rows(out, row_begin, rows)), nullptr);
@@ -595,9 +600,16 @@ void fused_span(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
   const Index key_count = keys.end - keys.begin;
   const auto tiles = [&](const ConstHeadMap<Storage>& key_rows,
                          const ConstHeadMap<Storage>& value_rows, const AttentionOptions& at) {
+    // Every tile's keys lie among the span's: their values are tested for finiteness once here
+    // (float and double; the 16-bit types test each converted chunk) instead of once per tile.
+    bool finite_values = false;
+    if constexpr (std::is_same<Storage, Compute<Storage>>::value) {
+      finite_values = key_count > 0 &&
+                      all_finite(map_rows(value_rows, keys.begin - at.key_position, key_count));
+    }
     for (Index r0 = row_begin; r0 < row_end; r0 += height) {
       fused_rows<Storage>(q, key_rows, value_rows, grids, at, range, r0,
-                          std::min(row_end, r0 + height), out);
+                          std::min(row_end, r0 + height), out, finite_values);
     }
   };
   const bool strided = k.outerStride() != k.cols() || v.outerStride() != v.cols();
