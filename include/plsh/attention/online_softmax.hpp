@@ -23,8 +23,15 @@
 /// \f$\cdot d_v\f$) per tile, against O(rows \f$\cdot\f$ keys \f$\cdot d_v\f$) for the product).
 /// Only a tile whose values hold a non-finite entry takes the slower path.
 ///
+/// AVX-512 builds (`__AVX512F__`): OnlineSoftmax::update_counted, the fused kernel's step, walks
+/// a float row in two vectorised passes (counted_row) and adds \f$PV\f$ by register blocks
+/// without packing (add_weighted_rows) when the chunk's values are finite; other builds, types
+/// and chunks take the portable code. Summation orders differ between the two, not the results
+/// beyond rounding.
+///
 /// Tested in tests/test_online_softmax.cpp and, for non-finite inputs through every kernel, in
-/// tests/test_nonfinite.cpp.
+/// tests/test_nonfinite.cpp; the AVX-512 paths through the fused kernel in
+/// test_plsh_attention_avx512 (tests/test_plsh_attention.cpp compiled for AVX-512).
 
 #include <Eigen/Core>
 #include <algorithm>
@@ -367,6 +374,14 @@ class OnlineSoftmax {
       const int* count = counts(r, limit);
       Scalar* row = scores.row(r).data();
       limits_[static_cast<std::size_t>(r)] = limit;
+#if defined(PLSH_FUSED_AVX512)
+      if constexpr (std::is_same<Scalar, float>::value) {
+        if (bad_.empty()) {
+          counted_row(r, row, count, limit, cols);
+          continue;
+        }
+      }
+#endif
       for (Index c = 0; c < limit; ++c) row[c] = count[c] == 0 ? -kInfinity : row[c];
       for (Index c = limit; c < cols; ++c) row[c] = -kInfinity;
       for (std::size_t i = 0; i < bad_.size(); ++i) {
@@ -443,6 +458,67 @@ class OnlineSoftmax {
     }
     return new_max;
   }
+
+#if defined(PLSH_FUSED_AVX512)
+// GCC 12's AVX-512 headers initialise _mm512_undefined_ps() from itself (GCC bug 105593).
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+  /// One row of update_counted with finite values, float, in two vectorised passes over its
+  /// first `limit` logits instead of five: (1) the logits of keys with count 0 set to
+  /// \f$-\infty\f$, the row's maximum, whether a NaN is present; (2) the weights \f$c e^{S -
+  /// \mu}\f$ (Eigen's vectorised exp) and their sum. Entries from `limit` on are set to 0. Same
+  /// non-finite behaviour as the portable walk (raise_max, add_row).
+  void counted_row(Index r, float* row, const int* count, Index limit, Index cols) {
+    const __m512 minus_infinity = _mm512_set1_ps(-kInfinity);
+    __m512 high = minus_infinity;
+    __mmask16 nan = 0;
+    for (Index c = 0; c < limit; c += 16) {
+      const __mmask16 lanes = lanes_below(limit - c);
+      const __m512i n = _mm512_maskz_loadu_epi32(lanes, count + c);
+      const __mmask16 visible = _mm512_mask_cmpneq_epi32_mask(lanes, n, _mm512_setzero_si512());
+      const __m512 logit = _mm512_mask_loadu_ps(minus_infinity, visible, row + c);
+      _mm512_mask_storeu_ps(row + c, lanes, logit);
+      nan = static_cast<__mmask16>(nan | _mm512_cmp_ps_mask(logit, logit, _CMP_UNORD_Q));
+      high = _mm512_max_ps(high, logit);
+    }
+    const float new_max = std::max(max_[r], _mm512_reduce_max_ps(high));
+    if (new_max == -kInfinity) {
+      if (nan != 0) {
+        max_[r] = std::numeric_limits<float>::quiet_NaN();
+        sum_[r] = std::numeric_limits<float>::quiet_NaN();
+      }
+      std::fill(row, row + cols, 0.0f);
+      return;
+    }
+    const __m512 shift = _mm512_set1_ps(new_max);
+    __m512 total = _mm512_setzero_ps();
+    for (Index c = 0; c < limit; c += 16) {
+      const __mmask16 lanes = lanes_below(limit - c);
+      const __m512 logit = _mm512_maskz_loadu_ps(lanes, row + c);
+      const __m512 n = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(lanes, count + c));
+      const __m512 weight = _mm512_mul_ps(Eigen::internal::pexp(_mm512_sub_ps(logit, shift)), n);
+      _mm512_mask_storeu_ps(row + c, lanes, weight);
+      total = _mm512_mask_add_ps(total, lanes, total, weight);
+    }
+    std::fill(row + limit, row + cols, 0.0f);
+    const float rescale = std::exp(max_[r] - new_max);
+    sum_[r] = sum_[r] * rescale + _mm512_reduce_add_ps(total);
+    accumulator_.row(r) *= rescale;
+    max_[r] = new_max;
+  }
+
+  /// The first `count` of 16 lanes (all of them for count >= 16).
+  static __mmask16 lanes_below(Index count) {
+    return count >= 16 ? static_cast<__mmask16>(0xFFFF)
+                       : static_cast<__mmask16>((1u << static_cast<unsigned>(count)) - 1u);
+  }
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
+#pragma GCC diagnostic pop
+#endif
+#endif
 
   /// Rescales row r's state from its maximum to `new_max` and adds the sum of its `weights`
   /// (the weighted values are added by the caller's product).

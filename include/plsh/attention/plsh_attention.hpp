@@ -28,13 +28,19 @@
 ///   sum by matrix-vector products over its own keys only (detail::fused_row_by_row), which
 ///   spares the steep heads the blocked products' packing. Cost about \f$(\ln(s)/m +
 ///   \text{tile})(d + d_v)\f$ per query and head, plus O(s) per block of the tile.
+///   Compiled for AVX-512 (`__AVX512F__`, e.g. `-march=native` on such a processor), a float
+///   chunk whose values are finite takes each row's walk in two vectorised passes and the
+///   product \f$PV\f$ by register blocks of 6 rows by 64 columns over each block's visible keys,
+///   without packing (online_softmax.hpp); \f$QK^\top\f$ stays Eigen's. Other builds and types
+///   take Eigen's products and the portable walk; both are tested (test_plsh_attention and
+///   test_plsh_attention_avx512).
 ///
 /// Parallelism: one OpenMP region per call, over (batch element, head, span of up to
 /// kFusedSpanRows query rows) for the fused kernel (the keys and values a span sees are first
-/// packed when strided, fused_span) and (batch element, head) for the passes; the draws are made
-/// once per call and shared by the batch elements (the batched overloads of batch.hpp; an unbatched
-/// call is a batch of one). Every job writes its own rows: the result is identical for any number
-/// of threads.
+/// packed when strided, and their values tested for finiteness once, fused_span) and (batch
+/// element, head) for the passes; the draws are made once per call and shared by the batch elements
+/// (the batched overloads of batch.hpp; an unbatched call is a batch of one). Every job writes its
+/// own rows: the result is identical for any number of threads.
 ///
 /// Storage: float, double, or Eigen::bfloat16 / Eigen::half computed in float (detail::Compute):
 /// the fused kernel converts its query tile and each key and value chunk once, the pass kernel
@@ -587,7 +593,9 @@ inline Block span_keys(const std::vector<Grid>& grids, const PositionRange& rang
 /// (span_keys) are at most `max_packed_keys`, those key and value rows are first copied, packed,
 /// into per-thread scratch: each is read from the tensor once, in a loop whose loads are
 /// independent, instead of missing the cache inside the products. Same arithmetic either way.
-/// (A tile's query rows are copied anyway, scaled, and its output rows written once.)
+/// (A tile's query rows are copied anyway, scaled, and its output rows written once.) For float
+/// and double, the values of those keys are tested for finiteness once here, and the tiles skip
+/// their own test when they are (OnlineSoftmax::update_counted, fused_row_by_row).
 template <class Storage>
 void fused_span(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
                 const ConstHeadMap<Storage>& v, const std::vector<Grid>& grids, double slope,
