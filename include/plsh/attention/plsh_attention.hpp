@@ -21,7 +21,7 @@
 ///   whatever s. Per tile of query rows (height from the slope), the counts row by row
 ///   (detail::BlockCounts, shared with the backward: the draws' blocks as events by row, each row's
 ///   counts those of the row before plus the blocks that start there, minus those that end).
-///   A tile whose union holds more than row_by_row_keys() keys takes, per chunk of kFusedKeyTile
+///   A tile whose union holds more than kRowByRowKeys keys takes, per chunk of kFusedKeyTile
 ///   keys, one product \f$QK^\top\f$, one walk per row (mask where \f$c_{ij} = 0\f$,
 ///   maximum, exponentials, weights \f$c_{ij} e^{S_{ij} - \mu}\f$: OnlineSoftmax::update_counted)
 ///   and one product \f$PV\f$; a narrower one goes row by row, each row's scores and weighted
@@ -31,10 +31,9 @@
 ///   Compiled for AVX-512 (`__AVX512F__`, e.g. `-march=native` on such a processor), a float
 ///   chunk whose values are finite takes each row's walk in two vectorised passes and the
 ///   product \f$PV\f$ by register blocks of 6 rows by 64 columns over each block's visible keys,
-///   without packing (online_softmax.hpp), and every tile of a float compute type takes the
-///   blocked path (row_by_row_keys() is 0); \f$QK^\top\f$ stays Eigen's. Other builds and
-///   types take Eigen's products, the portable walk and row by row below kRowByRowKeys; both
-///   are tested (test_plsh_attention and test_plsh_attention_avx512).
+///   without packing (online_softmax.hpp); \f$QK^\top\f$ stays Eigen's. Other builds and types
+///   take Eigen's products and the portable walk; both are tested (test_plsh_attention and
+///   test_plsh_attention_avx512).
 ///
 /// Parallelism: one OpenMP region per call, over (batch element, head, span of up to
 /// kFusedSpanRows query rows) for the fused kernel (the keys and values a span sees are first
@@ -418,17 +417,6 @@ struct FusedWorkspace {
 /// packing and the per-tile passes cost more than a product per row.
 constexpr Index kRowByRowKeys = 80;
 
-/// The widest union that takes fused_row_by_row for compute type `Scalar`: kRowByRowKeys, or
-/// none for float in AVX-512 builds, whose blocked path (the two-pass walk and the packing-free
-/// \f$PV\f$ of online_softmax.hpp) is the faster one at every width on the benchmark problem.
-template <class Scalar>
-constexpr Index row_by_row_keys() {
-#if defined(PLSH_FUSED_AVX512)
-  if constexpr (std::is_same<Scalar, float>::value) return 0;
-#endif
-  return kRowByRowKeys;
-}
-
 /// The fused kernel on a tile of `query` rows (scaled, compute type) whose union of keys is
 /// narrow: per row, its scores \f$S_{ij}\f$ over the keys from its first to its last with
 /// \f$c_{ij} > 0\f$ by one matrix-vector product, the logits \f$l_{ij} = S_{ij} + \log c_{ij}\f$
@@ -509,7 +497,7 @@ void fused_row_by_row(FusedWorkspace<Storage>& workspace, const RowMatrix<Comput
 
 /// Fused kernel for query rows `[row_begin, row_end)` of one head: weights \f$c_{ij}
 /// e^{S_{ij}}\f$ over the union of the rows' blocks (BlockCounts), row by row
-/// (fused_row_by_row) for a union of at most row_by_row_keys() keys, else one online softmax in
+/// (fused_row_by_row) for a union of at most kRowByRowKeys keys, else one online softmax in
 /// chunks of kFusedKeyTile keys (OnlineSoftmax::update_counted). The query tile and each key and
 /// value chunk are converted to the compute type once; the output rows are rounded back once.
 template <class Storage>
@@ -523,7 +511,7 @@ void fused_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
   const Block keys = workspace.counts.prepare(grids, range, options.query_position + row_begin,
                                               rows, options.key_position,
                                               options.key_position + k.rows(), options.causal);
-  if (keys.begin < keys.end && keys.end - keys.begin <= row_by_row_keys<Scalar>()) {
+  if (keys.begin < keys.end && keys.end - keys.begin <= kRowByRowKeys) {
     workspace.query.noalias() = compute_rows(map_rows(q, row_begin, rows), workspace.query_rows) *
                                 static_cast<Scalar>(options.scale);
     const Index first_key = keys.begin - options.key_position;
