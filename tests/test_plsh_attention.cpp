@@ -371,6 +371,24 @@ TEST_CASE("Fused matches the reference on both sides of the row-by-row width", "
   }
 }
 
+TEST_CASE("Fused matches the reference for value widths around the vector blocks", "[plsh]") {
+  // The AVX-512 build (test_plsh_attention_avx512) computes a wide tile's weights and weighted
+  // sum of values by register blocks (online_softmax.hpp: rows by 6, value columns by 64, keys
+  // by 16 with masked tails); the default build by Eigen. Widths 1, 15, 64, 70 and 130 leave
+  // every kind of tail, 100 rows tiles of 64 and 36 rows, a union wider than one key chunk
+  // (slopes 0, 1/64) its last chunk ragged; the rows see up to a few hundred keys.
+  const std::vector<double> slopes = {0.0, 1.0 / 64, 1.0 / 20, 0.5};
+  for (const Index value_dim : {Index{1}, Index{15}, Index{64}, Index{70}, Index{130}}) {
+    for (const bool causal : {true, false}) {
+      plsh::AttentionOptions base;
+      base.causal = causal;
+      base.query_position = 300;  // the last 100 of 400 key positions
+      check_plsh_kernels<float>(Shape{100, 400, 4, 2, 7, value_dim}, base, slopes,
+                                {static_cast<std::uint64_t>(60 + value_dim)});
+    }
+  }
+}
+
 TEST_CASE("plsh_attention is a pure function of the seed", "[plsh]") {
   Problem<double> problem(Shape{130, 130, 4, 2, 8, 8}, 70);
   const std::vector<double> slopes = plsh::alibi_slopes(4);

@@ -23,8 +23,15 @@
 /// \f$\cdot d_v\f$) per tile, against O(rows \f$\cdot\f$ keys \f$\cdot d_v\f$) for the product).
 /// Only a tile whose values hold a non-finite entry takes the slower path.
 ///
+/// AVX-512 builds (`__AVX512F__`): OnlineSoftmax::update_counted, the fused kernel's step, walks
+/// a float row in two vectorised passes (counted_row) and adds \f$PV\f$ by register blocks
+/// without packing (add_weighted_rows) when the chunk's values are finite; other builds, types
+/// and chunks take the portable code. Summation orders differ between the two, not the results
+/// beyond rounding.
+///
 /// Tested in tests/test_online_softmax.cpp and, for non-finite inputs through every kernel, in
-/// tests/test_nonfinite.cpp.
+/// tests/test_nonfinite.cpp; the AVX-512 paths through the fused kernel in
+/// test_plsh_attention_avx512 (tests/test_plsh_attention.cpp compiled for AVX-512).
 
 #include <Eigen/Core>
 #include <algorithm>
@@ -35,6 +42,11 @@
 
 #include "../detail/storage.hpp"
 #include "../tensor.hpp"
+
+#if defined(__AVX512F__)
+#define PLSH_FUSED_AVX512 1
+#include <immintrin.h>
+#endif
 
 namespace plsh {
 namespace detail {
@@ -125,6 +137,160 @@ void add_product(Accumulator& accumulator, const Weights& weights, const Operand
   }
 }
 
+#if defined(PLSH_FUSED_AVX512)
+// GCC 12's AVX-512 headers initialise _mm512_undefined_ps() from itself (GCC bug 105593).
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+/// Rows `[0, rows)` (1 to 6) of `accumulator += weights * values` over the columns
+/// `[column, column + 64)` (lanes outside `mask[0..3]` neither read nor written) and the keys
+/// `[0, keys)`: 24 accumulators in registers (named, so that the compiler keeps them there),
+/// each key's value row loaded once, one broadcast weight per row and key, one fused
+/// multiply-add per 16 entries. Missing rows repeat row 0 and are not stored.
+inline void add_weighted_rows_block(float* accumulator, Index accumulator_stride,
+                                    const float* weights, Index weight_stride, const float* values,
+                                    Index value_stride, Index keys, Index rows, Index column,
+                                    const __mmask16* mask) {
+  float* out[6];
+  const float* weight[6];
+  for (Index i = 0; i < 6; ++i) {
+    const Index row = i < rows ? i : 0;
+    out[i] = accumulator + row * accumulator_stride + column;
+    weight[i] = weights + row * weight_stride;
+  }
+  __m512 s00 = _mm512_maskz_loadu_ps(mask[0], out[0] + 0),
+         s01 = _mm512_maskz_loadu_ps(mask[1], out[0] + 16),
+         s02 = _mm512_maskz_loadu_ps(mask[2], out[0] + 32),
+         s03 = _mm512_maskz_loadu_ps(mask[3], out[0] + 48);
+  __m512 s10 = _mm512_maskz_loadu_ps(mask[0], out[1] + 0),
+         s11 = _mm512_maskz_loadu_ps(mask[1], out[1] + 16),
+         s12 = _mm512_maskz_loadu_ps(mask[2], out[1] + 32),
+         s13 = _mm512_maskz_loadu_ps(mask[3], out[1] + 48);
+  __m512 s20 = _mm512_maskz_loadu_ps(mask[0], out[2] + 0),
+         s21 = _mm512_maskz_loadu_ps(mask[1], out[2] + 16),
+         s22 = _mm512_maskz_loadu_ps(mask[2], out[2] + 32),
+         s23 = _mm512_maskz_loadu_ps(mask[3], out[2] + 48);
+  __m512 s30 = _mm512_maskz_loadu_ps(mask[0], out[3] + 0),
+         s31 = _mm512_maskz_loadu_ps(mask[1], out[3] + 16),
+         s32 = _mm512_maskz_loadu_ps(mask[2], out[3] + 32),
+         s33 = _mm512_maskz_loadu_ps(mask[3], out[3] + 48);
+  __m512 s40 = _mm512_maskz_loadu_ps(mask[0], out[4] + 0),
+         s41 = _mm512_maskz_loadu_ps(mask[1], out[4] + 16),
+         s42 = _mm512_maskz_loadu_ps(mask[2], out[4] + 32),
+         s43 = _mm512_maskz_loadu_ps(mask[3], out[4] + 48);
+  __m512 s50 = _mm512_maskz_loadu_ps(mask[0], out[5] + 0),
+         s51 = _mm512_maskz_loadu_ps(mask[1], out[5] + 16),
+         s52 = _mm512_maskz_loadu_ps(mask[2], out[5] + 32),
+         s53 = _mm512_maskz_loadu_ps(mask[3], out[5] + 48);
+  for (Index j = 0; j < keys; ++j) {
+    const float* value = values + j * value_stride + column;
+    const __m512 v0 = _mm512_maskz_loadu_ps(mask[0], value + 0);
+    const __m512 v1 = _mm512_maskz_loadu_ps(mask[1], value + 16);
+    const __m512 v2 = _mm512_maskz_loadu_ps(mask[2], value + 32);
+    const __m512 v3 = _mm512_maskz_loadu_ps(mask[3], value + 48);
+    const __m512 w0 = _mm512_set1_ps(weight[0][j]);
+    s00 = _mm512_fmadd_ps(w0, v0, s00);
+    s01 = _mm512_fmadd_ps(w0, v1, s01);
+    s02 = _mm512_fmadd_ps(w0, v2, s02);
+    s03 = _mm512_fmadd_ps(w0, v3, s03);
+    const __m512 w1 = _mm512_set1_ps(weight[1][j]);
+    s10 = _mm512_fmadd_ps(w1, v0, s10);
+    s11 = _mm512_fmadd_ps(w1, v1, s11);
+    s12 = _mm512_fmadd_ps(w1, v2, s12);
+    s13 = _mm512_fmadd_ps(w1, v3, s13);
+    const __m512 w2 = _mm512_set1_ps(weight[2][j]);
+    s20 = _mm512_fmadd_ps(w2, v0, s20);
+    s21 = _mm512_fmadd_ps(w2, v1, s21);
+    s22 = _mm512_fmadd_ps(w2, v2, s22);
+    s23 = _mm512_fmadd_ps(w2, v3, s23);
+    const __m512 w3 = _mm512_set1_ps(weight[3][j]);
+    s30 = _mm512_fmadd_ps(w3, v0, s30);
+    s31 = _mm512_fmadd_ps(w3, v1, s31);
+    s32 = _mm512_fmadd_ps(w3, v2, s32);
+    s33 = _mm512_fmadd_ps(w3, v3, s33);
+    const __m512 w4 = _mm512_set1_ps(weight[4][j]);
+    s40 = _mm512_fmadd_ps(w4, v0, s40);
+    s41 = _mm512_fmadd_ps(w4, v1, s41);
+    s42 = _mm512_fmadd_ps(w4, v2, s42);
+    s43 = _mm512_fmadd_ps(w4, v3, s43);
+    const __m512 w5 = _mm512_set1_ps(weight[5][j]);
+    s50 = _mm512_fmadd_ps(w5, v0, s50);
+    s51 = _mm512_fmadd_ps(w5, v1, s51);
+    s52 = _mm512_fmadd_ps(w5, v2, s52);
+    s53 = _mm512_fmadd_ps(w5, v3, s53);
+  }
+  _mm512_mask_storeu_ps(out[0] + 0, mask[0], s00);
+  _mm512_mask_storeu_ps(out[0] + 16, mask[1], s01);
+  _mm512_mask_storeu_ps(out[0] + 32, mask[2], s02);
+  _mm512_mask_storeu_ps(out[0] + 48, mask[3], s03);
+  if (rows > 1) {
+    _mm512_mask_storeu_ps(out[1] + 0, mask[0], s10);
+    _mm512_mask_storeu_ps(out[1] + 16, mask[1], s11);
+    _mm512_mask_storeu_ps(out[1] + 32, mask[2], s12);
+    _mm512_mask_storeu_ps(out[1] + 48, mask[3], s13);
+  }
+  if (rows > 2) {
+    _mm512_mask_storeu_ps(out[2] + 0, mask[0], s20);
+    _mm512_mask_storeu_ps(out[2] + 16, mask[1], s21);
+    _mm512_mask_storeu_ps(out[2] + 32, mask[2], s22);
+    _mm512_mask_storeu_ps(out[2] + 48, mask[3], s23);
+  }
+  if (rows > 3) {
+    _mm512_mask_storeu_ps(out[3] + 0, mask[0], s30);
+    _mm512_mask_storeu_ps(out[3] + 16, mask[1], s31);
+    _mm512_mask_storeu_ps(out[3] + 32, mask[2], s32);
+    _mm512_mask_storeu_ps(out[3] + 48, mask[3], s33);
+  }
+  if (rows > 4) {
+    _mm512_mask_storeu_ps(out[4] + 0, mask[0], s40);
+    _mm512_mask_storeu_ps(out[4] + 16, mask[1], s41);
+    _mm512_mask_storeu_ps(out[4] + 32, mask[2], s42);
+    _mm512_mask_storeu_ps(out[4] + 48, mask[3], s43);
+  }
+  if (rows > 5) {
+    _mm512_mask_storeu_ps(out[5] + 0, mask[0], s50);
+    _mm512_mask_storeu_ps(out[5] + 16, mask[1], s51);
+    _mm512_mask_storeu_ps(out[5] + 32, mask[2], s52);
+    _mm512_mask_storeu_ps(out[5] + 48, mask[3], s53);
+  }
+}
+
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
+#pragma GCC diagnostic pop
+#endif
+
+/// `accumulator += weights * values` (float, row-major, rows contiguous) where row r's weights
+/// are 0 at and past `keys[r]`: rows in blocks of 6 (add_weighted_rows_block), each block over
+/// the keys up to its largest `keys[r]`, 64 columns at a time; neither operand is packed. The
+/// zeros skipped add nothing to finite values: the caller takes this path for finite values
+/// only. Summation order: per entry, the keys in increasing order, one fused multiply-add each.
+template <class Accumulator, class Weights, class Values>
+void add_weighted_rows(Accumulator& accumulator, const Weights& weights, const Values& values,
+                       const std::vector<Index>& keys) {
+  constexpr Index kBlock = 6;
+  const Index rows = accumulator.rows();
+  const Index dim = accumulator.cols();
+  for (Index r0 = 0; r0 < rows; r0 += kBlock) {
+    const Index height = std::min(kBlock, rows - r0);
+    const Index width = *std::max_element(keys.begin() + r0, keys.begin() + r0 + height);
+    if (width == 0) continue;
+    for (Index column = 0; column < dim; column += 64) {
+      __mmask16 mask[4];
+      for (Index v = 0; v < 4; ++v) {
+        const Index lanes = std::clamp<Index>(dim - column - 16 * v, 0, 16);
+        mask[v] = static_cast<__mmask16>((1u << static_cast<unsigned>(lanes)) - 1u);
+      }
+      add_weighted_rows_block(&accumulator.coeffRef(r0, 0), accumulator.outerStride(),
+                              &weights.coeffRef(r0, 0), weights.outerStride(), values.data(),
+                              values.outerStride(), width, height, column, mask);
+    }
+  }
+}
+#endif
+
 }  // namespace detail
 
 /// Running softmax state of a tile of query rows: per row the running maximum \f$\mu\f$, the sum
@@ -189,18 +355,33 @@ class OnlineSoftmax {
   /// score and value). The running maximum is that of the visible \f$S\f$, and the weights are
   /// \f$c_{ij} e^{S_{ij} - \mu}\f$: no logarithm, and each row in one walk (mask, maximum,
   /// exponentials, weights), which is the fused kernel's inner loop. Mixing update and
-  /// update_counted on one state shifts its lse by \f$\log c\f$: do not.
+  /// update_counted on one state shifts its lse by \f$\log c\f$: do not. `finite_values`: the
+  /// caller has checked that every entry of `values` is finite (their test is then skipped).
   template <class Counts>
   void update_counted(Eigen::Ref<Matrix> scores, const Eigen::Ref<const Matrix>& values,
-                      Counts&& counts) {
-    detail::find_nonfinite_rows(values, bad_);
+                      Counts&& counts, bool finite_values = false) {
+    if (finite_values) {
+      bad_.clear();
+    } else {
+      detail::find_nonfinite_rows(values, bad_);
+    }
     const Index rows = scores.rows();
     const Index cols = scores.cols();
     visible_.resize(bad_.size() * static_cast<std::size_t>(rows));
+    limits_.resize(static_cast<std::size_t>(rows));
     for (Index r = 0; r < rows; ++r) {
       Index limit = 0;
       const int* count = counts(r, limit);
       Scalar* row = scores.row(r).data();
+      limits_[static_cast<std::size_t>(r)] = limit;
+#if defined(PLSH_FUSED_AVX512)
+      if constexpr (std::is_same<Scalar, float>::value) {
+        if (bad_.empty()) {
+          counted_row(r, row, count, limit, cols);
+          continue;
+        }
+      }
+#endif
       for (Index c = 0; c < limit; ++c) row[c] = count[c] == 0 ? -kInfinity : row[c];
       for (Index c = limit; c < cols; ++c) row[c] = -kInfinity;
       for (std::size_t i = 0; i < bad_.size(); ++i) {
@@ -215,6 +396,14 @@ class OnlineSoftmax {
       for (Index c = 0; c < limit; ++c) row[c] *= static_cast<Scalar>(count[c]);
       add_row(r, new_max, scores.row(r));
     }
+#if defined(PLSH_FUSED_AVX512)
+    if constexpr (std::is_same<Scalar, float>::value) {
+      if (bad_.empty()) {
+        detail::add_weighted_rows(accumulator_, scores, values, limits_);
+        return;
+      }
+    }
+#endif
     detail::add_product(
         accumulator_, scores, values, bad_, scratch_, cols <= detail::kSmallProductDepth,
         [&](Index r, std::size_t i) {
@@ -270,6 +459,67 @@ class OnlineSoftmax {
     return new_max;
   }
 
+#if defined(PLSH_FUSED_AVX512)
+// GCC 12's AVX-512 headers initialise _mm512_undefined_ps() from itself (GCC bug 105593).
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+  /// One row of update_counted with finite values, float, in two vectorised passes over its
+  /// first `limit` logits instead of five: (1) the logits of keys with count 0 set to
+  /// \f$-\infty\f$, the row's maximum, whether a NaN is present; (2) the weights \f$c e^{S -
+  /// \mu}\f$ (Eigen's vectorised exp) and their sum. Entries from `limit` on are set to 0. Same
+  /// non-finite behaviour as the portable walk (raise_max, add_row).
+  void counted_row(Index r, float* row, const int* count, Index limit, Index cols) {
+    const __m512 minus_infinity = _mm512_set1_ps(-kInfinity);
+    __m512 high = minus_infinity;
+    __mmask16 nan = 0;
+    for (Index c = 0; c < limit; c += 16) {
+      const __mmask16 lanes = lanes_below(limit - c);
+      const __m512i n = _mm512_maskz_loadu_epi32(lanes, count + c);
+      const __mmask16 visible = _mm512_mask_cmpneq_epi32_mask(lanes, n, _mm512_setzero_si512());
+      const __m512 logit = _mm512_mask_loadu_ps(minus_infinity, visible, row + c);
+      _mm512_mask_storeu_ps(row + c, lanes, logit);
+      nan = static_cast<__mmask16>(nan | _mm512_cmp_ps_mask(logit, logit, _CMP_UNORD_Q));
+      high = _mm512_max_ps(high, logit);
+    }
+    const float new_max = std::max(max_[r], _mm512_reduce_max_ps(high));
+    if (new_max == -kInfinity) {
+      if (nan != 0) {
+        max_[r] = std::numeric_limits<float>::quiet_NaN();
+        sum_[r] = std::numeric_limits<float>::quiet_NaN();
+      }
+      std::fill(row, row + cols, 0.0f);
+      return;
+    }
+    const __m512 shift = _mm512_set1_ps(new_max);
+    __m512 total = _mm512_setzero_ps();
+    for (Index c = 0; c < limit; c += 16) {
+      const __mmask16 lanes = lanes_below(limit - c);
+      const __m512 logit = _mm512_maskz_loadu_ps(lanes, row + c);
+      const __m512 n = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(lanes, count + c));
+      const __m512 weight = _mm512_mul_ps(Eigen::internal::pexp(_mm512_sub_ps(logit, shift)), n);
+      _mm512_mask_storeu_ps(row + c, lanes, weight);
+      total = _mm512_mask_add_ps(total, lanes, total, weight);
+    }
+    std::fill(row + limit, row + cols, 0.0f);
+    const float rescale = std::exp(max_[r] - new_max);
+    sum_[r] = sum_[r] * rescale + _mm512_reduce_add_ps(total);
+    accumulator_.row(r) *= rescale;
+    max_[r] = new_max;
+  }
+
+  /// The first `count` of 16 lanes (all of them for count >= 16).
+  static __mmask16 lanes_below(Index count) {
+    return count >= 16 ? static_cast<__mmask16>(0xFFFF)
+                       : static_cast<__mmask16>((1u << static_cast<unsigned>(count)) - 1u);
+  }
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
+#pragma GCC diagnostic pop
+#endif
+#endif
+
   /// Rescales row r's state from its maximum to `new_max` and adds the sum of its `weights`
   /// (the weighted values are added by the caller's product).
   template <class Row>
@@ -285,6 +535,7 @@ class OnlineSoftmax {
   Matrix accumulator_;
   std::vector<Index> bad_;  // value rows of the current tile that hold a non-finite entry
   std::vector<char> visible_;
+  std::vector<Index> limits_;  // update_counted: row r's weights are 0 from limits_[r] on
   Matrix scratch_;
   Eigen::Array<Scalar, 1, Eigen::Dynamic> row_scratch_;
 };

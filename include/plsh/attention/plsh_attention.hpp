@@ -28,13 +28,19 @@
 ///   sum by matrix-vector products over its own keys only (detail::fused_row_by_row), which
 ///   spares the steep heads the blocked products' packing. Cost about \f$(\ln(s)/m +
 ///   \text{tile})(d + d_v)\f$ per query and head, plus O(s) per block of the tile.
+///   Compiled for AVX-512 (`__AVX512F__`, e.g. `-march=native` on such a processor), a float
+///   chunk whose values are finite takes each row's walk in two vectorised passes and the
+///   product \f$PV\f$ by register blocks of 6 rows by 64 columns over each block's visible keys,
+///   without packing (online_softmax.hpp); \f$QK^\top\f$ stays Eigen's. Other builds and types
+///   take Eigen's products and the portable walk; both are tested (test_plsh_attention and
+///   test_plsh_attention_avx512).
 ///
 /// Parallelism: one OpenMP region per call, over (batch element, head, span of up to
 /// kFusedSpanRows query rows) for the fused kernel (the keys and values a span sees are first
-/// packed when strided, fused_span) and (batch element, head) for the passes; the draws are made
-/// once per call and shared by the batch elements (the batched overloads of batch.hpp; an unbatched
-/// call is a batch of one). Every job writes its own rows: the result is identical for any number
-/// of threads.
+/// packed when strided, and their values tested for finiteness once, fused_span) and (batch
+/// element, head) for the passes; the draws are made once per call and shared by the batch elements
+/// (the batched overloads of batch.hpp; an unbatched call is a batch of one). Every job writes its
+/// own rows: the result is identical for any number of threads.
 ///
 /// Storage: float, double, or Eigen::bfloat16 / Eigen::half computed in float (detail::Compute):
 /// the fused kernel converts its query tile and each key and value chunk once, the pass kernel
@@ -423,11 +429,15 @@ template <class Storage>
 void fused_row_by_row(FusedWorkspace<Storage>& workspace, const RowMatrix<Compute<Storage>>& query,
                       const ConstHeadMap<Compute<Storage>>& key_rows,
                       const ConstHeadMap<Compute<Storage>>& value_rows, Index first_key,
-                      HeadMap<Compute<Storage>> out) {
+                      HeadMap<Compute<Storage>> out, bool finite_values) {
   using Scalar = Compute<Storage>;
   constexpr Scalar kMinusInfinity = -std::numeric_limits<Scalar>::infinity();
   const Index width = key_rows.rows();
-  find_nonfinite_rows(value_rows, workspace.bad);
+  if (finite_values) {
+    workspace.bad.clear();
+  } else {
+    find_nonfinite_rows(value_rows, workspace.bad);
+  }
   workspace.counts.start_chunk(first_key, width);
   for (Index r = 0; r < query.rows(); ++r) {
     Index limit = 0;
@@ -494,7 +504,7 @@ template <class Storage>
 void fused_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
                 const ConstHeadMap<Storage>& v, const std::vector<Grid>& grids,
                 const AttentionOptions& options, const PositionRange& range, Index row_begin,
-                Index row_end, HeadMap<Storage>& out) {
+                Index row_end, HeadMap<Storage>& out, bool finite_values = false) {
   using Scalar = Compute<Storage>;
   static thread_local FusedWorkspace<Storage> workspace;
   const Index rows = row_end - row_begin;
@@ -509,7 +519,7 @@ void fused_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
     fused_row_by_row(workspace, workspace.query,
                      compute_rows(map_rows(k, first_key, width), workspace.key_rows),
                      compute_rows(map_rows(v, first_key, width), workspace.value_rows), keys.begin,
-                     workspace.output.bind(map_rows(out, row_begin, rows)));
+                     workspace.output.bind(map_rows(out, row_begin, rows)), finite_values);
     workspace.output.store();
     return;
   }
@@ -527,7 +537,8 @@ void fused_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
       workspace.counts.start_chunk(c0, cols);
       workspace.softmax.update_counted(
           scores, compute_rows(map_rows(v, first_key, cols), workspace.value_rows),
-          [&](Index r, Index& limit) { return workspace.counts.next_row(r, limit); });
+          [&](Index r, Index& limit) { return workspace.counts.next_row(r, limit); },
+          finite_values);
     }
   }
   workspace.softmax.finish(workspace.output.bind(map_rows(out, row_begin, rows)), nullptr);
@@ -557,20 +568,6 @@ struct SpanKeys {
   AlignedVector<Storage> k, v;
 };
 
-/// Rows `[begin, begin + count)` of `rows` copied into `to`, packed; returns the packed map.
-template <class Storage>
-ConstHeadMap<Storage> pack_rows(const ConstHeadMap<Storage>& rows, Index begin, Index count,
-                                AlignedVector<Storage>& to) {
-  const Index cols = rows.cols();
-  const std::size_t needed = static_cast<std::size_t>(count * cols);
-  if (to.size() < needed) to.resize(needed);
-  for (Index r = 0; r < count; ++r) {
-    const Storage* row = rows.data() + (begin + r) * rows.outerStride();
-    std::copy(row, row + cols, to.data() + r * cols);
-  }
-  return ConstHeadMap<Storage>(to.data(), count, cols, Eigen::OuterStride<>(cols));
-}
-
 /// The keys that query rows `[row_begin, row_end)` of a head may see: from the first row's
 /// earliest block start to the last row's latest block end (to the last row itself when
 /// causal), cut to the keys `[key_begin, key_end)`. Every row's blocks lie inside, blocks
@@ -596,7 +593,9 @@ inline Block span_keys(const std::vector<Grid>& grids, const PositionRange& rang
 /// (span_keys) are at most `max_packed_keys`, those key and value rows are first copied, packed,
 /// into per-thread scratch: each is read from the tensor once, in a loop whose loads are
 /// independent, instead of missing the cache inside the products. Same arithmetic either way.
-/// (A tile's query rows are copied anyway, scaled, and its output rows written once.)
+/// (A tile's query rows are copied anyway, scaled, and its output rows written once.) For float
+/// and double, the values of those keys are tested for finiteness once here, and the tiles skip
+/// their own test when they are (OnlineSoftmax::update_counted, fused_row_by_row).
 template <class Storage>
 void fused_span(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
                 const ConstHeadMap<Storage>& v, const std::vector<Grid>& grids, double slope,
@@ -609,9 +608,16 @@ void fused_span(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
   const Index key_count = keys.end - keys.begin;
   const auto tiles = [&](const ConstHeadMap<Storage>& key_rows,
                          const ConstHeadMap<Storage>& value_rows, const AttentionOptions& at) {
+    // Every tile's keys lie among the span's: their values are tested for finiteness once here
+    // (float and double; the 16-bit types test each converted chunk) instead of once per tile.
+    bool finite_values = false;
+    if constexpr (std::is_same<Storage, Compute<Storage>>::value) {
+      finite_values = key_count > 0 &&
+                      all_finite(map_rows(value_rows, keys.begin - at.key_position, key_count));
+    }
     for (Index r0 = row_begin; r0 < row_end; r0 += height) {
       fused_rows<Storage>(q, key_rows, value_rows, grids, at, range, r0,
-                          std::min(row_end, r0 + height), out);
+                          std::min(row_end, r0 + height), out, finite_values);
     }
   };
   const bool strided = k.outerStride() != k.cols() || v.outerStride() != v.cols();

@@ -5,11 +5,13 @@
 /// Storage and compute types of the kernels. A kernel on storage type S reads its inputs and
 /// writes its outputs in S and computes in `Compute<S>`: float for the 16-bit types
 /// `Eigen::bfloat16` and `Eigen::half`, S itself for float and double. Rows are converted once
-/// per tile (compute_rows, OutputRows); for float and double nothing is copied.
+/// per tile (compute_rows, OutputRows); for float and double nothing is copied. pack_rows copies
+/// rows packed, in the storage or the compute type.
 ///
 /// Tested in tests/test_storage.cpp.
 
 #include <Eigen/Core>
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -64,23 +66,38 @@ void convert_to_compute(const Storage* from, Index count, Compute<Storage>* to) 
   }
 }
 
+/// Rows `[begin, begin + count)` of `rows` copied into `to`, packed (row stride = cols), as
+/// `To`: the storage type itself (a plain copy) or its compute type (convert_to_compute). `to`
+/// grows when needed and must outlive the returned map.
+template <class To, class Storage>
+ConstHeadMap<To> pack_rows(const ConstHeadMap<Storage>& rows, Index begin, Index count,
+                           AlignedVector<To>& to) {
+  static_assert(std::is_same<To, Storage>::value || std::is_same<To, Compute<Storage>>::value,
+                "rows are packed as their storage or their compute type");
+  const Index cols = rows.cols();
+  const std::size_t needed = static_cast<std::size_t>(count * cols);
+  if (to.size() < needed) to.resize(needed);
+  for (Index r = 0; r < count; ++r) {
+    const Storage* row = rows.data() + (begin + r) * rows.outerStride();
+    if constexpr (std::is_same<To, Storage>::value) {
+      std::copy(row, row + cols, to.data() + r * cols);
+    } else {
+      convert_to_compute(row, cols, to.data() + r * cols);
+    }
+  }
+  return ConstHeadMap<To>(to.data(), count, cols, Eigen::OuterStride<>(cols));
+}
+
 /// Rows of a head map as the compute type. When `Storage` is the compute type this is the map
-/// itself; otherwise the rows are converted into `scratch` (packed, row stride = cols), which
-/// must outlive the returned map.
+/// itself; otherwise the rows are converted into `scratch` (pack_rows), which must outlive the
+/// returned map.
 template <class Storage>
 ConstHeadMap<Compute<Storage>> compute_rows(const ConstHeadMap<Storage>& rows,
                                             AlignedVector<Compute<Storage>>& scratch) {
   if constexpr (std::is_same<Storage, Compute<Storage>>::value) {
     return rows;
   } else {
-    const Index cols = rows.cols();
-    const std::size_t needed = static_cast<std::size_t>(rows.rows() * cols);
-    if (scratch.size() < needed) scratch.resize(needed);
-    for (Index r = 0; r < rows.rows(); ++r) {
-      convert_to_compute(rows.row(r).data(), cols, scratch.data() + r * cols);
-    }
-    return ConstHeadMap<Compute<Storage>>(scratch.data(), rows.rows(), cols,
-                                          Eigen::OuterStride<>(cols));
+    return pack_rows(rows, 0, rows.rows(), scratch);
   }
 }
 
