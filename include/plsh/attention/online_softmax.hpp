@@ -24,7 +24,7 @@
 /// Only a tile whose values hold a non-finite entry takes the slower path.
 ///
 /// AVX-512 builds (`__AVX512F__`): OnlineSoftmax::update_counted, the fused kernel's step, walks
-/// a float row in two vectorised passes (counted_row) and adds \f$PV\f$ by register blocks
+/// a float row in two vectorised passes (counted_weights) and adds \f$PV\f$ by register blocks
 /// without packing (add_weighted_rows) when the chunk's values are finite; other builds, types
 /// and chunks take the portable code. Summation orders differ between the two, not the results
 /// beyond rounding.
@@ -145,10 +145,37 @@ void add_product(Accumulator& accumulator, const Weights& weights, const Operand
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
+/// 64 columns of one accumulator row in four vectors (lanes outside `mask[0..3]` zero), named
+/// rather than an array, which GCC keeps in memory.
+struct RowSums {
+  __m512 a, b, c, d;
+
+  void load(const float* row, const __mmask16* mask) {
+    a = _mm512_maskz_loadu_ps(mask[0], row);
+    b = _mm512_maskz_loadu_ps(mask[1], row + 16);
+    c = _mm512_maskz_loadu_ps(mask[2], row + 32);
+    d = _mm512_maskz_loadu_ps(mask[3], row + 48);
+  }
+  /// += weight * (v0, v1, v2, v3), one fused multiply-add per vector.
+  void add(float weight, __m512 v0, __m512 v1, __m512 v2, __m512 v3) {
+    const __m512 w = _mm512_set1_ps(weight);
+    a = _mm512_fmadd_ps(w, v0, a);
+    b = _mm512_fmadd_ps(w, v1, b);
+    c = _mm512_fmadd_ps(w, v2, c);
+    d = _mm512_fmadd_ps(w, v3, d);
+  }
+  void store(float* row, const __mmask16* mask) const {
+    _mm512_mask_storeu_ps(row, mask[0], a);
+    _mm512_mask_storeu_ps(row + 16, mask[1], b);
+    _mm512_mask_storeu_ps(row + 32, mask[2], c);
+    _mm512_mask_storeu_ps(row + 48, mask[3], d);
+  }
+};
+
 /// Rows `[0, rows)` (1 to 6) of `accumulator += weights * values` over the columns
 /// `[column, column + 64)` (lanes outside `mask[0..3]` neither read nor written) and the keys
-/// `[0, keys)`: 24 accumulators in registers (named, so that the compiler keeps them there),
-/// each key's value row loaded once, one broadcast weight per row and key, one fused
+/// `[0, keys)`: 24 accumulators in registers (six named RowSums, so that the compiler keeps them
+/// there), each key's value row loaded once, one broadcast weight per row and key, one fused
 /// multiply-add per 16 entries. Missing rows repeat row 0 and are not stored.
 inline void add_weighted_rows_block(float* accumulator, Index accumulator_stride,
                                     const float* weights, Index weight_stride, const float* values,
@@ -161,101 +188,86 @@ inline void add_weighted_rows_block(float* accumulator, Index accumulator_stride
     out[i] = accumulator + row * accumulator_stride + column;
     weight[i] = weights + row * weight_stride;
   }
-  __m512 s00 = _mm512_maskz_loadu_ps(mask[0], out[0] + 0),
-         s01 = _mm512_maskz_loadu_ps(mask[1], out[0] + 16),
-         s02 = _mm512_maskz_loadu_ps(mask[2], out[0] + 32),
-         s03 = _mm512_maskz_loadu_ps(mask[3], out[0] + 48);
-  __m512 s10 = _mm512_maskz_loadu_ps(mask[0], out[1] + 0),
-         s11 = _mm512_maskz_loadu_ps(mask[1], out[1] + 16),
-         s12 = _mm512_maskz_loadu_ps(mask[2], out[1] + 32),
-         s13 = _mm512_maskz_loadu_ps(mask[3], out[1] + 48);
-  __m512 s20 = _mm512_maskz_loadu_ps(mask[0], out[2] + 0),
-         s21 = _mm512_maskz_loadu_ps(mask[1], out[2] + 16),
-         s22 = _mm512_maskz_loadu_ps(mask[2], out[2] + 32),
-         s23 = _mm512_maskz_loadu_ps(mask[3], out[2] + 48);
-  __m512 s30 = _mm512_maskz_loadu_ps(mask[0], out[3] + 0),
-         s31 = _mm512_maskz_loadu_ps(mask[1], out[3] + 16),
-         s32 = _mm512_maskz_loadu_ps(mask[2], out[3] + 32),
-         s33 = _mm512_maskz_loadu_ps(mask[3], out[3] + 48);
-  __m512 s40 = _mm512_maskz_loadu_ps(mask[0], out[4] + 0),
-         s41 = _mm512_maskz_loadu_ps(mask[1], out[4] + 16),
-         s42 = _mm512_maskz_loadu_ps(mask[2], out[4] + 32),
-         s43 = _mm512_maskz_loadu_ps(mask[3], out[4] + 48);
-  __m512 s50 = _mm512_maskz_loadu_ps(mask[0], out[5] + 0),
-         s51 = _mm512_maskz_loadu_ps(mask[1], out[5] + 16),
-         s52 = _mm512_maskz_loadu_ps(mask[2], out[5] + 32),
-         s53 = _mm512_maskz_loadu_ps(mask[3], out[5] + 48);
+  RowSums s0, s1, s2, s3, s4, s5;
+  s0.load(out[0], mask);
+  s1.load(out[1], mask);
+  s2.load(out[2], mask);
+  s3.load(out[3], mask);
+  s4.load(out[4], mask);
+  s5.load(out[5], mask);
   for (Index j = 0; j < keys; ++j) {
     const float* value = values + j * value_stride + column;
-    const __m512 v0 = _mm512_maskz_loadu_ps(mask[0], value + 0);
+    const __m512 v0 = _mm512_maskz_loadu_ps(mask[0], value);
     const __m512 v1 = _mm512_maskz_loadu_ps(mask[1], value + 16);
     const __m512 v2 = _mm512_maskz_loadu_ps(mask[2], value + 32);
     const __m512 v3 = _mm512_maskz_loadu_ps(mask[3], value + 48);
-    const __m512 w0 = _mm512_set1_ps(weight[0][j]);
-    s00 = _mm512_fmadd_ps(w0, v0, s00);
-    s01 = _mm512_fmadd_ps(w0, v1, s01);
-    s02 = _mm512_fmadd_ps(w0, v2, s02);
-    s03 = _mm512_fmadd_ps(w0, v3, s03);
-    const __m512 w1 = _mm512_set1_ps(weight[1][j]);
-    s10 = _mm512_fmadd_ps(w1, v0, s10);
-    s11 = _mm512_fmadd_ps(w1, v1, s11);
-    s12 = _mm512_fmadd_ps(w1, v2, s12);
-    s13 = _mm512_fmadd_ps(w1, v3, s13);
-    const __m512 w2 = _mm512_set1_ps(weight[2][j]);
-    s20 = _mm512_fmadd_ps(w2, v0, s20);
-    s21 = _mm512_fmadd_ps(w2, v1, s21);
-    s22 = _mm512_fmadd_ps(w2, v2, s22);
-    s23 = _mm512_fmadd_ps(w2, v3, s23);
-    const __m512 w3 = _mm512_set1_ps(weight[3][j]);
-    s30 = _mm512_fmadd_ps(w3, v0, s30);
-    s31 = _mm512_fmadd_ps(w3, v1, s31);
-    s32 = _mm512_fmadd_ps(w3, v2, s32);
-    s33 = _mm512_fmadd_ps(w3, v3, s33);
-    const __m512 w4 = _mm512_set1_ps(weight[4][j]);
-    s40 = _mm512_fmadd_ps(w4, v0, s40);
-    s41 = _mm512_fmadd_ps(w4, v1, s41);
-    s42 = _mm512_fmadd_ps(w4, v2, s42);
-    s43 = _mm512_fmadd_ps(w4, v3, s43);
-    const __m512 w5 = _mm512_set1_ps(weight[5][j]);
-    s50 = _mm512_fmadd_ps(w5, v0, s50);
-    s51 = _mm512_fmadd_ps(w5, v1, s51);
-    s52 = _mm512_fmadd_ps(w5, v2, s52);
-    s53 = _mm512_fmadd_ps(w5, v3, s53);
+    s0.add(weight[0][j], v0, v1, v2, v3);
+    s1.add(weight[1][j], v0, v1, v2, v3);
+    s2.add(weight[2][j], v0, v1, v2, v3);
+    s3.add(weight[3][j], v0, v1, v2, v3);
+    s4.add(weight[4][j], v0, v1, v2, v3);
+    s5.add(weight[5][j], v0, v1, v2, v3);
   }
-  _mm512_mask_storeu_ps(out[0] + 0, mask[0], s00);
-  _mm512_mask_storeu_ps(out[0] + 16, mask[1], s01);
-  _mm512_mask_storeu_ps(out[0] + 32, mask[2], s02);
-  _mm512_mask_storeu_ps(out[0] + 48, mask[3], s03);
-  if (rows > 1) {
-    _mm512_mask_storeu_ps(out[1] + 0, mask[0], s10);
-    _mm512_mask_storeu_ps(out[1] + 16, mask[1], s11);
-    _mm512_mask_storeu_ps(out[1] + 32, mask[2], s12);
-    _mm512_mask_storeu_ps(out[1] + 48, mask[3], s13);
+  s0.store(out[0], mask);
+  if (rows > 1) s1.store(out[1], mask);
+  if (rows > 2) s2.store(out[2], mask);
+  if (rows > 3) s3.store(out[3], mask);
+  if (rows > 4) s4.store(out[4], mask);
+  if (rows > 5) s5.store(out[5], mask);
+}
+
+/// The first `count` of 16 lanes (all of them for count >= 16).
+inline __mmask16 lanes_below(Index count) {
+  return count >= 16 ? static_cast<__mmask16>(0xFFFF)
+                     : static_cast<__mmask16>((1u << static_cast<unsigned>(count)) - 1u);
+}
+
+/// One row of OnlineSoftmax::update_counted with finite values, float, in two vectorised passes
+/// over its first `limit` logits instead of five: (1) the logits of keys with count 0 set to
+/// \f$-\infty\f$, the row's maximum, whether a NaN is present; (2) the weights \f$c e^{S -
+/// \mu}\f$ (Eigen's vectorised exp) and their sum. Entries from `limit` on are set to 0. `max`
+/// and `sum` are the row's running maximum and sum, updated; returns the factor by which its
+/// accumulator is rescaled (1 when the row sees no key here). Same non-finite behaviour as the
+/// portable walk (OnlineSoftmax's raise_max and add_row).
+inline float counted_weights(float* row, const int* count, Index limit, Index cols, float& max,
+                             float& sum) {
+  constexpr float kMinusInfinity = -std::numeric_limits<float>::infinity();
+  const __m512 minus_infinity = _mm512_set1_ps(kMinusInfinity);
+  __m512 high = minus_infinity;
+  __mmask16 nan = 0;
+  for (Index c = 0; c < limit; c += 16) {
+    const __mmask16 lanes = lanes_below(limit - c);
+    const __m512i n = _mm512_maskz_loadu_epi32(lanes, count + c);
+    const __mmask16 visible = _mm512_mask_cmpneq_epi32_mask(lanes, n, _mm512_setzero_si512());
+    const __m512 logit = _mm512_mask_loadu_ps(minus_infinity, visible, row + c);
+    _mm512_mask_storeu_ps(row + c, lanes, logit);
+    nan = static_cast<__mmask16>(nan | _mm512_cmp_ps_mask(logit, logit, _CMP_UNORD_Q));
+    high = _mm512_max_ps(high, logit);
   }
-  if (rows > 2) {
-    _mm512_mask_storeu_ps(out[2] + 0, mask[0], s20);
-    _mm512_mask_storeu_ps(out[2] + 16, mask[1], s21);
-    _mm512_mask_storeu_ps(out[2] + 32, mask[2], s22);
-    _mm512_mask_storeu_ps(out[2] + 48, mask[3], s23);
+  const float new_max = std::max(max, _mm512_reduce_max_ps(high));
+  if (new_max == kMinusInfinity) {
+    if (nan != 0) {
+      max = std::numeric_limits<float>::quiet_NaN();
+      sum = std::numeric_limits<float>::quiet_NaN();
+    }
+    std::fill(row, row + cols, 0.0f);
+    return 1.0f;
   }
-  if (rows > 3) {
-    _mm512_mask_storeu_ps(out[3] + 0, mask[0], s30);
-    _mm512_mask_storeu_ps(out[3] + 16, mask[1], s31);
-    _mm512_mask_storeu_ps(out[3] + 32, mask[2], s32);
-    _mm512_mask_storeu_ps(out[3] + 48, mask[3], s33);
+  const __m512 shift = _mm512_set1_ps(new_max);
+  __m512 total = _mm512_setzero_ps();
+  for (Index c = 0; c < limit; c += 16) {
+    const __mmask16 lanes = lanes_below(limit - c);
+    const __m512 logit = _mm512_maskz_loadu_ps(lanes, row + c);
+    const __m512 n = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(lanes, count + c));
+    const __m512 weight = _mm512_mul_ps(Eigen::internal::pexp(_mm512_sub_ps(logit, shift)), n);
+    _mm512_mask_storeu_ps(row + c, lanes, weight);
+    total = _mm512_mask_add_ps(total, lanes, total, weight);
   }
-  if (rows > 4) {
-    _mm512_mask_storeu_ps(out[4] + 0, mask[0], s40);
-    _mm512_mask_storeu_ps(out[4] + 16, mask[1], s41);
-    _mm512_mask_storeu_ps(out[4] + 32, mask[2], s42);
-    _mm512_mask_storeu_ps(out[4] + 48, mask[3], s43);
-  }
-  if (rows > 5) {
-    _mm512_mask_storeu_ps(out[5] + 0, mask[0], s50);
-    _mm512_mask_storeu_ps(out[5] + 16, mask[1], s51);
-    _mm512_mask_storeu_ps(out[5] + 32, mask[2], s52);
-    _mm512_mask_storeu_ps(out[5] + 48, mask[3], s53);
-  }
+  std::fill(row + limit, row + cols, 0.0f);
+  const float rescale = std::exp(max - new_max);
+  sum = sum * rescale + _mm512_reduce_add_ps(total);
+  max = new_max;
+  return rescale;
 }
 
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
@@ -377,7 +389,8 @@ class OnlineSoftmax {
 #if defined(PLSH_FUSED_AVX512)
       if constexpr (std::is_same<Scalar, float>::value) {
         if (bad_.empty()) {
-          counted_row(r, row, count, limit, cols);
+          const float rescale = detail::counted_weights(row, count, limit, cols, max_[r], sum_[r]);
+          if (rescale != 1.0f) accumulator_.row(r) *= rescale;
           continue;
         }
       }
@@ -458,67 +471,6 @@ class OnlineSoftmax {
     }
     return new_max;
   }
-
-#if defined(PLSH_FUSED_AVX512)
-// GCC 12's AVX-512 headers initialise _mm512_undefined_ps() from itself (GCC bug 105593).
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-  /// One row of update_counted with finite values, float, in two vectorised passes over its
-  /// first `limit` logits instead of five: (1) the logits of keys with count 0 set to
-  /// \f$-\infty\f$, the row's maximum, whether a NaN is present; (2) the weights \f$c e^{S -
-  /// \mu}\f$ (Eigen's vectorised exp) and their sum. Entries from `limit` on are set to 0. Same
-  /// non-finite behaviour as the portable walk (raise_max, add_row).
-  void counted_row(Index r, float* row, const int* count, Index limit, Index cols) {
-    const __m512 minus_infinity = _mm512_set1_ps(-kInfinity);
-    __m512 high = minus_infinity;
-    __mmask16 nan = 0;
-    for (Index c = 0; c < limit; c += 16) {
-      const __mmask16 lanes = lanes_below(limit - c);
-      const __m512i n = _mm512_maskz_loadu_epi32(lanes, count + c);
-      const __mmask16 visible = _mm512_mask_cmpneq_epi32_mask(lanes, n, _mm512_setzero_si512());
-      const __m512 logit = _mm512_mask_loadu_ps(minus_infinity, visible, row + c);
-      _mm512_mask_storeu_ps(row + c, lanes, logit);
-      nan = static_cast<__mmask16>(nan | _mm512_cmp_ps_mask(logit, logit, _CMP_UNORD_Q));
-      high = _mm512_max_ps(high, logit);
-    }
-    const float new_max = std::max(max_[r], _mm512_reduce_max_ps(high));
-    if (new_max == -kInfinity) {
-      if (nan != 0) {
-        max_[r] = std::numeric_limits<float>::quiet_NaN();
-        sum_[r] = std::numeric_limits<float>::quiet_NaN();
-      }
-      std::fill(row, row + cols, 0.0f);
-      return;
-    }
-    const __m512 shift = _mm512_set1_ps(new_max);
-    __m512 total = _mm512_setzero_ps();
-    for (Index c = 0; c < limit; c += 16) {
-      const __mmask16 lanes = lanes_below(limit - c);
-      const __m512 logit = _mm512_maskz_loadu_ps(lanes, row + c);
-      const __m512 n = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(lanes, count + c));
-      const __m512 weight = _mm512_mul_ps(Eigen::internal::pexp(_mm512_sub_ps(logit, shift)), n);
-      _mm512_mask_storeu_ps(row + c, lanes, weight);
-      total = _mm512_mask_add_ps(total, lanes, total, weight);
-    }
-    std::fill(row + limit, row + cols, 0.0f);
-    const float rescale = std::exp(max_[r] - new_max);
-    sum_[r] = sum_[r] * rescale + _mm512_reduce_add_ps(total);
-    accumulator_.row(r) *= rescale;
-    max_[r] = new_max;
-  }
-
-  /// The first `count` of 16 lanes (all of them for count >= 16).
-  static __mmask16 lanes_below(Index count) {
-    return count >= 16 ? static_cast<__mmask16>(0xFFFF)
-                       : static_cast<__mmask16>((1u << static_cast<unsigned>(count)) - 1u);
-  }
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
-#pragma GCC diagnostic pop
-#endif
-#endif
 
   /// Rescales row r's state from its maximum to `new_max` and adds the sum of its `weights`
   /// (the weighted values are added by the caller's product).
