@@ -332,8 +332,9 @@ TEST_CASE("Fused packs the keys of each span of a head's rows: the same as in pl
 
 TEST_CASE("Fused matches the reference on both sides of the row-by-row width", "[plsh]") {
   // Tiles whose union holds at most kRowByRowKeys keys take fused_row_by_row (a product per
-  // row), wider ones the blocked products and online softmax. Slopes 1/5 .. 1/48 give unions on
-  // both sides; the test counts the tiles of each kind (as the kernel tiles the rows) to be sure.
+  // row), wider ones the blocked products and online softmax (in test_plsh_attention_avx512 both
+  // take the latter, kVectorWalk). Slopes 1/5 .. 1/48 give unions on both sides; the test counts
+  // the tiles of each kind (as the kernel tiles the rows) to be sure.
   const std::vector<double> slopes = {1.0 / 5, 1.0 / 9, 1.0 / 30, 1.0 / 48};
   const Index n = 200;
   for (const bool causal : {true, false}) {

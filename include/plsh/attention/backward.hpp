@@ -280,9 +280,10 @@ void backward_key_rows(const HeadsView<const Storage>& q, const HeadsView<const 
   const auto add_product = [&](RowMatrix<Scalar>& accumulator,
                                const Eigen::Map<RowMatrix<Scalar>>& weights, const auto& operand) {
     find_nonfinite_rows(operand, workspace.nonfinite);
-    detail::add_product(
-        accumulator, weights.transpose(), operand, workspace.nonfinite, workspace.clean, false,
-        [&](Index key, std::size_t i) { return weights(workspace.nonfinite[i], key) != 0; });
+    detail::add_product(accumulator, weights.transpose(), operand, workspace.nonfinite,
+                        workspace.clean, EigenProduct{false}, [&](Index key, std::size_t i) {
+                          return weights(workspace.nonfinite[i], key) != 0;
+                        });
   };
   const Index group = q.heads / k.heads;
   const Index cols = col_end - col_begin;

@@ -37,6 +37,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -50,6 +51,15 @@
 
 namespace plsh {
 namespace detail {
+
+/// Whether OnlineSoftmax<Scalar>::update_counted takes the AVX-512 walk and weighted sum (on
+/// chunks with finite values).
+template <class Scalar>
+#if defined(PLSH_FUSED_AVX512)
+constexpr bool kVectorWalk = std::is_same<Scalar, float>::value;
+#else
+constexpr bool kVectorWalk = false;
+#endif
 
 /// Below this many keys a product of a tile is evaluated coefficient-wise: packing the operands
 /// for Eigen's blocked GEMM costs more than it saves.
@@ -106,29 +116,37 @@ void find_nonfinite_rows(const Operand& operand, std::vector<Index>& rows) {
   }
 }
 
-/// `accumulator += weights * operand`, where an operand row listed in `bad` (non-finite) adds
-/// its term to row r only when `contributes(r, i)` holds for `c = bad[i]`: a zero weight times a
-/// NaN row adds nothing. The product runs on `operand` with the bad rows zeroed (in `scratch`),
-/// so a row that no bad operand row reaches is bit for bit the result of the plain product.
-/// `lazy`: coefficient-wise product instead of the blocked GEMM.
-template <class Scalar, class Accumulator, class Weights, class Operand, class Contributes>
-void add_product(Accumulator& accumulator, const Weights& weights, const Operand& operand,
-                 const std::vector<Index>& bad, RowMatrix<Scalar>& scratch, bool lazy,
-                 Contributes&& contributes) {
-  const auto product = [&](const auto& clean) {
+/// `accumulator += weights * operand` by Eigen: the blocked GEMM or, `lazy`, coefficient-wise.
+struct EigenProduct {
+  bool lazy;
+
+  template <class Accumulator, class Weights, class Operand>
+  void operator()(Accumulator& accumulator, const Weights& weights, const Operand& operand) const {
     if (lazy) {
-      accumulator.noalias() += weights.lazyProduct(clean);
+      accumulator.noalias() += weights.lazyProduct(operand);
     } else {
-      accumulator.noalias() += weights * clean;
+      accumulator.noalias() += weights * operand;
     }
-  };
+  }
+};
+
+/// `accumulator += weights * operand` by `product(accumulator, weights, operand)`, where an
+/// operand row listed in `bad` (non-finite) adds its term to row r only when `contributes(r, i)`
+/// holds for `c = bad[i]`: a zero weight times a NaN row adds nothing. The product runs on
+/// `operand` with the bad rows zeroed (in `scratch`), so a row that no bad operand row reaches
+/// is bit for bit the result of the plain product.
+template <class Scalar, class Accumulator, class Weights, class Operand, class Product,
+          class Contributes>
+void add_product(Accumulator& accumulator, const Weights& weights, const Operand& operand,
+                 const std::vector<Index>& bad, RowMatrix<Scalar>& scratch, Product&& product,
+                 Contributes&& contributes) {
   if (bad.empty()) {
-    product(operand);
+    product(accumulator, weights, operand);
     return;
   }
   scratch = operand;
   for (const Index c : bad) scratch.row(c).setZero();
-  product(scratch);
+  product(accumulator, weights, scratch);
   for (std::size_t i = 0; i < bad.size(); ++i) {
     const Index c = bad[i];
     for (Index r = 0; r < accumulator.rows(); ++r) {
@@ -222,15 +240,40 @@ inline __mmask16 lanes_below(Index count) {
                      : static_cast<__mmask16>((1u << static_cast<unsigned>(count)) - 1u);
 }
 
+/// \f$\log c\f$ for 16 counts at once, from the table `log_count[0 .. max_count]`: one permute
+/// across two registers when the table has at most 32 entries (s < 32), a gather otherwise.
+class LogCountLookup {
+ public:
+  LogCountLookup(const float* log_count, Index max_count)
+      : table_(log_count), in_registers_(max_count < 32) {
+    if (in_registers_) {
+      low_ = _mm512_maskz_loadu_ps(lanes_below(max_count + 1), log_count);
+      high_ = _mm512_maskz_loadu_ps(lanes_below(std::max<Index>(max_count + 1 - 16, 0)),
+                                    log_count + 16);
+    }
+  }
+  __m512 operator()(__m512i count) const {
+    return in_registers_ ? _mm512_permutex2var_ps(low_, count, high_)
+                         : _mm512_i32gather_ps(count, table_, 4);
+  }
+
+ private:
+  const float* table_;
+  bool in_registers_;
+  __m512 low_ = _mm512_setzero_ps();
+  __m512 high_ = _mm512_setzero_ps();
+};
+
 /// One row of OnlineSoftmax::update_counted with finite values, float, in two vectorised passes
-/// over its first `limit` logits instead of five: (1) the logits of keys with count 0 set to
-/// \f$-\infty\f$, the row's maximum, whether a NaN is present; (2) the weights \f$c e^{S -
-/// \mu}\f$ (Eigen's vectorised exp) and their sum. Entries from `limit` on are set to 0. `max`
-/// and `sum` are the row's running maximum and sum, updated; returns the factor by which its
-/// accumulator is rescaled (1 when the row sees no key here). Same non-finite behaviour as the
-/// portable walk (OnlineSoftmax's raise_max and add_row).
-inline float counted_weights(float* row, const int* count, Index limit, Index cols, float& max,
-                             float& sum) {
+/// over its first `limit` logits instead of five: (1) the logits \f$S + \log c\f$, \f$-\infty\f$
+/// for keys with count 0, the row's maximum, whether a NaN is present; (2) the weights
+/// \f$e^{l - \mu}\f$ (Eigen's vectorised exp; exactly 0 for a logit \f$-\infty\f$) and their sum.
+/// Entries from `limit` on are set to 0. `max` and `sum` are the row's running maximum and sum,
+/// updated; returns the factor by which its accumulator is rescaled (1 when the row sees no key
+/// here). Same non-finite behaviour as the portable walk (OnlineSoftmax's raise_max and
+/// add_row).
+inline float counted_weights(float* row, const int* count, Index limit, Index cols,
+                             const LogCountLookup& log_count, float& max, float& sum) {
   constexpr float kMinusInfinity = -std::numeric_limits<float>::infinity();
   const __m512 minus_infinity = _mm512_set1_ps(kMinusInfinity);
   __m512 high = minus_infinity;
@@ -239,7 +282,8 @@ inline float counted_weights(float* row, const int* count, Index limit, Index co
     const __mmask16 lanes = lanes_below(limit - c);
     const __m512i n = _mm512_maskz_loadu_epi32(lanes, count + c);
     const __mmask16 visible = _mm512_mask_cmpneq_epi32_mask(lanes, n, _mm512_setzero_si512());
-    const __m512 logit = _mm512_mask_loadu_ps(minus_infinity, visible, row + c);
+    const __m512 logit =
+        _mm512_add_ps(_mm512_mask_loadu_ps(minus_infinity, visible, row + c), log_count(n));
     _mm512_mask_storeu_ps(row + c, lanes, logit);
     nan = static_cast<__mmask16>(nan | _mm512_cmp_ps_mask(logit, logit, _CMP_UNORD_Q));
     high = _mm512_max_ps(high, logit);
@@ -258,10 +302,12 @@ inline float counted_weights(float* row, const int* count, Index limit, Index co
   for (Index c = 0; c < limit; c += 16) {
     const __mmask16 lanes = lanes_below(limit - c);
     const __m512 logit = _mm512_maskz_loadu_ps(lanes, row + c);
-    const __m512 n = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(lanes, count + c));
-    const __m512 weight = _mm512_mul_ps(Eigen::internal::pexp(_mm512_sub_ps(logit, shift)), n);
+    // A NaN logit keeps its NaN weight; -inf (masked, or a visible -inf score) weighs 0.
+    const __mmask16 weighed = _mm512_mask_cmp_ps_mask(lanes, logit, minus_infinity, _CMP_NEQ_UQ);
+    const __m512 weight =
+        _mm512_maskz_mov_ps(weighed, Eigen::internal::pexp(_mm512_sub_ps(logit, shift)));
     _mm512_mask_storeu_ps(row + c, lanes, weight);
-    total = _mm512_mask_add_ps(total, lanes, total, weight);
+    total = _mm512_add_ps(total, weight);
   }
   std::fill(row + limit, row + cols, 0.0f);
   const float rescale = std::exp(max - new_max);
@@ -342,7 +388,8 @@ class OnlineSoftmax {
     }
     exponentiate(scores);
     detail::add_product(accumulator_, scores, values, bad_, scratch_,
-                        scores.cols() <= detail::kSmallProductDepth, [&](Index r, std::size_t i) {
+                        detail::EigenProduct{scores.cols() <= detail::kSmallProductDepth},
+                        [&](Index r, std::size_t i) {
                           return visible_[i * static_cast<std::size_t>(scores.rows()) +
                                           static_cast<std::size_t>(r)] != 0;
                         });
@@ -361,17 +408,18 @@ class OnlineSoftmax {
   }
 
   /// update for the logits \f$l_{ij} = S_{ij} + \log c_{ij}\f$ with integer weights
-  /// \f$c_{ij} \ge 0\f$: `scores` holds \f$S\f$ and `counts(r, limit)` returns row r's weights
-  /// (called for r = 0, 1, ... in turn), setting `limit`: weights at columns `>= limit` are 0.
-  /// A key with \f$c_{ij} = 0\f$ is masked (weighs exactly 0 and adds nothing, whatever its
-  /// score and value). The running maximum is that of the visible \f$S\f$, and the weights are
-  /// \f$c_{ij} e^{S_{ij} - \mu}\f$: no logarithm, and each row in one walk (mask, maximum,
-  /// exponentials, weights), which is the fused kernel's inner loop. Mixing update and
-  /// update_counted on one state shifts its lse by \f$\log c\f$: do not. `finite_values`: the
-  /// caller has checked that every entry of `values` is finite (their test is then skipped).
+  /// \f$0 \le c_{ij} \le\f$ `max_count`: `scores` holds \f$S\f$, `log_count[c]` is \f$\log c\f$
+  /// (\f$-\infty\f$ for 0) and `counts(r, limit)` returns row r's weights (called for r = 0, 1,
+  /// ... in turn), setting `limit`: weights at columns `>= limit` are 0. A key with \f$c_{ij} =
+  /// 0\f$ is masked (weighs exactly 0 and adds nothing, whatever its score and value). Each row
+  /// in one walk (mask, logits, maximum, exponentials), which is the fused kernel's inner loop;
+  /// a row's largest weight is \f$e^0 = 1\f$, so a row that sees one key gets its value
+  /// exactly. `finite_values`: the caller has checked that every entry of `values` is finite
+  /// (their test is then skipped).
   template <class Counts>
   void update_counted(Eigen::Ref<Matrix> scores, const Eigen::Ref<const Matrix>& values,
-                      Counts&& counts, bool finite_values = false) {
+                      Counts&& counts, const Scalar* log_count, Index max_count,
+                      bool finite_values = false) {
     if (finite_values) {
       bad_.clear();
     } else {
@@ -381,45 +429,54 @@ class OnlineSoftmax {
     const Index cols = scores.cols();
     visible_.resize(bad_.size() * static_cast<std::size_t>(rows));
     limits_.resize(static_cast<std::size_t>(rows));
+#if defined(PLSH_FUSED_AVX512)
+    std::optional<detail::LogCountLookup> lookup;
+    if constexpr (detail::kVectorWalk<Scalar>) lookup.emplace(log_count, max_count);
+#else
+    static_cast<void>(max_count);
+#endif
     for (Index r = 0; r < rows; ++r) {
       Index limit = 0;
       const int* count = counts(r, limit);
       Scalar* row = scores.row(r).data();
       limits_[static_cast<std::size_t>(r)] = limit;
+      // Which non-finite value rows this row sees: those of its keys with a logit above -inf.
+      for (std::size_t i = 0; i < bad_.size(); ++i) {
+        const Index c = bad_[i];
+        visible_[i * static_cast<std::size_t>(rows) + static_cast<std::size_t>(r)] =
+            c < limit && count[c] != 0 && !(row[c] == -kInfinity);
+      }
 #if defined(PLSH_FUSED_AVX512)
-      if constexpr (std::is_same<Scalar, float>::value) {
-        if (bad_.empty()) {
-          const float rescale = detail::counted_weights(row, count, limit, cols, max_[r], sum_[r]);
-          if (rescale != 1.0f) accumulator_.row(r) *= rescale;
-          continue;
-        }
+      if constexpr (detail::kVectorWalk<Scalar>) {
+        const float rescale =
+            detail::counted_weights(row, count, limit, cols, *lookup, max_[r], sum_[r]);
+        if (rescale != 1.0f) accumulator_.row(r) *= rescale;
+        continue;
       }
 #endif
-      for (Index c = 0; c < limit; ++c) row[c] = count[c] == 0 ? -kInfinity : row[c];
-      for (Index c = limit; c < cols; ++c) row[c] = -kInfinity;
-      for (std::size_t i = 0; i < bad_.size(); ++i) {
-        visible_[i * static_cast<std::size_t>(rows) + static_cast<std::size_t>(r)] =
-            !(row[bad_[i]] == -kInfinity);
+      for (Index c = 0; c < limit; ++c) {
+        row[c] = count[c] == 0 ? -kInfinity : row[c] + log_count[count[c]];
       }
+      for (Index c = limit; c < cols; ++c) row[c] = -kInfinity;
       const Scalar new_max = raise_max(r, scores.row(r));
       if (new_max == -kInfinity) continue;
-      // Weights c e^{S - mu} in place: e^{-inf - mu} is exactly 0 for a masked key or a visible
-      // -inf logit (mu is not -inf here; a NaN mu makes every weight and the row's sum NaN).
-      scores.row(r).array() = (scores.row(r).array() - new_max).exp();
-      for (Index c = 0; c < limit; ++c) row[c] *= static_cast<Scalar>(count[c]);
+      detail::masked_exp(scores.row(r).array(), new_max, row_scratch_);
       add_row(r, new_max, scores.row(r));
     }
+    // The weighted sum, by register blocks up to each row's limit in the AVX-512 walk (the
+    // values it reads are finite: add_product zeroes the non-finite rows), else by Eigen.
+    const auto product = [&](Matrix& accumulator, const Eigen::Ref<Matrix>& weights,
+                             const auto& clean) {
 #if defined(PLSH_FUSED_AVX512)
-    if constexpr (std::is_same<Scalar, float>::value) {
-      if (bad_.empty()) {
-        detail::add_weighted_rows(accumulator_, scores, values, limits_);
+      if constexpr (detail::kVectorWalk<Scalar>) {
+        detail::add_weighted_rows(accumulator, weights, clean, limits_);
         return;
       }
-    }
 #endif
+      detail::EigenProduct{cols <= detail::kSmallProductDepth}(accumulator, weights, clean);
+    };
     detail::add_product(
-        accumulator_, scores, values, bad_, scratch_, cols <= detail::kSmallProductDepth,
-        [&](Index r, std::size_t i) {
+        accumulator_, scores, values, bad_, scratch_, product, [&](Index r, std::size_t i) {
           return visible_[i * static_cast<std::size_t>(rows) + static_cast<std::size_t>(r)] != 0;
         });
   }
@@ -431,7 +488,7 @@ class OnlineSoftmax {
   void accumulate(const Eigen::Ref<Matrix>& weights, const Operand& operand) {
     detail::find_nonfinite_rows(operand, bad_);
     detail::add_product(accumulator_, weights, operand, bad_, scratch_,
-                        weights.cols() <= detail::kSmallProductDepth,
+                        detail::EigenProduct{weights.cols() <= detail::kSmallProductDepth},
                         [&](Index r, std::size_t i) { return weights(r, bad_[i]) != 0; });
   }
 

@@ -21,22 +21,23 @@
 ///   whatever s. Per tile of query rows (height from the slope), the counts row by row
 ///   (detail::BlockCounts, shared with the backward: the draws' blocks as events by row, each row's
 ///   counts those of the row before plus the blocks that start there, minus those that end).
-///   A tile whose union holds more than kRowByRowKeys keys takes, per chunk of kFusedKeyTile
-///   keys, one product \f$QK^\top\f$, one walk per row (mask where \f$c_{ij} = 0\f$,
-///   maximum, exponentials, weights \f$c_{ij} e^{S_{ij} - \mu}\f$: OnlineSoftmax::update_counted)
-///   and one product \f$PV\f$; a narrower one goes row by row, each row's scores and weighted
-///   sum by matrix-vector products over its own keys only (detail::fused_row_by_row), which
-///   spares the steep heads the blocked products' packing. Cost about \f$(\ln(s)/m +
+///   A tile takes, per chunk of kFusedKeyTile keys, one product \f$QK^\top\f$, one walk per row
+///   (logits \f$S_{ij} + \log c_{ij}\f$, \f$-\infty\f$ where \f$c_{ij} = 0\f$, maximum,
+///   exponentials: OnlineSoftmax::update_counted) and one product \f$PV\f$; in builds without the
+///   AVX-512 walk (below) a tile whose union holds at most kRowByRowKeys keys goes row by row
+///   instead, each row's scores and weighted sum by matrix-vector products over its own keys
+///   only (detail::fused_row_by_row), which spares the steep heads Eigen's packing. Either way a
+///   row's largest weight is \f$e^0 = 1\f$. Cost about \f$(\ln(s)/m +
 ///   \text{tile})(d + d_v)\f$ per query and head, plus O(s) per block of the tile.
 ///   Compiled for AVX-512 (`__AVX512F__`, e.g. `-march=native` on such a processor), a float
-///   chunk whose values are finite takes each row's walk in two vectorised passes and the
-///   product \f$PV\f$ by register blocks of 6 rows by 64 columns over each block's visible keys,
-///   without packing (online_softmax.hpp); \f$QK^\top\f$ stays Eigen's. Other builds and types
+///   chunk takes each row's walk in two vectorised passes and the product \f$PV\f$ by register
+///   blocks of 6 rows by 64 columns over each block's visible keys, without packing
+///   (online_softmax.hpp), narrow tiles too; \f$QK^\top\f$ stays Eigen's. Other builds and types
 ///   take Eigen's products and the portable walk; both are tested (test_plsh_attention and
 ///   test_plsh_attention_avx512).
 ///
-/// Parallelism: one OpenMP region per call, over (batch element, head, span of up to
-/// kFusedSpanRows query rows) for the fused kernel (the keys and values a span sees are first
+/// Parallelism: one OpenMP region per call, over (batch element, span of up to kFusedSpanRows
+/// query rows, head) for the fused kernel (the keys and values a span sees are first
 /// packed when strided, and their values tested for finiteness once, fused_span) and (batch
 /// element, head) for the passes; the draws are made once per call and shared by the batch elements
 /// (the batched overloads of batch.hpp; an unbatched call is a batch of one). Every job writes its
@@ -172,8 +173,9 @@ void pass_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scal
 }
 
 /// Query rows per tile of the fused kernel for a head of slope m: 32 for the steep slopes
-/// (\f$1/m < 32\f$), whose tiles mostly go row by row (fused_row_by_row: a row's work does not
-/// grow with the tile, the tile's costs, the draws' blocks, are spread over more rows),
+/// (\f$1/m < 32\f$), whose tiles mostly go row by row without the AVX-512 walk
+/// (fused_row_by_row: a row's work does not grow with the tile, the tile's costs, the draws'
+/// blocks, are spread over more rows; with it, the causal triangle of a narrow union stays small),
 /// kQueryTile beyond, where the blocked products' packing is spread over more rows while the
 /// union grows by the extra rows only.
 inline Index fused_tile_rows(double slope) {
@@ -413,8 +415,9 @@ struct FusedWorkspace {
   std::vector<Index> bad;                        // value rows with a non-finite entry
 };
 
-/// Unions of at most this many keys take fused_row_by_row: below it, the blocked products'
-/// packing and the per-tile passes cost more than a product per row.
+/// Unions of at most this many keys take fused_row_by_row, except where update_counted takes the
+/// AVX-512 walk (kVectorWalk): below it, Eigen's packing for the blocked products and the
+/// per-tile passes cost more than a product per row.
 constexpr Index kRowByRowKeys = 80;
 
 /// The fused kernel on a tile of `query` rows (scaled, compute type) whose union of keys is
@@ -511,7 +514,7 @@ void fused_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
   const Block keys = workspace.counts.prepare(grids, range, options.query_position + row_begin,
                                               rows, options.key_position,
                                               options.key_position + k.rows(), options.causal);
-  if (keys.begin < keys.end && keys.end - keys.begin <= kRowByRowKeys) {
+  if (!kVectorWalk<Scalar> && keys.begin < keys.end && keys.end - keys.begin <= kRowByRowKeys) {
     workspace.query.noalias() = compute_rows(map_rows(q, row_begin, rows), workspace.query_rows) *
                                 static_cast<Scalar>(options.scale);
     const Index first_key = keys.begin - options.key_position;
@@ -538,7 +541,7 @@ void fused_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
       workspace.softmax.update_counted(
           scores, compute_rows(map_rows(v, first_key, cols), workspace.value_rows),
           [&](Index r, Index& limit) { return workspace.counts.next_row(r, limit); },
-          finite_values);
+          workspace.counts.log_counts(), static_cast<Index>(grids.size()), finite_values);
     }
   }
   workspace.softmax.finish(workspace.output.bind(map_rows(out, row_begin, rows)), nullptr);
@@ -633,9 +636,10 @@ void fused_span(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
         packed);
 }
 
-/// The fused kernel: parallel over (batch element, head, span of fused_span_rows query rows) in
+/// The fused kernel: parallel over (batch element, span of fused_span_rows query rows, head) in
 /// one parallel region (fused_span, packing at most `max_packed_keys` keys per job); the grids are
-/// shared by the batch elements.
+/// shared by the batch elements. Consecutive jobs take the heads of one span in turn: in a
+/// token-major tensor their rows share pages, which the first job brings in.
 template <class Storage>
 void fused_attention(const BatchedHeadsView<const Storage>& q,
                      const BatchedHeadsView<const Storage>& k,
@@ -653,8 +657,8 @@ void fused_attention(const BatchedHeadsView<const Storage>& q,
   const double work = static_cast<double>(q.batch) * attention_work(q[0], k[0], v[0]);
   parallel_for(q.batch * element_jobs, work, [&](Index job) {
     const Index b = job / element_jobs;
-    const Index h = job % element_jobs / spans;
-    const Index row_begin = job % spans * span_rows;
+    const Index h = job % q.heads;
+    const Index row_begin = job % element_jobs / q.heads * span_rows;
     HeadMap<Storage> out_head = out[b].head(h);
     fused_span<Storage>(q[b].head(h), k[b].head(h / group), v[b].head(h / group),
                         grids[static_cast<std::size_t>(h)], slopes[static_cast<std::size_t>(h)],
