@@ -242,3 +242,40 @@ TEST_CASE("16-bit storage checks the scale in float, the compute type", "[plsh][
       plsh::fixed_block_attention<Eigen::half>(q.in(), k.in(), v.in(), out.view, 4, options),
       Catch::Contains("fixed_block_attention") && Catch::Contains("options.scale"));
 }
+
+TEST_CASE("16-bit fused kernel: keys converted once per span or chunk by chunk in place agree",
+          "[plsh][half]") {
+  // fused_span converts the key and value rows a span of query rows may see into packed float
+  // scratch once (when they are at most max_packed_keys, whatever the layout); with
+  // max_packed_keys = 0 every tile converts its own chunks instead. Same arithmetic: the outputs
+  // must agree bit for bit, and equal the float kernel's rounded once. Slopes from steep to 0,
+  // causal and not, both layouts.
+  const std::vector<double> slopes = {0.5, 1.0 / 40, 1.0 / 300, 0.0};
+  for (const Layout layout : {Layout::Packed, Layout::HeadMajor}) {
+    for (const bool causal : {true, false}) {
+      plsh::AttentionOptions base;
+      base.causal = causal;
+      base.query_position = 40;
+      const plsh::PlshOptions options = plsh_options(base, 5, plsh::Kernel::Fused);
+      const auto grids = plsh::detail::kernel_grids(slopes, options, "fused_attention");
+      Problem<float> problem(Shape{600, 640, 4, 2, 8, 6}, 4200, layout);
+      INFO(layout << ", " << plsh_test::describe(base));
+      check_against_float<Eigen::bfloat16>(problem, [&](auto q, auto k, auto v, auto out) {
+        using Scalar = ScalarOf<decltype(out)>;
+        plsh::plsh_attention<Scalar>(q, k, v, out, slopes, options);
+      });
+      const HalfBuffer<Eigen::bfloat16> q(problem.q), k(problem.k), v(problem.v);
+      HalfBuffer<Eigen::bfloat16> in_place(problem.out);
+      HalfBuffer<Eigen::bfloat16> packed(problem.out);
+      plsh::detail::fused_attention<Eigen::bfloat16>(q.in(), k.in(), v.in(), in_place.view, grids,
+                                                     slopes, base, 0);
+      plsh::detail::fused_attention<Eigen::bfloat16>(q.in(), k.in(), v.in(), packed.view, grids,
+                                                     slopes, base);
+      Index differing = 0;
+      for (std::size_t i = 0; i < packed.storage.size(); ++i) {
+        differing += std::memcmp(&packed.storage[i], &in_place.storage[i], 2) != 0 ? 1 : 0;
+      }
+      CHECK(differing == 0);
+    }
+  }
+}

@@ -590,14 +590,13 @@ class KvCacheOf : public KvCacheBase {
     return locked([&] { return cache_.oldest_position(); });
   }
   std::size_t bytes() const override {
-    const std::lock_guard<std::mutex> lock(mutex_);
-    return cache_.bytes();
+    return locked([&] { return cache_.bytes(); });
   }
   py::dtype dtype() const override { return numpy_dtype(storage_of<Scalar>()); }
 
  private:
   template <class F>
-  Index locked(F&& f) const {
+  auto locked(F&& f) const {
     const std::lock_guard<std::mutex> lock(mutex_);
     return f();
   }

@@ -25,13 +25,14 @@
 ///
 /// AVX-512 builds (`__AVX512F__`): OnlineSoftmax::update_counted, the fused kernel's step, walks
 /// a float row in two vectorised passes (counted_weights) and adds \f$PV\f$ by register blocks
-/// without packing (add_weighted_rows) when the chunk's values are finite; other builds, types
-/// and chunks take the portable code. Summation orders differ between the two, not the results
-/// beyond rounding.
+/// without packing (add_weighted_rows; value rows with a non-finite entry zeroed, then added
+/// where they are seen, as add_product does for Eigen's product); other builds and types take
+/// the portable code. Summation orders differ between the two, not the results beyond rounding.
 ///
 /// Tested in tests/test_online_softmax.cpp and, for non-finite inputs through every kernel, in
 /// tests/test_nonfinite.cpp; the AVX-512 paths through the fused kernel in
-/// test_plsh_attention_avx512 (tests/test_plsh_attention.cpp compiled for AVX-512).
+/// test_plsh_attention_avx512 (tests/test_plsh_attention.cpp, tests/test_nonfinite.cpp and
+/// tests/simd/fused_avx512.cpp compiled for AVX-512).
 
 #include <Eigen/Core>
 #include <algorithm>
@@ -52,8 +53,7 @@
 namespace plsh {
 namespace detail {
 
-/// Whether OnlineSoftmax<Scalar>::update_counted takes the AVX-512 walk and weighted sum (on
-/// chunks with finite values).
+/// Whether OnlineSoftmax<Scalar>::update_counted takes the AVX-512 walk and weighted sum.
 template <class Scalar>
 #if defined(PLSH_FUSED_AVX512)
 constexpr bool kVectorWalk = std::is_same<Scalar, float>::value;
@@ -264,7 +264,7 @@ class LogCountLookup {
   __m512 high_ = _mm512_setzero_ps();
 };
 
-/// One row of OnlineSoftmax::update_counted with finite values, float, in two vectorised passes
+/// One row of OnlineSoftmax::update_counted, float, in two vectorised passes
 /// over its first `limit` logits instead of five: (1) the logits \f$S + \log c\f$, \f$-\infty\f$
 /// for keys with count 0, the row's maximum, whether a NaN is present; (2) the weights
 /// \f$e^{l - \mu}\f$ (Eigen's vectorised exp; exactly 0 for a logit \f$-\infty\f$) and their sum.
@@ -323,8 +323,9 @@ inline float counted_weights(float* row, const int* count, Index limit, Index co
 /// `accumulator += weights * values` (float, row-major, rows contiguous) where row r's weights
 /// are 0 at and past `keys[r]`: rows in blocks of 6 (add_weighted_rows_block), each block over
 /// the keys up to its largest `keys[r]`, 64 columns at a time; neither operand is packed. The
-/// zeros skipped add nothing to finite values: the caller takes this path for finite values
-/// only. Summation order: per entry, the keys in increasing order, one fused multiply-add each.
+/// zeros skipped add nothing to finite values: the caller passes finite values only (add_product
+/// zeroes the others). Summation order: per entry, the keys in increasing order, one fused
+/// multiply-add each.
 template <class Accumulator, class Weights, class Values>
 void add_weighted_rows(Accumulator& accumulator, const Weights& weights, const Values& values,
                        const std::vector<Index>& keys) {

@@ -500,12 +500,14 @@ void fused_row_by_row(FusedWorkspace<Storage>& workspace, const RowMatrix<Comput
 
 /// Fused kernel for query rows `[row_begin, row_end)` of one head: weights \f$c_{ij}
 /// e^{S_{ij}}\f$ over the union of the rows' blocks (BlockCounts), row by row
-/// (fused_row_by_row) for a union of at most kRowByRowKeys keys, else one online softmax in
-/// chunks of kFusedKeyTile keys (OnlineSoftmax::update_counted). The query tile and each key and
-/// value chunk are converted to the compute type once; the output rows are rounded back once.
-template <class Storage>
-void fused_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
-                const ConstHeadMap<Storage>& v, const std::vector<Grid>& grids,
+/// (fused_row_by_row) for a union of at most kRowByRowKeys keys (see kVectorWalk), else one
+/// online softmax in chunks of kFusedKeyTile keys (OnlineSoftmax::update_counted). The key and
+/// value rows are stored as `Storage` or already in the compute type (fused_span's packed
+/// copies). The query tile and each key and value chunk not yet in the compute type are
+/// converted once; the output rows are rounded back once.
+template <class Storage, class KeyStorage>
+void fused_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeyStorage>& k,
+                const ConstHeadMap<KeyStorage>& v, const std::vector<Grid>& grids,
                 const AttentionOptions& options, const PositionRange& range, Index row_begin,
                 Index row_end, HeadMap<Storage>& out, bool finite_values = false) {
   using Scalar = Compute<Storage>;
@@ -565,10 +567,11 @@ inline Index fused_span_rows(Index elements, Index tokens) {
 /// is read in place. Bounds the per-thread scratch at kFusedSpanKeys key and value rows.
 constexpr Index kFusedSpanKeys = 8192;
 
-/// Per-thread copies of the key and value rows of one job, packed (row stride = the row's width).
-template <class Storage>
+/// Per-thread copies of the key and value rows of one job, packed (row stride = the row's width)
+/// in the compute type.
+template <class Scalar>
 struct SpanKeys {
-  AlignedVector<Storage> k, v;
+  AlignedVector<Scalar> k, v;
 };
 
 /// The keys that query rows `[row_begin, row_end)` of a head may see: from the first row's
@@ -590,31 +593,34 @@ inline Block span_keys(const std::vector<Grid>& grids, const PositionRange& rang
 }
 
 /// Query rows `[row_begin, row_end)` of one head by the fused kernel, tile by tile (height from
-/// the head's slope). When the head's key or value rows are strided (a token-major tensor's rows
-/// of one head lie `heads * dim` elements apart: few rows per page for the prefetchers, few sets
-/// of the L1 cache for the rows that tile after tile reads again) and the keys the rows may see
-/// (span_keys) are at most `max_packed_keys`, those key and value rows are first copied, packed,
-/// into per-thread scratch: each is read from the tensor once, in a loop whose loads are
-/// independent, instead of missing the cache inside the products. Same arithmetic either way.
-/// (A tile's query rows are copied anyway, scaled, and its output rows written once.) For float
-/// and double, the values of those keys are tested for finiteness once here, and the tiles skip
-/// their own test when they are (OnlineSoftmax::update_counted, fused_row_by_row).
+/// the head's slope). When the keys the rows may see (span_keys) are at most `max_packed_keys`
+/// and the head's key or value rows are strided (a token-major tensor's rows of one head lie
+/// `heads * dim` elements apart: few rows per page for the prefetchers, few sets of the L1 cache
+/// for the rows that tile after tile reads again) or stored in a 16-bit type, those key and value
+/// rows are first copied, packed and in the compute type, into per-thread scratch: each is read
+/// from the tensor and converted once, in a loop whose loads are independent, instead of missing
+/// the cache inside the products and being converted again by every tile that sees it. Same
+/// arithmetic either way. (A tile's query rows are copied anyway, scaled, and its output rows
+/// written once.) When the keys are in the compute type, the values of those keys are tested for
+/// finiteness once here, and the tiles skip their own test when they are
+/// (OnlineSoftmax::update_counted, fused_row_by_row).
 template <class Storage>
 void fused_span(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
                 const ConstHeadMap<Storage>& v, const std::vector<Grid>& grids, double slope,
                 const AttentionOptions& options, const PositionRange& range, Index row_begin,
                 Index row_end, HeadMap<Storage>& out, Index max_packed_keys) {
+  using Scalar = Compute<Storage>;
   const Index height = fused_tile_rows(slope);
   const Block keys = span_keys(grids, range, options.query_position + row_begin,
                                options.query_position + row_end - 1, options.key_position,
                                options.key_position + k.rows(), options.causal);
   const Index key_count = keys.end - keys.begin;
-  const auto tiles = [&](const ConstHeadMap<Storage>& key_rows,
-                         const ConstHeadMap<Storage>& value_rows, const AttentionOptions& at) {
+  const auto tiles = [&](const auto& key_rows, const auto& value_rows, const AttentionOptions& at) {
     // Every tile's keys lie among the span's: their values are tested for finiteness once here
-    // (float and double; the 16-bit types test each converted chunk) instead of once per tile.
+    // when they are in the compute type (16-bit rows read in place: each converted chunk).
     bool finite_values = false;
-    if constexpr (std::is_same<Storage, Compute<Storage>>::value) {
+    using KeyScalar = typename std::decay_t<decltype(key_rows)>::Scalar;
+    if constexpr (std::is_same<KeyScalar, Scalar>::value) {
       finite_values = key_count > 0 &&
                       all_finite(map_rows(value_rows, keys.begin - at.key_position, key_count));
     }
@@ -624,16 +630,17 @@ void fused_span(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
     }
   };
   const bool strided = k.outerStride() != k.cols() || v.outerStride() != v.cols();
-  if (!strided || key_count == 0 || key_count > max_packed_keys) {
+  const bool converted = !std::is_same<Storage, Scalar>::value;
+  if ((!strided && !converted) || key_count == 0 || key_count > max_packed_keys) {
     tiles(k, v, options);
     return;
   }
-  static thread_local SpanKeys<Storage> span;
+  static thread_local SpanKeys<Scalar> span;
   const Index first_key = keys.begin - options.key_position;
   AttentionOptions packed = options;
   packed.key_position = keys.begin;
-  tiles(pack_rows(k, first_key, key_count, span.k), pack_rows(v, first_key, key_count, span.v),
-        packed);
+  tiles(pack_rows<Scalar>(k, first_key, key_count, span.k),
+        pack_rows<Scalar>(v, first_key, key_count, span.v), packed);
 }
 
 /// The fused kernel: parallel over (batch element, span of fused_span_rows query rows, head) in
