@@ -264,14 +264,13 @@ class LogCountLookup {
   __m512 high_ = _mm512_setzero_ps();
 };
 
-/// One row of OnlineSoftmax::update_counted, float, in two vectorised passes
-/// over its first `limit` logits instead of five: (1) the logits \f$S + \log c\f$, \f$-\infty\f$
-/// for keys with count 0, the row's maximum, whether a NaN is present; (2) the weights
-/// \f$e^{l - \mu}\f$ (Eigen's vectorised exp; exactly 0 for a logit \f$-\infty\f$) and their sum.
-/// Entries from `limit` on are set to 0. `max` and `sum` are the row's running maximum and sum,
-/// updated; returns the factor by which its accumulator is rescaled (1 when the row sees no key
-/// here). Same non-finite behaviour as the portable walk (OnlineSoftmax's raise_max and
-/// add_row).
+/// One row of OnlineSoftmax::update_counted, float, in two vectorised passes over its first
+/// `limit` logits instead of five: (1) the logits \f$S + \log c\f$, \f$-\infty\f$ for keys with
+/// count 0, the row's maximum, whether a NaN is present; (2) the weights \f$e^{l - \mu}\f$
+/// (Eigen's vectorised exp; exactly 0 for a logit \f$-\infty\f$) and their sum. Entries from
+/// `limit` on are set to 0. `max` and `sum` are the row's running maximum and sum, updated;
+/// returns the factor by which its accumulator is rescaled (1 when the row sees no key here).
+/// Same non-finite behaviour as the portable walk (OnlineSoftmax::exponentiate_row).
 inline float counted_weights(float* row, const int* count, Index limit, Index cols,
                              const LogCountLookup& log_count, float& max, float& sum) {
   constexpr float kMinusInfinity = -std::numeric_limits<float>::infinity();
@@ -400,12 +399,7 @@ class OnlineSoftmax {
   /// and replaces the logits by \f$e^{l - \mu}\f$ (exactly 0 for \f$-\infty\f$). A NaN or
   /// \f$+\infty\f$ logit makes the row's sum NaN.
   void exponentiate(Eigen::Ref<Matrix> scores) {
-    for (Index r = 0; r < scores.rows(); ++r) {
-      const Scalar new_max = raise_max(r, scores.row(r));
-      if (new_max == -kInfinity) continue;
-      detail::masked_exp(scores.row(r).array(), new_max, row_scratch_);
-      add_row(r, new_max, scores.row(r));
-    }
+    for (Index r = 0; r < scores.rows(); ++r) exponentiate_row(r, scores.row(r));
   }
 
   /// update for the logits \f$l_{ij} = S_{ij} + \log c_{ij}\f$ with integer weights
@@ -459,10 +453,7 @@ class OnlineSoftmax {
         row[c] = count[c] == 0 ? -kInfinity : row[c] + log_count[count[c]];
       }
       for (Index c = limit; c < cols; ++c) row[c] = -kInfinity;
-      const Scalar new_max = raise_max(r, scores.row(r));
-      if (new_max == -kInfinity) continue;
-      detail::masked_exp(scores.row(r).array(), new_max, row_scratch_);
-      add_row(r, new_max, scores.row(r));
+      exponentiate_row(r, scores.row(r));
     }
     // The weighted sum, by register blocks up to each row's limit in the AVX-512 walk (the
     // values it reads are finite: add_product zeroes the non-finite rows), else by Eigen.
@@ -513,6 +504,16 @@ class OnlineSoftmax {
 
  private:
   static constexpr Scalar kInfinity = std::numeric_limits<Scalar>::infinity();
+
+  /// exponentiate on row r: the running state rescaled to the row's new maximum, its logits
+  /// replaced by their weights (nothing to do when nothing is visible yet).
+  template <class Row>
+  void exponentiate_row(Index r, Row&& row) {
+    const Scalar new_max = raise_max(r, row);
+    if (new_max == -kInfinity) return;
+    detail::masked_exp(row.array(), new_max, row_scratch_);
+    add_row(r, new_max, row);
+  }
 
   /// Row r's running maximum with its logits `row`, or \f$-\infty\f$ when nothing is visible
   /// yet: then `row` is zeroed (\f$e^{-\infty - -\infty}\f$ would be NaN), and the row's state
