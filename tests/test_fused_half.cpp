@@ -273,7 +273,9 @@ TEST_CASE("16-bit fused kernel: keys converted once per span or chunk by chunk i
                                                      slopes, base);
       Index differing = 0;
       for (std::size_t i = 0; i < packed.storage.size(); ++i) {
-        differing += std::memcmp(&packed.storage[i], &in_place.storage[i], 2) != 0 ? 1 : 0;
+        if (std::memcmp(&packed.storage[i], &in_place.storage[i], sizeof(Eigen::bfloat16)) != 0) {
+          ++differing;
+        }
       }
       CHECK(differing == 0);
     }
