@@ -330,6 +330,65 @@ TEST_CASE("Fused packs the keys of each span of a head's rows: the same as in pl
   }
 }
 
+TEST_CASE("Fused causal rows of steep heads, whatever the blocks: the passes kernel's result",
+          "[plsh]") {
+  // Causal heads with slope above 1/kCausalRowsReach go row by row in the AVX-512 build
+  // (fused_causal_rows: the block starts carried from row to row, all draws at once), and a tile
+  // of 32 rows with a row wider than kCausalRowKeys keys through fused_rows. The grids are given,
+  // whatever the slopes: head 0 mixes blocks of one (pitch at most 1), small, wide and infinite
+  // ones (one block: from row 128 on, every tile falls back); head 1 only blocks of one, so each
+  // row is its own key's value, exactly (or zero past the last key); head 2 moderate blocks.
+  // Queries 37..356 against keys 11..330: the first blocks are cut at position 11, and the last
+  // 26 rows see no key past 330. Compared with the passes kernel on the same grids.
+  REQUIRE(plsh::detail::kCausalRowsReach * 0.25 > 1);
+  const std::vector<double> slopes = {0.5, 0.25, 0.5};
+  const std::vector<std::vector<plsh::Grid>> grids = {
+      {{0.5, 0.25},
+       {1.0, 0.0},
+       {3.0, 1.7},
+       {250.0, 40.5},
+       {std::numeric_limits<double>::infinity(), 0.0},
+       {40.0, 3.3}},
+      {{0.5, 0.1}, {0.75, 0.6}, {1.0, 0.5}},
+      {{2.5, 0.3}, {7.0, 5.5}, {13.0, 2.0}, {31.0, 17.25}}};
+  const Shape shape{320, 320, 3, 1, 16, 12};
+  plsh::AttentionOptions options;
+  options.causal = true;
+  options.query_position = 37;
+  options.key_position = 11;
+  for (const Layout layout : {Layout::Packed, Layout::HeadMajor}) {
+    INFO(layout << " layout");
+    Problem<float> problem(shape, 77, layout);
+    Buffer<float> passes = problem.output();
+    plsh::detail::pass_attention<float>(problem.q.in(), problem.k.in(), problem.v.in(), passes.view,
+                                        grids, options, plsh::RegularAttention{});
+    plsh::detail::fused_attention<float>(problem.q.in(), problem.k.in(), problem.v.in(),
+                                         problem.out.view, grids, slopes, options);
+    const double error = plsh_test::max_abs_difference(problem.out.in(), passes.in());
+    INFO("|fused - passes| = " << plsh_test::scientific(error));
+    CHECK(error <= 2e-5);
+    CHECK(problem.out.touched_padding() == 0);
+    Index exact = 0;
+    Index zero = 0;
+    for (Index i = 0; i < shape.n_q; ++i) {
+      const Index key = options.query_position + i - options.key_position;
+      for (Index c = 0; c < shape.value_dim; ++c) {
+        const float got =
+            problem.out.in()
+                .data[i * problem.out.in().token_stride + problem.out.in().head_stride + c];
+        if (key < shape.n_k) {
+          exact += got == problem.v.in().data[key * problem.v.in().token_stride + c] ? 1 : 0;
+        } else {
+          zero += got == 0.0f ? 1 : 0;
+        }
+      }
+    }
+    CHECK(exact == (shape.n_k - (options.query_position - options.key_position)) * shape.value_dim);
+    CHECK(zero == (shape.n_q - shape.n_k + (options.query_position - options.key_position)) *
+                      shape.value_dim);
+  }
+}
+
 TEST_CASE("Fused matches the reference on both sides of the row-by-row width", "[plsh]") {
   // Tiles whose union holds at most kRowByRowKeys keys take fused_row_by_row (a product per
   // row), wider ones the blocked products and online softmax (in test_plsh_attention_avx512 both

@@ -53,11 +53,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
 #include "../batched_heads_view.hpp"
 #include "../detail/check.hpp"
+#include "../detail/decode_simd.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validate.hpp"
 #include "../partition.hpp"
@@ -550,6 +552,218 @@ void fused_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeyStorage>& 
   workspace.output.store();
 }
 
+#if defined(PLSH_FUSED_AVX512) && defined(PLSH_DECODE_AVX512)
+/// Whether fused_span takes fused_causal_rows for the causal rows of steep heads (AVX-512,
+/// float compute type).
+template <class Scalar>
+constexpr bool kCausalRows = std::is_same<Scalar, float>::value;
+
+/// fused_span takes fused_causal_rows for the causal rows of heads of slope m with 1/m below this
+/// (with s = 20 draws their rows see some 5 to 60 keys): at 1/m = 16, where the rows see up to a
+/// hundred, the tiles' blocked products were faster.
+constexpr double kCausalRowsReach = 16;
+
+/// Causal rows of a steep head whose keys are at most this many take fused_causal_rows' kernel;
+/// a tile with a wider row takes fused_rows.
+constexpr Index kCausalRowKeys = 128;
+
+/// Per-thread scratch of fused_causal_rows; the draws padded to a multiple of 8 (a vector of
+/// doubles) with grids that never start a block and starts past every position.
+struct CausalRowsWorkspace {
+  AlignedVector<double> pitch, shift;  // [draw]
+  AlignedVector<double> bin;           // [draw]: bin index of the current row
+  AlignedVector<std::int64_t> begin;   // [draw]: start of the block that holds the current row
+  AlignedVector<std::int64_t> tile;    // [row of the tile][draw]: each row's starts
+  std::vector<float> log_count;        // log(c) for c = 0..s
+  AlignedVector<float> query;          // the tile's query rows in float, scaled
+  AlignedVector<float> weights;        // one row's scores, then weights
+  AlignedVector<float> sum;            // one row's weighted sum of values
+  std::vector<Index> bad;              // positions of value rows with a non-finite entry
+};
+
+/// The fused kernel on causal query rows `[row_begin, row_end)` of a steep head, row by row,
+/// with the AVX-512 code of the walk and of decoding. Row i at position p sees the keys from its
+/// draws' smallest block start to p, with \f$c_{ij} = \#\{t : b_t \le j\}\f$ (a causal block
+/// that holds p starts at \f$b_t\f$ and reaches p). The starts are carried from row to row, all
+/// draws at once: a draw's block changes where its bin does (the bin test of tile_block_runs, in
+/// vectors of 8 draws; the first row's blocks by grid_block). Per row, 16 keys at a time in
+/// registers: the scores (avx512::score_block), the counts (one vector compare per draw), the
+/// logits \f$S + \log c\f$ and their maximum \f$\mu\f$; then the weights \f$e^{l - \mu}\f$ and
+/// their sum as the walk's counted_weights computes them (the largest weight is exactly 1, so a
+/// row that sees one key gets its value exactly; a logit \f$-\infty\f$ weighs exactly 0; a NaN
+/// makes the row NaN), and the weighted sum of values by avx512::weighted_sum. A tile of 32 rows
+/// with a row wider than kCausalRowKeys keys goes to fused_rows, and so does a row that sees a
+/// non-finite value (unless `finite_values`, the value rows are scanned for them first). Key and
+/// value rows in float or, read in place, in a 16-bit type (converted in registers: the same
+/// floats as fused_span's packed copy).
+template <class Storage, class KeyStorage>
+void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeyStorage>& k,
+                       const ConstHeadMap<KeyStorage>& v, const std::vector<Grid>& grids,
+                       const AttentionOptions& options, const PositionRange& range, Index row_begin,
+                       Index row_end, HeadMap<Storage>& out, bool finite_values) {
+  constexpr Index kTileRows = 32;
+  static thread_local CausalRowsWorkspace w;
+  const Index samples = static_cast<Index>(grids.size());
+  const Index draws = (samples + 7) / 8 * 8;
+  const Index dim = q.cols();
+  const Index value_dim = v.cols();
+  const Index key_begin = options.key_position;
+  const Index key_end = options.key_position + k.rows();
+  if (static_cast<Index>(w.log_count.size()) != samples + 1) {
+    w.log_count.resize(static_cast<std::size_t>(samples + 1));
+    w.log_count[0] = -std::numeric_limits<float>::infinity();
+    for (Index c = 1; c <= samples; ++c) {
+      w.log_count[static_cast<std::size_t>(c)] = std::log(static_cast<float>(c));
+    }
+  }
+  const LogCountLookup log_count(w.log_count.data(), samples);
+  for (auto* vector : {&w.pitch, &w.shift, &w.bin}) vector->resize(static_cast<std::size_t>(draws));
+  w.begin.resize(static_cast<std::size_t>(draws));
+  w.tile.resize(static_cast<std::size_t>(kTileRows * draws));
+  w.query.resize(static_cast<std::size_t>(kTileRows * dim));
+  w.weights.resize(static_cast<std::size_t>(kCausalRowKeys + 16));
+  w.sum.resize(static_cast<std::size_t>(value_dim));
+  const Index first_position = options.query_position + row_begin;
+  for (Index t = 0; t < draws; ++t) {
+    const auto i = static_cast<std::size_t>(t);
+    if (t < samples) {
+      const Grid& grid = grids[i];
+      w.pitch[i] = grid.pitch;
+      w.shift[i] = grid.shift;
+      w.begin[i] = grid_block(grid, first_position, range.first, range.last).begin;
+      w.bin[i] = std::isfinite(grid.pitch) && grid.pitch > 1 ? bin_index(grid, first_position) : 0;
+    } else {
+      w.pitch[i] = std::numeric_limits<double>::infinity();
+      w.shift[i] = 0;
+      w.begin[i] = std::numeric_limits<std::int64_t>::max();
+      w.bin[i] = 0;
+    }
+  }
+  // Position p's block starts from p - 1's: a draw whose bin changes (or whose pitch is at most
+  // 1: blocks of one position) starts a block at p. Returns the smallest start.
+  const auto advance = [&](Index p) {
+    const __m512d position = _mm512_set1_pd(static_cast<double>(p));
+    __m512i smallest = _mm512_set1_epi64(std::numeric_limits<std::int64_t>::max());
+    for (Index t = 0; t < draws; t += 8) {
+      const __m512d pitch = _mm512_load_pd(w.pitch.data() + t);
+      const __m512d bin = _mm512_roundscale_pd(
+          _mm512_div_pd(_mm512_sub_pd(position, _mm512_load_pd(w.shift.data() + t)), pitch),
+          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+      const __mmask8 starts =
+          _mm512_cmp_pd_mask(bin, _mm512_load_pd(w.bin.data() + t), _CMP_NEQ_UQ) |
+          _mm512_cmp_pd_mask(pitch, _mm512_set1_pd(1.0), _CMP_LE_OQ);
+      _mm512_store_pd(w.bin.data() + t, bin);
+      const __m512i begin = _mm512_mask_blend_epi64(starts, _mm512_load_si512(w.begin.data() + t),
+                                                    _mm512_set1_epi64(p));
+      _mm512_store_si512(w.begin.data() + t, begin);
+      smallest = _mm512_min_epi64(smallest, begin);
+    }
+    return static_cast<Index>(_mm512_reduce_min_epi64(smallest));
+  };
+  Index smallest = *std::min_element(w.begin.begin(), w.begin.end());
+  // The positions of the value rows with a non-finite entry among the keys the rows may see
+  // (from the first row's smallest start on): a row that sees one goes to fused_rows, so that
+  // the rows that see none are those of clean values, bit for bit.
+  w.bad.clear();
+  if (!finite_values) {
+    const Index low = std::max(smallest, key_begin);
+    const Index high = std::min(options.query_position + row_end, key_end);
+    for (Index j = low; j < high; ++j) {
+      if (!all_finite(v.row(j - key_begin).template cast<float>())) w.bad.push_back(j);
+    }
+  }
+  const float scale = static_cast<float>(options.scale);
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i one = _mm512_set1_epi32(1);
+  const __m512 minus_infinity = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (Index r0 = row_begin; r0 < row_end; r0 += kTileRows) {
+    const Index r1 = std::min(row_end, r0 + kTileRows);
+    Index widest = 0;
+    for (Index r = r0; r < r1; ++r) {
+      const Index p = options.query_position + r;
+      if (r != row_begin) smallest = advance(p);
+      std::copy(w.begin.begin(), w.begin.end(),
+                w.tile.begin() + static_cast<std::ptrdiff_t>((r - r0) * draws));
+      widest = std::max(widest, std::min(p + 1, key_end) - std::max(smallest, key_begin));
+    }
+    if (widest > kCausalRowKeys) {
+      fused_rows<Storage>(q, k, v, grids, options, range, r0, r1, out, finite_values);
+      continue;
+    }
+    // The tile's query rows first, in one loop of independent loads.
+    Eigen::Map<RowMatrix<float>> queries(w.query.data(), r1 - r0, dim);
+    queries = q.middleRows(r0, r1 - r0).template cast<float>() * scale;
+    for (Index r = r0; r < r1; ++r) {
+      const Index p = options.query_position + r;
+      const std::int64_t* begins = &w.tile[static_cast<std::size_t>((r - r0) * draws)];
+      const Index first = std::max(*std::min_element(begins, begins + draws), key_begin);
+      const Index count = std::min(p + 1, key_end) - first;
+      auto out_row = out.row(r);
+      if (count <= 0) {
+        out_row.setZero();
+        continue;
+      }
+      const auto bad = std::lower_bound(w.bad.begin(), w.bad.end(), first);
+      if (bad != w.bad.end() && *bad < first + count) {
+        fused_rows<Storage>(q, k, v, grids, options, range, r, r + 1, out, false);
+        continue;
+      }
+      // Pass 1, 16 keys at a time in registers: the logits S + log c_j, c_j = #{t : b_t <=
+      // first + j} (at least 1: the keys start at the smallest start), their maximum, whether a
+      // NaN is among them.
+      const KeyStorage* keys = k.data() + (first - key_begin) * k.outerStride();
+      const float* query = w.query.data() + (r - r0) * dim;
+      __m512 best = minus_infinity;
+      __mmask16 nan = 0;
+      for (Index j = 0; j < count; j += 16) {
+        const __mmask16 valid = lanes_below(count - j);
+        const __m512i offset = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(j)));
+        __m512i counts = _mm512_setzero_si512();
+        for (Index t = 0; t < samples; ++t) {
+          const Index start = std::clamp<Index>(begins[t] - first, -1, kCausalRowKeys);
+          counts = _mm512_mask_add_epi32(
+              counts, _mm512_cmpge_epi32_mask(offset, _mm512_set1_epi32(static_cast<int>(start))),
+              counts, one);
+        }
+        const __m512 logit = _mm512_add_ps(
+            avx512::score_block(keys, j, count, dim, k.outerStride(), query), log_count(counts));
+        nan |= _mm512_mask_cmp_ps_mask(valid, logit, logit, _CMP_UNORD_Q);
+        best = _mm512_mask_max_ps(best, valid, logit, best);
+        _mm512_store_ps(w.weights.data() + j, logit);
+      }
+      const float max = _mm512_reduce_max_ps(best);
+      if (nan != 0 || max == -std::numeric_limits<float>::infinity()) {
+        // A NaN poisons the row; a row whose scores are all -inf sees nothing (fused_rows).
+        out_row.setConstant(nan != 0 ? static_cast<Storage>(std::numeric_limits<float>::quiet_NaN())
+                                     : Storage(0));
+        continue;
+      }
+      // Pass 2: the weights e^(l - max) (the largest exactly 1) and their sum.
+      const __m512 shift = _mm512_set1_ps(max);
+      __m512 totals = _mm512_setzero_ps();
+      for (Index j = 0; j < count; j += 16) {
+        const __mmask16 valid = lanes_below(count - j);
+        const __m512 logit = _mm512_load_ps(w.weights.data() + j);
+        // Exactly 0 for a logit -inf (the vectorised exp gives a tiny subnormal there).
+        const __mmask16 weighs = _mm512_mask_cmp_ps_mask(valid, logit, minus_infinity, _CMP_NEQ_OQ);
+        const __m512 weight = _mm512_maskz_mov_ps(
+            weighs, Eigen::internal::pexp<Eigen::internal::Packet16f>(_mm512_sub_ps(logit, shift)));
+        _mm512_store_ps(w.weights.data() + j, weight);
+        totals = _mm512_add_ps(totals, weight);
+      }
+      const float total = _mm512_reduce_add_ps(totals);
+      avx512::weighted_sum(v.data() + (first - key_begin) * v.outerStride(), count, value_dim,
+                           v.outerStride(), w.weights.data(), w.sum.data());
+      const Eigen::Map<const Eigen::Matrix<float, 1, Eigen::Dynamic>> sum(w.sum.data(), value_dim);
+      out_row = (sum / total).template cast<Storage>();
+    }
+  }
+}
+#else
+template <class Scalar>
+constexpr bool kCausalRows = false;
+#endif
+
 /// Query rows per job of the fused kernel, at most (a multiple of every tile height).
 constexpr Index kFusedSpanRows = 1024;
 
@@ -623,6 +837,13 @@ void fused_span(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
     if constexpr (std::is_same<KeyScalar, Scalar>::value) {
       finite_values = key_count > 0 &&
                       all_finite(map_rows(value_rows, keys.begin - at.key_position, key_count));
+    }
+    if constexpr (kCausalRows<Scalar>) {
+      if (at.causal && slope * kCausalRowsReach > 1) {
+        fused_causal_rows<Storage>(q, key_rows, value_rows, grids, at, range, row_begin, row_end,
+                                   out, finite_values);
+        return;
+      }
     }
     for (Index r0 = row_begin; r0 < row_end; r0 += height) {
       fused_rows<Storage>(q, key_rows, value_rows, grids, at, range, r0,

@@ -137,6 +137,43 @@ inline __m512 raise_max(__m512 best, __mmask16 mask, __m512 sums) {
   return _mm512_mask_max_ps(best, mask, sums, best);
 }
 
+/// \f$s_j = q \cdot k_j\f$ for the 16 keys from `first` (`keys` rows `stride` apart, `query` of
+/// `dim` floats); lanes past `count` hold the last key's score. Always inlined: called as a
+/// function, its 16 sums go through memory (decoding's step measured 15% slower).
+template <class Storage>
+EIGEN_ALWAYS_INLINE __m512 score_block(const Storage* keys, Index first, Index count, Index dim,
+                                       Index stride, const float* query) {
+  const Storage* rows[16];
+  block_rows(keys, stride, first, count, rows);
+  __m512 sums[16];
+  for (__m512& sum : sums) sum = _mm512_setzero_ps();
+  const Index whole = dim / 16 * 16;
+  if (whole == 64) {
+    const __m512 q0 = _mm512_loadu_ps(query), q1 = _mm512_loadu_ps(query + 16),
+                 q2 = _mm512_loadu_ps(query + 32), q3 = _mm512_loadu_ps(query + 48);
+    for (int r = 0; r < 16; ++r) {
+      __m512 a = _mm512_mul_ps(load(rows[r]), q0);
+      __m512 b = _mm512_mul_ps(load(rows[r] + 16), q1);
+      a = _mm512_fmadd_ps(load(rows[r] + 32), q2, a);
+      b = _mm512_fmadd_ps(load(rows[r] + 48), q3, b);
+      sums[r] = _mm512_add_ps(a, b);
+    }
+  } else {
+    for (int r = 0; r < 16; ++r) {
+      for (Index d = 0; d < whole; d += 16) {
+        sums[r] = _mm512_fmadd_ps(load(rows[r] + d), _mm512_loadu_ps(query + d), sums[r]);
+      }
+    }
+  }
+  if (whole < dim) {
+    const Index d = whole;
+    const __mmask16 mask = first_lanes16(dim - d);
+    const __m512 q = _mm512_maskz_loadu_ps(mask, query + d);
+    for (int r = 0; r < 16; ++r) sums[r] = _mm512_fmadd_ps(load(rows[r] + d, mask), q, sums[r]);
+  }
+  return sum16(sums);
+}
+
 /// \f$s_j = q \cdot k_j\f$, \f$j < \f$ `count`: `keys` rows `stride` apart, `query` of `dim`
 /// floats. Returns \f$\max_j s_j\f$ over the scores that are not NaN (\f$-\infty\f$ if none is
 /// above it).
@@ -145,36 +182,8 @@ float scores(const Storage* keys, Index count, Index dim, Index stride, const fl
              float* out) {
   __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (Index first = 0; first < count; first += 16) {
-    const Storage* rows[16];
-    block_rows(keys, stride, first, count, rows);
-    __m512 sums[16];
-    for (__m512& sum : sums) sum = _mm512_setzero_ps();
-    const Index whole = dim / 16 * 16;
-    if (whole == 64) {
-      const __m512 q0 = _mm512_loadu_ps(query), q1 = _mm512_loadu_ps(query + 16),
-                   q2 = _mm512_loadu_ps(query + 32), q3 = _mm512_loadu_ps(query + 48);
-      for (int r = 0; r < 16; ++r) {
-        __m512 a = _mm512_mul_ps(load(rows[r]), q0);
-        __m512 b = _mm512_mul_ps(load(rows[r] + 16), q1);
-        a = _mm512_fmadd_ps(load(rows[r] + 32), q2, a);
-        b = _mm512_fmadd_ps(load(rows[r] + 48), q3, b);
-        sums[r] = _mm512_add_ps(a, b);
-      }
-    } else {
-      for (int r = 0; r < 16; ++r) {
-        for (Index d = 0; d < whole; d += 16) {
-          sums[r] = _mm512_fmadd_ps(load(rows[r] + d), _mm512_loadu_ps(query + d), sums[r]);
-        }
-      }
-    }
-    if (whole < dim) {
-      const Index d = whole;
-      const __mmask16 mask = first_lanes16(dim - d);
-      const __m512 q = _mm512_maskz_loadu_ps(mask, query + d);
-      for (int r = 0; r < 16; ++r) sums[r] = _mm512_fmadd_ps(load(rows[r] + d, mask), q, sums[r]);
-    }
     const __mmask16 stored = first_lanes16(count - first);
-    const __m512 block = sum16(sums);
+    const __m512 block = score_block(keys, first, count, dim, stride, query);
     _mm512_mask_storeu_ps(out + first, stored, block);
     best = raise_max(best, stored, block);
   }
