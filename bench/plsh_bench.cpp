@@ -156,22 +156,51 @@ double pass_entries(Index n, const std::vector<std::vector<plsh::Grid>>& head_gr
   return entries;
 }
 
-/// The fused kernel (detail::fused_attention / fused_rows, causal self-attention at position 0):
-/// per head, query tiles of detail::fused_tile_rows(slope) rows; each tile computes its rows
-/// against the union of its blocks over all draws, found by the kernel's own
-/// detail::tile_block_runs.
+/// The fused kernel (detail::fused_attention, causal self-attention at position 0): per head,
+/// query tiles of detail::fused_tile_rows(slope) rows; each tile computes its rows against the
+/// union of its blocks over all draws, found by the kernel's own detail::tile_block_runs. Where
+/// the kernel takes detail::fused_causal_rows (AVX-512 builds, 1/m < kCausalRowsReach), a row
+/// computes its own keys only, from its draws' smallest block start to itself, unless a row of
+/// its tile of kCausalTileRows sees more than kCausalRowKeys (then the tile's union, as above).
 double fused_entries(Index n, const std::vector<double>& slopes,
                      const std::vector<std::vector<plsh::Grid>>& head_grids) {
   double entries = 0;
   std::vector<plsh::detail::BlockRun> runs;
+  std::vector<Index> first_key;  // [position]: the smallest block start over the draws
+  const auto tile_union = [&](std::size_t h, Index row_begin, Index rows) {
+    runs.clear();
+    const plsh::Block keys = plsh::detail::tile_block_runs(
+        head_grids[h], plsh::detail::PositionRange{0, n}, row_begin, rows, 0, n, true, runs);
+    return static_cast<double>(rows) * static_cast<double>(keys.size());
+  };
   for (std::size_t h = 0; h < slopes.size(); ++h) {
+    if (plsh::detail::kCausalRows<float> && slopes[h] * plsh::detail::kCausalRowsReach > 1) {
+      first_key.assign(static_cast<std::size_t>(n), n);
+      for (const plsh::Grid& grid : head_grids[h]) {
+        for (Index p = 0; p < n;) {
+          const plsh::Block block = plsh::grid_block(grid, p, 0, n);
+          for (; p < block.end; ++p) {
+            Index& first = first_key[static_cast<std::size_t>(p)];
+            first = std::min(first, block.begin);
+          }
+        }
+      }
+      for (Index row_begin = 0; row_begin < n; row_begin += plsh::detail::kCausalTileRows) {
+        const Index rows = std::min(n - row_begin, plsh::detail::kCausalTileRows);
+        double own = 0;
+        Index widest = 0;
+        for (Index p = row_begin; p < row_begin + rows; ++p) {
+          const Index width = p + 1 - first_key[static_cast<std::size_t>(p)];
+          own += static_cast<double>(width);
+          widest = std::max(widest, width);
+        }
+        entries += widest > plsh::detail::kCausalRowKeys ? tile_union(h, row_begin, rows) : own;
+      }
+      continue;
+    }
     const Index height = plsh::detail::fused_tile_rows(slopes[h]);
     for (Index row_begin = 0; row_begin < n; row_begin += height) {
-      const Index rows = std::min(n, row_begin + height) - row_begin;
-      runs.clear();
-      const plsh::Block keys = plsh::detail::tile_block_runs(
-          head_grids[h], plsh::detail::PositionRange{0, n}, row_begin, rows, 0, n, true, runs);
-      entries += static_cast<double>(rows) * static_cast<double>(keys.size());
+      entries += tile_union(h, row_begin, std::min(n, row_begin + height) - row_begin);
     }
   }
   return entries;

@@ -32,8 +32,12 @@
 ///   Compiled for AVX-512 (`__AVX512F__`, e.g. `-march=native` on such a processor), a float
 ///   chunk takes each row's walk in two vectorised passes and the product \f$PV\f$ by register
 ///   blocks of 6 rows by 64 columns over each block's visible keys, without packing
-///   (online_softmax.hpp), narrow tiles too; \f$QK^\top\f$ stays Eigen's. Other builds and types
-///   take Eigen's products and the portable walk; both are tested (test_plsh_attention and
+///   (online_softmax.hpp), narrow tiles too; \f$QK^\top\f$ stays Eigen's. There too, the causal
+///   rows of heads with \f$1/m <\f$ kCausalRowsReach go row by row (detail::fused_causal_rows):
+///   a causal row's counts are \f$c_{ij} = \#\{t : b_t \le j\}\f$ from its draws' block starts
+///   \f$b_t\f$, carried from row to row, so each row computes the scores of its own keys only
+///   (5 to 60 of them) instead of its tile's union. Other builds and types take Eigen's products
+///   and the portable walk; both are tested (test_plsh_attention and
 ///   test_plsh_attention_avx512).
 ///
 /// Parallelism: one OpenMP region per call, over (batch element, span of up to kFusedSpanRows
@@ -44,8 +48,9 @@
 /// own rows: the result is identical for any number of threads.
 ///
 /// Storage: float, double, or Eigen::bfloat16 / Eigen::half computed in float (detail::Compute):
-/// the fused kernel converts its query tile and each key and value chunk once, the pass kernel
-/// each block's rows, and both round their output once (detail/storage.hpp).
+/// the fused kernel converts each query row once and the key and value rows a span of query rows
+/// may see once (fused_span; when they are read in place, each chunk or row converts its own),
+/// the pass kernel each block's rows, and both round their output once (detail/storage.hpp).
 ///
 /// Tested against plsh::reference::mask_attention (dense \f$D^{-1}(e^S\circ\hat K)V\f$ in
 /// double, same grids) in tests/test_plsh_attention.cpp; fused against passes there too; the
@@ -552,20 +557,23 @@ void fused_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeyStorage>& 
   workspace.output.store();
 }
 
+/// fused_span takes fused_causal_rows (AVX-512 builds, kCausalRows) for the causal rows of heads
+/// of slope m with 1/m below this (with s = 20 draws their rows see some 5 to 60 keys): at
+/// 1/m = 16, where the rows see up to a hundred, the tiles' blocked products were faster.
+constexpr double kCausalRowsReach = 16;
+
+/// Rows per tile of fused_causal_rows: the rows whose block starts are found before their keys
+/// are computed.
+constexpr Index kCausalTileRows = 32;
+
+/// A tile of fused_causal_rows with a row that sees more keys than this goes to fused_rows.
+constexpr Index kCausalRowKeys = 128;
+
 #if defined(PLSH_FUSED_AVX512) && defined(PLSH_DECODE_AVX512)
 /// Whether fused_span takes fused_causal_rows for the causal rows of steep heads (AVX-512,
 /// float compute type).
 template <class Scalar>
 constexpr bool kCausalRows = std::is_same<Scalar, float>::value;
-
-/// fused_span takes fused_causal_rows for the causal rows of heads of slope m with 1/m below this
-/// (with s = 20 draws their rows see some 5 to 60 keys): at 1/m = 16, where the rows see up to a
-/// hundred, the tiles' blocked products were faster.
-constexpr double kCausalRowsReach = 16;
-
-/// Causal rows of a steep head whose keys are at most this many take fused_causal_rows' kernel;
-/// a tile with a wider row takes fused_rows.
-constexpr Index kCausalRowKeys = 128;
 
 /// Per-thread scratch of fused_causal_rows; the draws padded to a multiple of 8 (a vector of
 /// doubles) with grids that never start a block and starts past every position.
@@ -591,17 +599,16 @@ struct CausalRowsWorkspace {
 /// logits \f$S + \log c\f$ and their maximum \f$\mu\f$; then the weights \f$e^{l - \mu}\f$ and
 /// their sum as the walk's counted_weights computes them (the largest weight is exactly 1, so a
 /// row that sees one key gets its value exactly; a logit \f$-\infty\f$ weighs exactly 0; a NaN
-/// makes the row NaN), and the weighted sum of values by avx512::weighted_sum. A tile of 32 rows
-/// with a row wider than kCausalRowKeys keys goes to fused_rows, and so does a row that sees a
-/// non-finite value (unless `finite_values`, the value rows are scanned for them first). Key and
-/// value rows in float or, read in place, in a 16-bit type (converted in registers: the same
-/// floats as fused_span's packed copy).
+/// makes the row NaN), and the weighted sum of values by avx512::weighted_sum. A tile of
+/// kCausalTileRows rows with a row wider than kCausalRowKeys keys goes to fused_rows, and so does a
+/// row that sees a non-finite value (unless `finite_values`, the value rows are scanned for them
+/// first). Key and value rows in float or, read in place, in a 16-bit type (converted in registers:
+/// the same floats as fused_span's packed copy).
 template <class Storage, class KeyStorage>
 void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeyStorage>& k,
                        const ConstHeadMap<KeyStorage>& v, const std::vector<Grid>& grids,
                        const AttentionOptions& options, const PositionRange& range, Index row_begin,
                        Index row_end, HeadMap<Storage>& out, bool finite_values) {
-  constexpr Index kTileRows = 32;
   static thread_local CausalRowsWorkspace w;
   const Index samples = static_cast<Index>(grids.size());
   const Index draws = (samples + 7) / 8 * 8;
@@ -619,8 +626,8 @@ void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeySto
   const LogCountLookup log_count(w.log_count.data(), samples);
   for (auto* vector : {&w.pitch, &w.shift, &w.bin}) vector->resize(static_cast<std::size_t>(draws));
   w.begin.resize(static_cast<std::size_t>(draws));
-  w.tile.resize(static_cast<std::size_t>(kTileRows * draws));
-  w.query.resize(static_cast<std::size_t>(kTileRows * dim));
+  w.tile.resize(static_cast<std::size_t>(kCausalTileRows * draws));
+  w.query.resize(static_cast<std::size_t>(kCausalTileRows * dim));
   w.weights.resize(static_cast<std::size_t>(kCausalRowKeys + 16));
   w.sum.resize(static_cast<std::size_t>(value_dim));
   const Index first_position = options.query_position + row_begin;
@@ -676,8 +683,8 @@ void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeySto
   const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i one = _mm512_set1_epi32(1);
   const __m512 minus_infinity = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (Index r0 = row_begin; r0 < row_end; r0 += kTileRows) {
-    const Index r1 = std::min(row_end, r0 + kTileRows);
+  for (Index r0 = row_begin; r0 < row_end; r0 += kCausalTileRows) {
+    const Index r1 = std::min(row_end, r0 + kCausalTileRows);
     Index widest = 0;
     for (Index r = r0; r < r1; ++r) {
       const Index p = options.query_position + r;
@@ -838,6 +845,7 @@ void fused_span(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
       finite_values = key_count > 0 &&
                       all_finite(map_rows(value_rows, keys.begin - at.key_position, key_count));
     }
+#if defined(PLSH_FUSED_AVX512) && defined(PLSH_DECODE_AVX512)
     if constexpr (kCausalRows<Scalar>) {
       if (at.causal && slope * kCausalRowsReach > 1) {
         fused_causal_rows<Storage>(q, key_rows, value_rows, grids, at, range, row_begin, row_end,
@@ -845,6 +853,7 @@ void fused_span(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
         return;
       }
     }
+#endif
     for (Index r0 = row_begin; r0 < row_end; r0 += height) {
       fused_rows<Storage>(q, key_rows, value_rows, grids, at, range, r0,
                           std::min(row_end, r0 + height), out, finite_values);
