@@ -23,6 +23,9 @@
 ///   values converted in registers; bfloat16 values 32 at a time by a shift and a mask (even and
 ///   odd columns summed apart, interleaved once at the end).
 ///
+/// `avx512::score_block` (16 scores in a register) and `avx512::weighted_sum` also serve the fused
+/// kernel's causal rows of steep heads (attention/plsh_attention.hpp, detail::fused_causal_rows).
+///
 /// Rows are `stride` entries apart; every size is allowed (tails by masked loads, which do not
 /// touch memory past the last row). Tested in tests/simd/decode_avx512.cpp (test_kv_cache_avx512)
 /// against sums and exponentials in double, for every size from 1 to past two vectors, where the
