@@ -609,41 +609,44 @@ void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeySto
                        const ConstHeadMap<KeyStorage>& v, const std::vector<Grid>& grids,
                        const AttentionOptions& options, const PositionRange& range, Index row_begin,
                        Index row_end, HeadMap<Storage>& out, bool finite_values) {
-  static thread_local CausalRowsWorkspace w;
+  static thread_local CausalRowsWorkspace scratch;
   const Index samples = static_cast<Index>(grids.size());
   const Index draws = (samples + 7) / 8 * 8;
   const Index dim = q.cols();
   const Index value_dim = v.cols();
   const Index key_begin = options.key_position;
   const Index key_end = options.key_position + k.rows();
-  if (static_cast<Index>(w.log_count.size()) != samples + 1) {
-    w.log_count.resize(static_cast<std::size_t>(samples + 1));
-    w.log_count[0] = -std::numeric_limits<float>::infinity();
+  if (static_cast<Index>(scratch.log_count.size()) != samples + 1) {
+    scratch.log_count.resize(static_cast<std::size_t>(samples + 1));
+    scratch.log_count[0] = -std::numeric_limits<float>::infinity();
     for (Index c = 1; c <= samples; ++c) {
-      w.log_count[static_cast<std::size_t>(c)] = std::log(static_cast<float>(c));
+      scratch.log_count[static_cast<std::size_t>(c)] = std::log(static_cast<float>(c));
     }
   }
-  const LogCountLookup log_count(w.log_count.data(), samples);
-  for (auto* vector : {&w.pitch, &w.shift, &w.bin}) vector->resize(static_cast<std::size_t>(draws));
-  w.begin.resize(static_cast<std::size_t>(draws));
-  w.tile.resize(static_cast<std::size_t>(kCausalTileRows * draws));
-  w.query.resize(static_cast<std::size_t>(kCausalTileRows * dim));
-  w.weights.resize(static_cast<std::size_t>(kCausalRowKeys + 16));
-  w.sum.resize(static_cast<std::size_t>(value_dim));
+  const LogCountLookup log_count(scratch.log_count.data(), samples);
+  for (auto* vector : {&scratch.pitch, &scratch.shift, &scratch.bin}) {
+    vector->resize(static_cast<std::size_t>(draws));
+  }
+  scratch.begin.resize(static_cast<std::size_t>(draws));
+  scratch.tile.resize(static_cast<std::size_t>(kCausalTileRows * draws));
+  scratch.query.resize(static_cast<std::size_t>(kCausalTileRows * dim));
+  scratch.weights.resize(static_cast<std::size_t>(kCausalRowKeys + 16));
+  scratch.sum.resize(static_cast<std::size_t>(value_dim));
   const Index first_position = options.query_position + row_begin;
   for (Index t = 0; t < draws; ++t) {
     const auto i = static_cast<std::size_t>(t);
     if (t < samples) {
       const Grid& grid = grids[i];
-      w.pitch[i] = grid.pitch;
-      w.shift[i] = grid.shift;
-      w.begin[i] = grid_block(grid, first_position, range.first, range.last).begin;
-      w.bin[i] = std::isfinite(grid.pitch) && grid.pitch > 1 ? bin_index(grid, first_position) : 0;
+      scratch.pitch[i] = grid.pitch;
+      scratch.shift[i] = grid.shift;
+      scratch.begin[i] = grid_block(grid, first_position, range.first, range.last).begin;
+      scratch.bin[i] =
+          std::isfinite(grid.pitch) && grid.pitch > 1 ? bin_index(grid, first_position) : 0;
     } else {
-      w.pitch[i] = std::numeric_limits<double>::infinity();
-      w.shift[i] = 0;
-      w.begin[i] = std::numeric_limits<std::int64_t>::max();
-      w.bin[i] = 0;
+      scratch.pitch[i] = std::numeric_limits<double>::infinity();
+      scratch.shift[i] = 0;
+      scratch.begin[i] = std::numeric_limits<std::int64_t>::max();
+      scratch.bin[i] = 0;
     }
   }
   // Position p's block starts from p - 1's: a draw whose bin changes (or whose pitch is at most
@@ -652,31 +655,31 @@ void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeySto
     const __m512d position = _mm512_set1_pd(static_cast<double>(p));
     __m512i smallest = _mm512_set1_epi64(std::numeric_limits<std::int64_t>::max());
     for (Index t = 0; t < draws; t += 8) {
-      const __m512d pitch = _mm512_load_pd(w.pitch.data() + t);
+      const __m512d pitch = _mm512_load_pd(scratch.pitch.data() + t);
       const __m512d bin = _mm512_roundscale_pd(
-          _mm512_div_pd(_mm512_sub_pd(position, _mm512_load_pd(w.shift.data() + t)), pitch),
+          _mm512_div_pd(_mm512_sub_pd(position, _mm512_load_pd(scratch.shift.data() + t)), pitch),
           _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
       const __mmask8 starts =
-          _mm512_cmp_pd_mask(bin, _mm512_load_pd(w.bin.data() + t), _CMP_NEQ_UQ) |
+          _mm512_cmp_pd_mask(bin, _mm512_load_pd(scratch.bin.data() + t), _CMP_NEQ_UQ) |
           _mm512_cmp_pd_mask(pitch, _mm512_set1_pd(1.0), _CMP_LE_OQ);
-      _mm512_store_pd(w.bin.data() + t, bin);
-      const __m512i begin = _mm512_mask_blend_epi64(starts, _mm512_load_si512(w.begin.data() + t),
-                                                    _mm512_set1_epi64(p));
-      _mm512_store_si512(w.begin.data() + t, begin);
+      _mm512_store_pd(scratch.bin.data() + t, bin);
+      const __m512i begin = _mm512_mask_blend_epi64(
+          starts, _mm512_load_si512(scratch.begin.data() + t), _mm512_set1_epi64(p));
+      _mm512_store_si512(scratch.begin.data() + t, begin);
       smallest = _mm512_min_epi64(smallest, begin);
     }
     return static_cast<Index>(_mm512_reduce_min_epi64(smallest));
   };
-  Index smallest = *std::min_element(w.begin.begin(), w.begin.end());
+  Index smallest = *std::min_element(scratch.begin.begin(), scratch.begin.end());
   // The positions of the value rows with a non-finite entry among the keys the rows may see
   // (from the first row's smallest start on): a row that sees one goes to fused_rows, so that
   // the rows that see none are those of clean values, bit for bit.
-  w.bad.clear();
+  scratch.bad.clear();
   if (!finite_values) {
     const Index low = std::max(smallest, key_begin);
     const Index high = std::min(options.query_position + row_end, key_end);
     for (Index j = low; j < high; ++j) {
-      if (!all_finite(v.row(j - key_begin).template cast<float>())) w.bad.push_back(j);
+      if (!all_finite(v.row(j - key_begin).template cast<float>())) scratch.bad.push_back(j);
     }
   }
   const float scale = static_cast<float>(options.scale);
@@ -689,8 +692,8 @@ void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeySto
     for (Index r = r0; r < r1; ++r) {
       const Index p = options.query_position + r;
       if (r != row_begin) smallest = advance(p);
-      std::copy(w.begin.begin(), w.begin.end(),
-                w.tile.begin() + static_cast<std::ptrdiff_t>((r - r0) * draws));
+      std::copy(scratch.begin.begin(), scratch.begin.end(),
+                scratch.tile.begin() + static_cast<std::ptrdiff_t>((r - r0) * draws));
       widest = std::max(widest, std::min(p + 1, key_end) - std::max(smallest, key_begin));
     }
     if (widest > kCausalRowKeys) {
@@ -698,11 +701,11 @@ void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeySto
       continue;
     }
     // The tile's query rows first, in one loop of independent loads.
-    Eigen::Map<RowMatrix<float>> queries(w.query.data(), r1 - r0, dim);
+    Eigen::Map<RowMatrix<float>> queries(scratch.query.data(), r1 - r0, dim);
     queries = q.middleRows(r0, r1 - r0).template cast<float>() * scale;
     for (Index r = r0; r < r1; ++r) {
       const Index p = options.query_position + r;
-      const std::int64_t* begins = &w.tile[static_cast<std::size_t>((r - r0) * draws)];
+      const std::int64_t* begins = &scratch.tile[static_cast<std::size_t>((r - r0) * draws)];
       const Index first = std::max(*std::min_element(begins, begins + draws), key_begin);
       const Index count = std::min(p + 1, key_end) - first;
       auto out_row = out.row(r);
@@ -710,8 +713,8 @@ void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeySto
         out_row.setZero();
         continue;
       }
-      const auto bad = std::lower_bound(w.bad.begin(), w.bad.end(), first);
-      if (bad != w.bad.end() && *bad < first + count) {
+      const auto bad = std::lower_bound(scratch.bad.begin(), scratch.bad.end(), first);
+      if (bad != scratch.bad.end() && *bad < first + count) {
         fused_rows<Storage>(q, k, v, grids, options, range, r, r + 1, out, false);
         continue;
       }
@@ -719,7 +722,7 @@ void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeySto
       // first + j} (at least 1: the keys start at the smallest start), their maximum, whether a
       // NaN is among them.
       const KeyStorage* keys = k.data() + (first - key_begin) * k.outerStride();
-      const float* query = w.query.data() + (r - r0) * dim;
+      const float* query = scratch.query.data() + (r - r0) * dim;
       __m512 best = minus_infinity;
       __mmask16 nan = 0;
       for (Index j = 0; j < count; j += 16) {
@@ -736,7 +739,7 @@ void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeySto
             avx512::score_block(keys, j, count, dim, k.outerStride(), query), log_count(counts));
         nan |= _mm512_mask_cmp_ps_mask(valid, logit, logit, _CMP_UNORD_Q);
         best = _mm512_mask_max_ps(best, valid, logit, best);
-        _mm512_store_ps(w.weights.data() + j, logit);
+        _mm512_store_ps(scratch.weights.data() + j, logit);
       }
       const float max = _mm512_reduce_max_ps(best);
       if (nan != 0 || max == -std::numeric_limits<float>::infinity()) {
@@ -750,18 +753,19 @@ void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeySto
       __m512 totals = _mm512_setzero_ps();
       for (Index j = 0; j < count; j += 16) {
         const __mmask16 valid = lanes_below(count - j);
-        const __m512 logit = _mm512_load_ps(w.weights.data() + j);
+        const __m512 logit = _mm512_load_ps(scratch.weights.data() + j);
         // Exactly 0 for a logit -inf (the vectorised exp gives a tiny subnormal there).
         const __mmask16 weighs = _mm512_mask_cmp_ps_mask(valid, logit, minus_infinity, _CMP_NEQ_OQ);
         const __m512 weight = _mm512_maskz_mov_ps(
             weighs, Eigen::internal::pexp<Eigen::internal::Packet16f>(_mm512_sub_ps(logit, shift)));
-        _mm512_store_ps(w.weights.data() + j, weight);
+        _mm512_store_ps(scratch.weights.data() + j, weight);
         totals = _mm512_add_ps(totals, weight);
       }
       const float total = _mm512_reduce_add_ps(totals);
       avx512::weighted_sum(v.data() + (first - key_begin) * v.outerStride(), count, value_dim,
-                           v.outerStride(), w.weights.data(), w.sum.data());
-      const Eigen::Map<const Eigen::Matrix<float, 1, Eigen::Dynamic>> sum(w.sum.data(), value_dim);
+                           v.outerStride(), scratch.weights.data(), scratch.sum.data());
+      const Eigen::Map<const Eigen::Matrix<float, 1, Eigen::Dynamic>> sum(scratch.sum.data(),
+                                                                          value_dim);
       out_row = (sum / total).template cast<Storage>();
     }
   }
