@@ -36,7 +36,7 @@
 ///   rows of heads with \f$1/m <\f$ kCausalRowsReach go row by row (detail::fused_causal_rows):
 ///   a causal row's counts are \f$c_{ij} = \#\{t : b_t \le j\}\f$ from its draws' block starts
 ///   \f$b_t\f$, carried from row to row, so each row computes the scores of its own keys only
-///   (5 to 60 of them) instead of its tile's union. Other builds and types take Eigen's products
+///   (5 to 50 of them) instead of its tile's union. Other builds and types take Eigen's products
 ///   and the portable walk; both are tested (test_plsh_attention and
 ///   test_plsh_attention_avx512).
 ///
@@ -558,8 +558,9 @@ void fused_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeyStorage>& 
 }
 
 /// fused_span takes fused_causal_rows (AVX-512 builds, kCausalRows) for the causal rows of heads
-/// of slope m with 1/m below this (with s = 20 draws their rows see some 5 to 60 keys): at
-/// 1/m = 16, where the rows see up to a hundred, the tiles' blocked products were faster.
+/// of slope m with 1/m below this (with s = 20 draws their rows see 5 to 50 keys): at 1/m = 16,
+/// where the rows see 33 to 88 (5th percentile to maximum), the tiles' blocked products were
+/// faster.
 constexpr double kCausalRowsReach = 16;
 
 /// Rows per tile of fused_causal_rows: the rows whose block starts are found before their keys
