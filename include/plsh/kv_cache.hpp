@@ -623,13 +623,7 @@ class KvCache {
     const Index samples = options_.samples;
     const Index group = heads_ / kv_heads_;
     const Index first_query = position_ - rows;
-    if (static_cast<Index>(workspace.log_count.size()) != samples + 1) {
-      workspace.log_count.resize(static_cast<std::size_t>(samples + 1));
-      workspace.log_count[0] = -std::numeric_limits<Compute>::infinity();
-      for (Index c = 1; c <= samples; ++c) {
-        workspace.log_count[static_cast<std::size_t>(c)] = std::log(static_cast<Compute>(c));
-      }
-    }
+    detail::fill_log_counts(workspace.log_count, samples);
     // Room for the most jobs the cache's buffer can need, so that calls between two growths of
     // the buffer allocate nothing.
     const Index most_jobs = rows * heads_ * (capacity_ / detail::kDecodeKeyChunk + 1);

@@ -96,6 +96,18 @@ void masked_exp(Row&& row, Scalar shift, Eigen::Array<Scalar, 1, Eigen::Dynamic>
   }
 }
 
+/// `table` = \f$\log c\f$ for c = 0 .. `samples` (\f$\log 0 = -\infty\f$), the logits' count
+/// term of the fused estimator; filled only when its size changes.
+template <class Scalar>
+void fill_log_counts(std::vector<Scalar>& table, Index samples) {
+  if (static_cast<Index>(table.size()) == samples + 1) return;
+  table.resize(static_cast<std::size_t>(samples + 1));
+  table[0] = -std::numeric_limits<Scalar>::infinity();
+  for (Index c = 1; c <= samples; ++c) {
+    table[static_cast<std::size_t>(c)] = std::log(static_cast<Scalar>(c));
+  }
+}
+
 /// Whether every entry of `operand` is finite, by one vectorised sum: \f$x - x\f$ is 0 for a
 /// finite x and NaN otherwise, and a sum with a NaN term is NaN. (Eigen's allFinite compares
 /// two such differences coefficient by coefficient and does not vectorise.)

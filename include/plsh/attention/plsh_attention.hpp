@@ -276,13 +276,7 @@ class BlockCounts {
   Block prepare(const std::vector<Grid>& grids, const PositionRange& range, Index first_position,
                 Index rows, Index key_begin, Index key_end, bool causal) {
     const Index samples = static_cast<Index>(grids.size());
-    if (static_cast<Index>(log_count_.size()) != samples + 1) {
-      log_count_.resize(static_cast<std::size_t>(samples + 1));
-      log_count_[0] = -std::numeric_limits<Scalar>::infinity();
-      for (Index c = 1; c <= samples; ++c) {
-        log_count_[static_cast<std::size_t>(c)] = std::log(static_cast<Scalar>(c));
-      }
-    }
+    fill_log_counts(log_count_, samples);
     first_position_ = first_position;
     causal_ = causal;
     runs_.clear();
@@ -583,6 +577,7 @@ struct CausalRowsWorkspace {
   AlignedVector<double> bin;           // [draw]: bin index of the current row
   AlignedVector<std::int64_t> begin;   // [draw]: start of the block that holds the current row
   AlignedVector<std::int64_t> tile;    // [row of the tile][draw]: each row's starts
+  std::vector<Index> smallest;         // [row of the tile]: each row's smallest start
   std::vector<float> log_count;        // log(c) for c = 0..s
   AlignedVector<float> query;          // the tile's query rows in float, scaled
   AlignedVector<float> weights;        // one row's scores, then weights
@@ -617,19 +612,14 @@ void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeySto
   const Index value_dim = v.cols();
   const Index key_begin = options.key_position;
   const Index key_end = options.key_position + k.rows();
-  if (static_cast<Index>(scratch.log_count.size()) != samples + 1) {
-    scratch.log_count.resize(static_cast<std::size_t>(samples + 1));
-    scratch.log_count[0] = -std::numeric_limits<float>::infinity();
-    for (Index c = 1; c <= samples; ++c) {
-      scratch.log_count[static_cast<std::size_t>(c)] = std::log(static_cast<float>(c));
-    }
-  }
+  fill_log_counts(scratch.log_count, samples);
   const LogCountLookup log_count(scratch.log_count.data(), samples);
   for (auto* vector : {&scratch.pitch, &scratch.shift, &scratch.bin}) {
     vector->resize(static_cast<std::size_t>(draws));
   }
   scratch.begin.resize(static_cast<std::size_t>(draws));
   scratch.tile.resize(static_cast<std::size_t>(kCausalTileRows * draws));
+  scratch.smallest.resize(static_cast<std::size_t>(kCausalTileRows));
   scratch.query.resize(static_cast<std::size_t>(kCausalTileRows * dim));
   scratch.weights.resize(static_cast<std::size_t>(kCausalRowKeys + 16));
   scratch.sum.resize(static_cast<std::size_t>(value_dim));
@@ -695,6 +685,7 @@ void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeySto
       if (r != row_begin) smallest = advance(p);
       std::copy(scratch.begin.begin(), scratch.begin.end(),
                 scratch.tile.begin() + static_cast<std::ptrdiff_t>((r - r0) * draws));
+      scratch.smallest[static_cast<std::size_t>(r - r0)] = smallest;
       widest = std::max(widest, std::min(p + 1, key_end) - std::max(smallest, key_begin));
     }
     if (widest > kCausalRowKeys) {
@@ -707,7 +698,7 @@ void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeySto
     for (Index r = r0; r < r1; ++r) {
       const Index p = options.query_position + r;
       const std::int64_t* begins = &scratch.tile[static_cast<std::size_t>((r - r0) * draws)];
-      const Index first = std::max(*std::min_element(begins, begins + draws), key_begin);
+      const Index first = std::max(scratch.smallest[static_cast<std::size_t>(r - r0)], key_begin);
       const Index count = std::min(p + 1, key_end) - first;
       auto out_row = out.row(r);
       if (count <= 0) {
