@@ -355,7 +355,9 @@ TEMPLATE_TEST_CASE("KvCache in 16 bits: the float kernel's rows rounded once", "
   CHECK(2 * half_cache.bytes() == float_cache.bytes());
 }
 
-TEST_CASE("KvCache decoding gives identical results at 1, 2 and 3 threads", "[kv_cache][threads]") {
+TEST_CASE(
+    "KvCache decoding gives identical results at 1, 2 and 3 threads, on the helper team or not",
+    "[kv_cache][threads]") {
   // The standard slopes at d = 64: unions of several hundred keys, split into several jobs per
   // head, enough work for the parallel region; grouped heads; chunks of up to 16 rows (the
   // single-query path) and 40 (the fused kernel).
@@ -372,6 +374,32 @@ TEST_CASE("KvCache decoding gives identical results at 1, 2 and 3 threads", "[kv
     const DecodeResult result =
         decode(sequence, slopes, options, chunks, expected, 0, &outputs.back());
     INFO(threads << " threads: max |cache - whole sequence| = " << result.max_difference);
+    CHECK(result.max_difference <= 2e-5);
+  }
+  {
+    // 2 threads while the helper team runs a step of another caller: an OpenMP region instead.
+    const plsh_test::ThreadCount thread_count(2);
+    outputs.emplace_back();
+    DecodeResult result;
+    const bool ran = plsh::detail::ThreadTeam::shared().run(2, [&](int part) {
+      if (part == 0)
+        result = decode(sequence, slopes, options, chunks, expected, 0, &outputs.back());
+    });
+    REQUIRE(ran);
+    INFO("team busy: max |cache - whole sequence| = " << result.max_difference);
+    CHECK(result.max_difference <= 2e-5);
+  }
+  {
+    // Called from inside an OpenMP parallel region (one thread decodes): a nested region.
+    const plsh_test::ThreadCount thread_count(2);
+    outputs.emplace_back();
+    DecodeResult result;
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(2)
+#pragma omp single
+#endif
+    result = decode(sequence, slopes, options, chunks, expected, 0, &outputs.back());
+    INFO("inside a parallel region: max |cache - whole sequence| = " << result.max_difference);
     CHECK(result.max_difference <= 2e-5);
   }
   for (std::size_t run = 1; run < outputs.size(); ++run) {

@@ -76,6 +76,7 @@
 #include "detail/decode_simd.hpp"
 #include "detail/parallel.hpp"
 #include "detail/storage.hpp"
+#include "detail/thread_team.hpp"
 #include "detail/validate.hpp"
 #include "limits.hpp"
 #include "options.hpp"
@@ -739,25 +740,33 @@ class KvCache {
     // A (row, head) whose jobs all lie in one part is merged by that part's thread as soon as its
     // last job is done; the others (at most threads - 1) after the parallel region.
     workspace.merged.assign(static_cast<std::size_t>(rows * heads_), 0);
-    detail::parallel_for_threads(
-        threads, threads > 1,
-        [&](Index part, int thread) {
-          detail::DecodeThreadState<Scalar>& state =
-              workspace.threads[static_cast<std::size_t>(thread)];
-          const Index first = workspace.part_first[static_cast<std::size_t>(part)];
-          const Index last = workspace.part_first[static_cast<std::size_t>(part + 1)];
-          for (Index j = first; j < last; ++j) {
-            run_job(j, state);
-            const detail::DecodeJob& job = workspace.jobs[static_cast<std::size_t>(j)];
-            const std::size_t index = static_cast<std::size_t>(job.row * heads_ + job.head);
-            if (workspace.first_job[index] >= first && workspace.first_job[index + 1] == j + 1) {
-              merge(job.row, job.head, state.output);
-              workspace.merged[index] = 1;
-            }
-          }
-          if (threads > 1 && part == threads - 1) extra();
-        },
-        detail::Schedule::Static);
+    const auto run_part = [&](Index part, int thread) {
+      detail::DecodeThreadState<Scalar>& state =
+          workspace.threads[static_cast<std::size_t>(thread)];
+      const Index first = workspace.part_first[static_cast<std::size_t>(part)];
+      const Index last = workspace.part_first[static_cast<std::size_t>(part + 1)];
+      for (Index j = first; j < last; ++j) {
+        run_job(j, state);
+        const detail::DecodeJob& job = workspace.jobs[static_cast<std::size_t>(j)];
+        const std::size_t index = static_cast<std::size_t>(job.row * heads_ + job.head);
+        if (workspace.first_job[index] >= first && workspace.first_job[index + 1] == j + 1) {
+          merge(job.row, job.head, state.output);
+          workspace.merged[index] = 1;
+        }
+      }
+      if (threads > 1 && part == threads - 1) extra();
+    };
+    // Parts on the team's helpers (no system call on warm helpers), else in an OpenMP region
+    // (also when called from inside one, where the helpers would compete with its threads).
+    bool in_parallel = false;
+#if defined(_OPENMP)
+    in_parallel = omp_in_parallel() != 0;
+#endif
+    if (threads == 1 || in_parallel ||
+        !detail::ThreadTeam::shared().run(static_cast<int>(threads),
+                                          [&](int part) { run_part(part, part); })) {
+      detail::parallel_for_threads(threads, threads > 1, run_part, detail::Schedule::Static);
+    }
     for (Index r = 0; r < rows; ++r) {
       for (Index h = 0; h < heads_; ++h) {
         if (workspace.merged[static_cast<std::size_t>(r * heads_ + h)] == 0) {
