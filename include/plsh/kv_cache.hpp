@@ -57,6 +57,7 @@
 /// has AVX-512.
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <limits>
@@ -101,6 +102,12 @@ constexpr Index kDecodeKeyChunk = 128;
 /// left the thread that ran them behind.
 constexpr Index kDecodeJobKeys = 16;
 
+/// The parts of a decoding step follow the threads' measured speeds, each counted at least
+/// 1/kDecodeSpeedRange of the fastest one's (a thread preempted once is not left idle), smoothed
+/// from step to step by kDecodeSpeedSmoothing (the weight of the newest measurement).
+constexpr double kDecodeSpeedRange = 4;
+constexpr double kDecodeSpeedSmoothing = 0.125;
+
 /// Estimated multiply-adds from which the single-query path opens a parallel region. A region of
 /// warm threads costs about a microsecond, the time of some 10^4 multiply-adds.
 constexpr double kDecodeParallelWork = 1 << 15;
@@ -140,12 +147,14 @@ struct DecodeWorkspace {
   std::vector<Index> begins;     // [row][head][draw]: the block starts, sorted per row and head
   std::vector<Index> first_job;  // [row * heads + head]: its first job; one more at the end
   std::vector<DecodeJob> jobs;
-  std::vector<Index> part_first;  // [part]: the first job of each thread's part; one more
-  AlignedVector<Scalar> queries;  // [row][head][dim]: the queries times the scale
-  AlignedVector<Scalar> partial;  // [job][value_dim]: normalised output of the job's keys
-  AlignedVector<Scalar> lse;      // [job]: log-sum-exp of the job's logits
-  std::vector<Scalar> log_count;  // log(c) for c = 0..s, log(0) = -inf
-  std::vector<char> merged;       // [row * heads + head]: merged inside the parallel region
+  std::vector<Index> part_first;   // [part]: the first job of each thread's part; one more
+  std::vector<Index> part_work;    // [part]: its keys (with kDecodeJobKeys per job and the extra)
+  std::vector<double> part_speed;  // [part]: its thread's smoothed keys per second; 0: unmeasured
+  AlignedVector<Scalar> queries;   // [row][head][dim]: the queries times the scale
+  AlignedVector<Scalar> partial;   // [job][value_dim]: normalised output of the job's keys
+  AlignedVector<Scalar> lse;       // [job]: log-sum-exp of the job's logits
+  std::vector<Scalar> log_count;   // log(c) for c = 0..s, log(0) = -inf
+  std::vector<char> merged;        // [row * heads + head]: merged inside the parallel region
   std::vector<DecodeThreadState<Storage>> threads;
 };
 
@@ -701,22 +710,53 @@ class KvCache {
     };
     // Each thread takes a contiguous part of the jobs with about its share of the keys (each job
     // counted kDecodeJobKeys more, the extra work extra_keys at the end): from one token to the
-    // next the parts cover nearly the same keys, which stay in that core's cache.
+    // next the parts cover nearly the same keys, which stay in that core's cache. The shares
+    // follow each thread's measured speed on its recent parts (equal until measured): the cores
+    // of a shared or virtual machine can differ by tens of percent, and the step ends with its
+    // slowest part.
     workspace.part_first.resize(static_cast<std::size_t>(threads + 1));
+    workspace.part_work.resize(static_cast<std::size_t>(threads));
+    workspace.part_speed.resize(static_cast<std::size_t>(threads), 0.0);
     {
+      const double total = static_cast<double>(union_keys + detail::kDecodeJobKeys * jobs +
+                                               (threads > 1 ? extra_keys : 0));
+      double fastest = 0;
+      for (Index t = 0; t < threads; ++t) {
+        fastest = std::max(fastest, workspace.part_speed[static_cast<std::size_t>(t)]);
+      }
+      // Speeds within a factor kDecodeSpeedRange of the fastest; all equal before the first
+      // measurement of every thread.
+      const auto speed = [&](Index t) {
+        const double measured = workspace.part_speed[static_cast<std::size_t>(t)];
+        return measured > 0 ? std::max(measured, fastest / detail::kDecodeSpeedRange) : 1.0;
+      };
+      double speed_sum = 0;
+      bool measured = true;
+      for (Index t = 0; t < threads; ++t) {
+        measured = measured && workspace.part_speed[static_cast<std::size_t>(t)] > 0;
+      }
+      for (Index t = 0; t < threads; ++t) speed_sum += measured ? speed(t) : 1.0;
       Index part = 0;
+      double speed_before = measured ? speed(0) : 1.0;  // speeds of parts 0..part
       Index keys_before = 0;
+      Index keys_at_cut = 0;
       workspace.part_first[0] = 0;
-      const Index total =
-          union_keys + detail::kDecodeJobKeys * jobs + (threads > 1 ? extra_keys : 0);
       for (Index j = 0; j < jobs && part + 1 < threads; ++j) {
         keys_before += detail::kDecodeJobKeys + workspace.jobs[static_cast<std::size_t>(j)].end -
                        workspace.jobs[static_cast<std::size_t>(j)].begin;
-        if (keys_before * threads >= (part + 1) * total) {
+        if (static_cast<double>(keys_before) * speed_sum >= speed_before * total) {
+          workspace.part_work[static_cast<std::size_t>(part)] = keys_before - keys_at_cut;
+          keys_at_cut = keys_before;
           workspace.part_first[static_cast<std::size_t>(++part)] = j + 1;
+          speed_before += measured ? speed(part) : 1.0;
         }
       }
-      while (part < threads) workspace.part_first[static_cast<std::size_t>(++part)] = jobs;
+      workspace.part_work[static_cast<std::size_t>(part)] = static_cast<Index>(total) - keys_at_cut;
+      while (++part < threads) {
+        workspace.part_first[static_cast<std::size_t>(part)] = jobs;
+        workspace.part_work[static_cast<std::size_t>(part)] = 0;
+      }
+      workspace.part_first[static_cast<std::size_t>(threads)] = jobs;
     }
     // The log-sum-exp merge of the jobs of (row r, head h), in job order, into its output row.
     const auto merge = [&](Index r, Index h, detail::OutputRows<Scalar>& output) {
@@ -741,6 +781,7 @@ class KvCache {
     // last job is done; the others (at most threads - 1) after the parallel region.
     workspace.merged.assign(static_cast<std::size_t>(rows * heads_), 0);
     const auto run_part = [&](Index part, int thread) {
+      const auto start = std::chrono::steady_clock::now();
       detail::DecodeThreadState<Scalar>& state =
           workspace.threads[static_cast<std::size_t>(thread)];
       const Index first = workspace.part_first[static_cast<std::size_t>(part)];
@@ -755,6 +796,17 @@ class KvCache {
         }
       }
       if (threads > 1 && part == threads - 1) extra();
+      if (threads > 1) {
+        // Work per second of this part, smoothed over steps (each thread its own entry).
+        const double seconds =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        const Index work = workspace.part_work[static_cast<std::size_t>(part)];
+        double& speed = workspace.part_speed[static_cast<std::size_t>(part)];
+        if (seconds > 0 && work > 0) {
+          const double measured = static_cast<double>(work) / seconds;
+          speed = speed > 0 ? speed + detail::kDecodeSpeedSmoothing * (measured - speed) : measured;
+        }
+      }
     };
     // Parts on the team's helpers (no system call on warm helpers), else in an OpenMP region
     // (also when called from inside one, where the helpers would compete with its threads).
