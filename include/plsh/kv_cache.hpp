@@ -720,36 +720,42 @@ class KvCache {
     {
       const double total = static_cast<double>(union_keys + detail::kDecodeJobKeys * jobs +
                                                (threads > 1 ? extra_keys : 0));
+      bool measured = true;
       double fastest = 0;
       for (Index t = 0; t < threads; ++t) {
-        fastest = std::max(fastest, workspace.part_speed[static_cast<std::size_t>(t)]);
+        const double speed = workspace.part_speed[static_cast<std::size_t>(t)];
+        measured = measured && speed > 0;
+        fastest = std::max(fastest, speed);
       }
-      // Speeds within a factor kDecodeSpeedRange of the fastest; all equal before the first
-      // measurement of every thread.
-      const auto speed = [&](Index t) {
-        const double measured = workspace.part_speed[static_cast<std::size_t>(t)];
-        return measured > 0 ? std::max(measured, fastest / detail::kDecodeSpeedRange) : 1.0;
+      // Each thread's share: its speed, at least 1/kDecodeSpeedRange of the fastest; equal shares
+      // until every thread has been measured.
+      const auto share = [&](Index t) {
+        return measured ? std::max(workspace.part_speed[static_cast<std::size_t>(t)],
+                                   fastest / detail::kDecodeSpeedRange)
+                        : 1.0;
       };
-      double speed_sum = 0;
-      bool measured = true;
-      for (Index t = 0; t < threads; ++t) {
-        measured = measured && workspace.part_speed[static_cast<std::size_t>(t)] > 0;
-      }
-      for (Index t = 0; t < threads; ++t) speed_sum += measured ? speed(t) : 1.0;
+      double share_sum = 0;
+      for (Index t = 0; t < threads; ++t) share_sum += share(t);
       Index part = 0;
-      double speed_before = measured ? speed(0) : 1.0;  // speeds of parts 0..part
-      Index keys_before = 0;
+      double share_before = share(0);  // shares of parts 0..part
+      Index keys_before = 0;           // keys of the jobs before j
       Index keys_at_cut = 0;
       workspace.part_first[0] = 0;
       for (Index j = 0; j < jobs && part + 1 < threads; ++j) {
-        keys_before += detail::kDecodeJobKeys + workspace.jobs[static_cast<std::size_t>(j)].end -
-                       workspace.jobs[static_cast<std::size_t>(j)].begin;
-        if (static_cast<double>(keys_before) * speed_sum >= speed_before * total) {
+        const Index job_keys = detail::kDecodeJobKeys +
+                               workspace.jobs[static_cast<std::size_t>(j)].end -
+                               workspace.jobs[static_cast<std::size_t>(j)].begin;
+        // Job j starts the next part when its middle lies past this part's share.
+        while (part + 1 < threads &&
+               (static_cast<double>(keys_before) + 0.5 * static_cast<double>(job_keys)) *
+                       share_sum >=
+                   share_before * total) {
           workspace.part_work[static_cast<std::size_t>(part)] = keys_before - keys_at_cut;
           keys_at_cut = keys_before;
-          workspace.part_first[static_cast<std::size_t>(++part)] = j + 1;
-          speed_before += measured ? speed(part) : 1.0;
+          workspace.part_first[static_cast<std::size_t>(++part)] = j;
+          share_before += share(part);
         }
+        keys_before += job_keys;
       }
       workspace.part_work[static_cast<std::size_t>(part)] = static_cast<Index>(total) - keys_at_cut;
       while (++part < threads) {
