@@ -25,11 +25,13 @@
 /// the fused estimator. The union is split into ranges of detail::kDecodeKeyChunk keys; each
 /// (query, head, range) is a job: a matrix-vector product for its scores, \f$\log c_j\f$ added,
 /// an online softmax of one row and a matrix-vector product with its values, giving a partial
-/// (output, lse). The jobs run in one OpenMP region (when the work is worth it), each thread a
-/// contiguous part of them, and are merged by log-sum-exp in job order (in the region by the
-/// thread that ran all of a head's jobs, after it for a head whose jobs two threads shared), so
-/// the result is identical for any number of threads (one thread runs them without opening a
-/// parallel region). A job's two products run in the AVX-512 code of
+/// (output, lse). With more than one OpenMP thread (when the work is worth it) the jobs are cut
+/// into contiguous parts, one per thread, sized by each thread's measured speed, and run on the
+/// helper threads of detail/thread_team.hpp (spinning between steps, so a step makes no system
+/// call; in an OpenMP region when that team is busy or the caller is inside a parallel region).
+/// They are merged by log-sum-exp in job order (by the thread that ran all of a head's jobs, or
+/// after the parts for a head whose jobs two threads shared), so the result is identical for any
+/// number of threads and any cut. A job's two products run in the AVX-512 code of
 /// detail/decode_simd.hpp when the library is compiled for it (the scores' product also returns
 /// their maximum, and one pass then computes the exponentials times the counts instead of adding
 /// the counts' logarithms; bfloat16 keys meet the bfloat16 query in `vdpbf16ps` where AVX-512
@@ -108,8 +110,9 @@ constexpr Index kDecodeJobKeys = 16;
 constexpr double kDecodeSpeedRange = 4;
 constexpr double kDecodeSpeedSmoothing = 0.125;
 
-/// Estimated multiply-adds from which the single-query path opens a parallel region. A region of
-/// warm threads costs about a microsecond, the time of some 10^4 multiply-adds.
+/// Estimated multiply-adds from which the single-query path runs on more than one thread. Handing
+/// a step to warm helper threads costs 0.1-0.5 microseconds, the time of some 10^4 multiply-adds
+/// (an OpenMP region 1.3-3.5 us on the 2-core virtual machines measured).
 constexpr double kDecodeParallelWork = 1 << 15;
 
 /// Whether the single-query path computes its products with decode_simd.hpp (float, bfloat16
@@ -154,7 +157,7 @@ struct DecodeWorkspace {
   AlignedVector<Scalar> partial;   // [job][value_dim]: normalised output of the job's keys
   AlignedVector<Scalar> lse;       // [job]: log-sum-exp of the job's logits
   std::vector<Scalar> log_count;   // log(c) for c = 0..s, log(0) = -inf
-  std::vector<char> merged;        // [row * heads + head]: merged inside the parallel region
+  std::vector<char> merged;        // [row * heads + head]: merged by the thread of its jobs
   std::vector<DecodeThreadState<Storage>> threads;
 };
 
@@ -391,7 +394,7 @@ class KvCache {
     append_checked(k, v);
     if (q.tokens == 1) {
       // The blocks of the next position depend on nothing but the position: with more than one
-      // thread they are looked up inside this step's parallel region, off the serial path of the
+      // thread they are looked up by the last part of this step, off the serial path of the
       // next append.
       const Index next = position_;
       const auto look_ahead = [this, next] {
@@ -528,7 +531,7 @@ class KvCache {
   /// `[key_position, kMaxPosition)`, which holds every position append accepts.
   Index reachable_from(Index position) {
     if (next_position_ == position) {
-      // Looked up during the previous step's parallel region (decode).
+      // Looked up during the previous step's parts (decode).
       blocks_.swap(next_blocks_);
       block_begins_.swap(next_begins_);
       next_position_ = -1;
@@ -615,19 +618,19 @@ class KvCache {
     start_ = 0;
   }
 
-  /// The single-query path (file comment): the jobs (row, head, key range), one parallel region
-  /// over them, then per row and head the log-sum-exp merge of its jobs, in job order, so that
-  /// the result does not depend on the number of threads.
+  /// The single-query path (file comment): the jobs (row, head, key range), cut into one part per
+  /// thread, then per row and head the log-sum-exp merge of its jobs, in job order, so that the
+  /// result does not depend on the number of threads.
   ///
-  /// With more than one thread, `extra()` runs in the region as well, after the last part's jobs,
+  /// With more than one thread, `extra()` runs on the last part's thread, after its jobs,
   /// counted as `extra_keys` keys of work when the parts are cut; on one thread it does not run.
   template <class Extra>
   void attend_rows(const HeadsView<const Scalar>& q, const HeadsView<Scalar>& out, double scale,
                    Extra&& extra, Index extra_keys) const {
     using Compute = detail::Compute<Scalar>;
     static thread_local detail::DecodeWorkspace<Scalar> calling_thread_workspace;
-    // A reference: inside the parallel region the name must denote the calling thread's
-    // workspace, not each thread's own.
+    // A reference: on the other threads the name must denote the calling thread's workspace, not
+    // each thread's own.
     detail::DecodeWorkspace<Scalar>& workspace = calling_thread_workspace;
     const Index rows = q.tokens;
     const Index samples = options_.samples;
@@ -784,7 +787,7 @@ class KvCache {
       output.store();
     };
     // A (row, head) whose jobs all lie in one part is merged by that part's thread as soon as its
-    // last job is done; the others (at most threads - 1) after the parallel region.
+    // last job is done; the others (at most threads - 1) after every part is done.
     workspace.merged.assign(static_cast<std::size_t>(rows * heads_), 0);
     const auto run_part = [&](Index part, int thread) {
       const auto start = std::chrono::steady_clock::now();
