@@ -12,6 +12,11 @@
 
 #include <plsh/detail/thread_team.hpp>
 
+#if defined(__unix__) || defined(__APPLE__)
+#include <sys/wait.h>
+#include <unistd.h>
+#endif
+
 namespace {
 
 using plsh::detail::ThreadTeam;
@@ -104,3 +109,28 @@ TEST_CASE("ThreadTeam wakes helpers that went to sleep", "[thread_team]") {
   }
   CHECK(runs.load() == 15);
 }
+
+#if defined(__unix__) || defined(__APPLE__)
+TEST_CASE("ThreadTeam declines steps in a forked child, whose copy has no helpers",
+          "[thread_team]") {
+  ThreadTeam& team = ThreadTeam::shared();
+  REQUIRE(team.run(2, [](int) {}));  // the team has a helper
+  const pid_t child = fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    int runs = 0;
+    const bool ran = team.run(2, [&](int) { ++runs; });
+    _exit(!ran && runs == 0 ? 0 : 1);
+  }
+  int status = 0;
+  REQUIRE(waitpid(child, &status, 0) == child);
+  INFO("the child's exit status " << (WIFEXITED(status) ? WEXITSTATUS(status) : -1)
+                                  << " (0: run declined and ran nothing)");
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  // The parent's team still works.
+  std::atomic<int> runs{0};
+  CHECK(team.run(2, [&](int) { runs.fetch_add(1); }));
+  CHECK(runs.load() == 2);
+}
+#endif
