@@ -359,7 +359,7 @@ TEST_CASE(
     "KvCache decoding gives identical results at 1, 2 and 3 threads, on the helper team or not",
     "[kv_cache][threads]") {
   // The standard slopes at d = 64: unions of several hundred keys, split into several jobs per
-  // head, enough work for the parallel region; grouped heads; chunks of up to 16 rows (the
+  // head, enough work for more than one thread; grouped heads; chunks of up to 16 rows (the
   // single-query path) and 40 (the fused kernel).
   const Sequence<float> sequence(700, 8, 2, 64, 64, 41);
   const std::vector<double> slopes = plsh::alibi_slopes(8);
