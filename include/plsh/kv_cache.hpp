@@ -790,7 +790,9 @@ class KvCache {
     // last job is done; the others (at most threads - 1) after every part is done.
     workspace.merged.assign(static_cast<std::size_t>(rows * heads_), 0);
     const auto run_part = [&](Index part, int thread) {
-      const auto start = std::chrono::steady_clock::now();
+      // Timed only where there are parts to cut (a clock read is some 30 ns of a step of 7 us).
+      const auto start =
+          threads > 1 ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
       detail::DecodeThreadState<Scalar>& state =
           workspace.threads[static_cast<std::size_t>(thread)];
       const Index first = workspace.part_first[static_cast<std::size_t>(part)];
