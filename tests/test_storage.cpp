@@ -42,7 +42,40 @@ void check_every_pattern() {
   CHECK(wrong == 0);
 }
 
+/// convert_from_compute against static_cast<Half> on floats around every value of the 16-bit
+/// type: each pattern of the float's high bits (every sign, exponent and kept fraction, NaN and
+/// infinity included) with the dropped low bits 0, 1, just below half, exactly half (the ties),
+/// just above half and all ones, and at lengths that leave a tail after 16 values.
+template <class Half>
+void check_rounding(int dropped_bits) {
+  const std::uint32_t half_way = 1u << (dropped_bits - 1);
+  const std::uint32_t ones = (1u << dropped_bits) - 1;
+  const std::uint32_t low[] = {0, 1, half_way - 1, half_way, half_way + 1, ones};
+  std::vector<float> values;
+  for (std::uint64_t high = 0; high < (std::uint64_t{1} << (32 - dropped_bits)); ++high) {
+    for (std::uint32_t bits : low) {
+      values.push_back(
+          Eigen::numext::bit_cast<float>(static_cast<std::uint32_t>(high << dropped_bits) | bits));
+    }
+  }
+  values.resize(values.size() - 3);  // a tail shorter than a vector
+  std::vector<Half> rounded(values.size());
+  plsh::detail::convert_from_compute(values.data(), static_cast<Index>(values.size()),
+                                     rounded.data());
+  Index wrong = 0;
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    const auto expected = Eigen::numext::bit_cast<std::uint16_t>(static_cast<Half>(values[i]));
+    wrong += Eigen::numext::bit_cast<std::uint16_t>(rounded[i]) == expected ? 0 : 1;
+  }
+  CHECK(wrong == 0);
+}
+
 }  // namespace
+
+TEST_CASE("convert_from_compute rounds as static_cast, bit for bit", "[storage]") {
+  check_rounding<Eigen::bfloat16>(16);  // bfloat16 keeps the float's high 16 bits
+  check_rounding<Eigen::half>(13);      // half keeps 10 of the float's 23 fraction bits
+}
 
 TEST_CASE("convert_to_compute is exact for every bfloat16 and half bit pattern", "[storage]") {
   check_every_pattern<Eigen::bfloat16>();

@@ -694,7 +694,15 @@ void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeySto
     }
     // The tile's query rows first, in one loop of independent loads.
     Eigen::Map<RowMatrix<float>> queries(scratch.query.data(), r1 - r0, dim);
-    queries = q.middleRows(r0, r1 - r0).template cast<float>() * scale;
+    if constexpr (std::is_same<Storage, float>::value) {
+      queries = q.middleRows(r0, r1 - r0) * scale;
+    } else {
+      for (Index r = r0; r < r1; ++r) {
+        convert_to_compute(q.data() + r * q.outerStride(), dim,
+                           scratch.query.data() + (r - r0) * dim);
+      }
+      queries *= scale;
+    }
     for (Index r = r0; r < r1; ++r) {
       const Index p = options.query_position + r;
       const std::int64_t* begins = &scratch.tile[static_cast<std::size_t>((r - r0) * draws)];
@@ -756,9 +764,13 @@ void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeySto
       const float total = _mm512_reduce_add_ps(totals);
       avx512::weighted_sum(v.data() + (first - key_begin) * v.outerStride(), count, value_dim,
                            v.outerStride(), scratch.weights.data(), scratch.sum.data());
-      const Eigen::Map<const Eigen::Matrix<float, 1, Eigen::Dynamic>> sum(scratch.sum.data(),
-                                                                          value_dim);
-      out_row = (sum / total).template cast<Storage>();
+      Eigen::Map<Eigen::Matrix<float, 1, Eigen::Dynamic>> sum(scratch.sum.data(), value_dim);
+      if constexpr (std::is_same<Storage, float>::value) {
+        out_row = sum / total;
+      } else {
+        sum /= total;
+        convert_from_compute(scratch.sum.data(), value_dim, out_row.data());
+      }
     }
   }
 }
