@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <stdexcept>
@@ -408,6 +409,69 @@ TEST_CASE(
     CHECK(std::memcmp(outputs[run].data(), outputs[0].data(), outputs[0].size() * sizeof(float)) ==
           0);
   }
+}
+
+TEST_CASE("DecodeModeChoice runs the faster mode and tries the other every kDecodeProbeEvery steps",
+          "[kv_cache][threads]") {
+  using plsh::detail::DecodeModeChoice;
+  using plsh::detail::kDecodeProbeEvery;
+  DecodeModeChoice choice;
+  // Until both modes are measured: parallel, measured every kDecodeMeasureEvery steps, with the
+  // calling thread alone at the last two steps of each period (the second of them measured).
+  Index wrong = 0;
+  for (std::uint64_t step = 0; step < kDecodeProbeEvery; ++step) {
+    const DecodeModeChoice::Step next = choice.next();
+    const bool probe = step + 2 >= kDecodeProbeEvery;
+    const bool measured =
+        probe ? step + 1 == kDecodeProbeEvery : step % plsh::detail::kDecodeMeasureEvery == 0;
+    wrong += next.parallel == !probe && next.measured == measured ? 0 : 1;
+  }
+  CHECK(wrong == 0);
+  choice.record(true, 1000, 1e-5);   // parallel: 1e8 keys per second
+  choice.record(false, 1000, 2e-5);  // alone: 5e7
+  CHECK(choice.speed[1] == Approx(1e8));
+  CHECK(choice.speed[0] == Approx(5e7));
+  CHECK(choice.next().parallel);
+  // Alone measured faster, smoothed: 5e7 + (4e8 - 5e7) / 8 = 9.375e7 is still slower; a second
+  // measurement passes 1e8 (9.375e7 + (4e8 - 9.375e7) / 8 = 1.3203125e8).
+  choice.record(false, 1000, 2.5e-6);
+  CHECK(choice.speed[0] == Approx(9.375e7));
+  CHECK(choice.next().parallel);
+  choice.record(false, 1000, 2.5e-6);
+  CHECK(choice.speed[0] == Approx(1.3203125e8));
+  choice.steps = 0;
+  for (std::uint64_t step = 0; step < 2 * kDecodeProbeEvery; ++step) {
+    wrong += choice.next().parallel == (step % kDecodeProbeEvery + 2 >= kDecodeProbeEvery) ? 0 : 1;
+  }
+  CHECK(wrong == 0);
+  // Times that cannot be measured change nothing.
+  choice.record(true, 1000, 0);
+  choice.record(true, 0, 1e-6);
+  CHECK(choice.speed[1] == Approx(1e8));
+}
+
+TEST_CASE("KvCache one-token steps give the same bits whichever mode runs them",
+          "[kv_cache][threads]") {
+  // kDecodeProbeEvery + 300 one-token decoding steps, each split across 2 threads or kept on the
+  // calling thread by DecodeModeChoice (which tries the other mode every kDecodeProbeEvery
+  // steps, so both run here), against 1 thread, bit for bit.
+  const Sequence<float> sequence(static_cast<Index>(plsh::detail::kDecodeProbeEvery) + 300, 8, 2,
+                                 64, 64, 43);
+  const std::vector<double> slopes = plsh::alibi_slopes(8);
+  const Index row_size = sequence.heads * sequence.value_dim;
+  std::vector<std::vector<float>> outputs;
+  for (const int threads : {1, 2}) {
+    const plsh_test::ThreadCount thread_count(threads);
+    plsh::KvCache<float> cache(8, 2, 64, 64, slopes);
+    outputs.emplace_back(static_cast<std::size_t>(sequence.tokens * row_size), -7.0f);
+    for (Index t = 0; t < sequence.tokens; ++t) {
+      cache.decode(sequence.queries(t, 1), sequence.keys(t, 1), sequence.values(t, 1),
+                   HeadsView<float>{outputs.back().data() + t * row_size, 1, 8, 64});
+    }
+  }
+  REQUIRE(outputs[1].size() == outputs[0].size());
+  CHECK(std::memcmp(outputs[1].data(), outputs[0].data(), outputs[0].size() * sizeof(float)) == 0);
+  CHECK(std::count(outputs[0].begin(), outputs[0].end(), -7.0f) == 0);
 }
 
 TEMPLATE_TEST_CASE("KvCache::decode equals append then attend, bit for bit", "[kv_cache][decode]",

@@ -29,6 +29,8 @@
 /// into contiguous parts, one per thread, sized by each thread's measured speed, and run on the
 /// helper threads of detail/thread_team.hpp (spinning between steps, so a step makes no system
 /// call; in an OpenMP region when that team is busy or the caller is inside a parallel region).
+/// A one-token `decode` stays on the calling thread instead while that is measured faster
+/// (detail::DecodeModeChoice, which tries the other mode every detail::kDecodeProbeEvery steps).
 /// They are merged by log-sum-exp in job order (by the thread that ran all of a head's jobs, or
 /// after the parts for a head whose jobs two threads shared), so the result is identical for any
 /// number of threads and any cut. A job's two products run in the AVX-512 code of
@@ -53,15 +55,16 @@
 ///
 /// Tested in tests/test_kv_cache.cpp against plsh_attention over the whole sequence (every chunk
 /// size, grouped heads, float, double, bfloat16 and half, non-finite inputs), for identical
-/// results at 1, 2 and 3 threads, for decode against append then attend (bit for bit), for no
-/// allocation in a decoding step, and for the resident bound computed from the partitions; the
-/// same tests run through the AVX-512 products in test_kv_cache_avx512, where the build machine
-/// has AVX-512.
+/// results at 1, 2 and 3 threads (and for the choice of mode), for decode against append then
+/// attend (bit for bit), for no allocation in a decoding step, and for the resident bound
+/// computed from the partitions; the same tests run through the AVX-512 products in
+/// test_kv_cache_avx512, where the build machine has AVX-512.
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -110,6 +113,15 @@ constexpr Index kDecodeJobKeys = 16;
 constexpr double kDecodeSpeedRange = 4;
 constexpr double kDecodeSpeedSmoothing = 0.125;
 
+/// One-token decoding steps run on the calling thread alone when that is measured faster than on
+/// all threads (see DecodeModeChoice): every kDecodeProbeEvery steps the slower mode runs twice,
+/// the first to wake the helpers and bring its data into its cores' caches, the second measured;
+/// the faster mode is measured every kDecodeMeasureEvery steps. Measured on a 2-core virtual
+/// machine: waking a helper that sleeps takes tens of microseconds, and timing every step cost
+/// 0.2-0.3 us of a 7.5 us step.
+constexpr std::uint64_t kDecodeProbeEvery = 4096;
+constexpr std::uint64_t kDecodeMeasureEvery = 16;
+
 /// Estimated multiply-adds from which the single-query path runs on more than one thread. Handing
 /// a step to warm helper threads costs 0.1-0.5 microseconds, the time of some 10^4 multiply-adds
 /// (an OpenMP region 1.3-3.5 us on the 2-core virtual machines measured).
@@ -129,6 +141,38 @@ struct DecodeJob {
   Index head;
   Index begin;
   Index end;
+};
+
+/// Which of two modes runs a one-token decoding step (KvCache::decode) when more than one thread
+/// is available: all threads (parallel) or the calling thread alone. The faster one by its
+/// measured speed (keys of work per second of whole steps, append included, smoothed over its
+/// measured steps by kDecodeSpeedSmoothing), parallel until both are measured; the other at the
+/// last two steps of every kDecodeProbeEvery, of which only the last is measured (the faster one
+/// every kDecodeMeasureEvery steps). On a virtual machine a
+/// helper can sit on a core that is slower or busy, or cross cores at a cost that outweighs the
+/// split: the steps then stay on one thread. The outputs do not depend on the mode.
+struct DecodeModeChoice {
+  struct Step {
+    bool parallel;
+    bool measured;
+  };
+  double speed[2] = {0, 0};  // [0]: the calling thread alone, [1]: parallel; 0: not measured
+  std::uint64_t steps = 0;
+
+  Step next() {
+    const bool single_faster = speed[0] > 0 && speed[1] > 0 && speed[0] > speed[1];
+    const std::uint64_t phase = steps++ % kDecodeProbeEvery;
+    const bool probe = phase + 2 >= kDecodeProbeEvery;
+    return Step{probe == single_faster,
+                probe ? phase + 1 == kDecodeProbeEvery : phase % kDecodeMeasureEvery == 0};
+  }
+
+  void record(bool parallel, double work, double seconds) {
+    if (!(seconds > 0) || !(work > 0)) return;
+    double& smoothed = speed[parallel ? 1 : 0];
+    const double measured = work / seconds;
+    smoothed = smoothed > 0 ? smoothed + kDecodeSpeedSmoothing * (measured - smoothed) : measured;
+  }
 };
 
 /// Scratch of one thread of the single-query path.
@@ -391,22 +435,35 @@ class KvCache {
     detail::require(!detail::views_overlap(out, buffer_view(values_, value_dim_)), function,
                     "out overlaps the cache's values");
     if (k.tokens == 0) return;
-    append_checked(k, v);
-    if (q.tokens == 1) {
-      // The blocks of the next position depend on nothing but the position: with more than one
-      // thread they are looked up by the last part of this step, off the serial path of the
-      // next append.
-      const Index next = position_;
-      const auto look_ahead = [this, next] {
-        next_blocks_ = blocks_;
-        next_begins_ = block_begins_;
-        next_reachable_ = advance_blocks(next, next_blocks_, next_begins_);
-        next_position_ = next;
-      };
-      attend_rows(q, out, detail::resolved_scale(attend_options(1), dim_), look_ahead,
-                  heads_ * options_.samples);
-    } else {
+    if (q.tokens != 1) {
+      append_checked(k, v);
       attend_checked(q, out);
+      return;
+    }
+    // Split across threads or kept on this one (DecodeModeChoice), timed from the append on:
+    // a step kept here looks up the next position's blocks in the next append, a split one in
+    // its last part.
+    using Clock = std::chrono::steady_clock;
+    static thread_local detail::DecodeModeChoice choice;
+    const detail::DecodeModeChoice::Step mode =
+        available_threads() > 1 ? choice.next() : detail::DecodeModeChoice::Step{false, false};
+    const Clock::time_point start = mode.measured ? Clock::now() : Clock::time_point{};
+    append_checked(k, v);
+    // The blocks of the next position depend on nothing but the position: with more than one
+    // thread they are looked up by the last part of this step, off the serial path of the next
+    // append.
+    const Index next = position_;
+    const auto look_ahead = [this, next] {
+      next_blocks_ = blocks_;
+      next_begins_ = block_begins_;
+      next_reachable_ = advance_blocks(next, next_blocks_, next_begins_);
+      next_position_ = next;
+    };
+    const double work = attend_rows(q, out, detail::resolved_scale(attend_options(1), dim_),
+                                    look_ahead, heads_ * options_.samples, mode.parallel);
+    if (mode.measured) {
+      choice.record(mode.parallel, work,
+                    std::chrono::duration<double>(Clock::now() - start).count());
     }
   }
 
@@ -618,16 +675,29 @@ class KvCache {
     start_ = 0;
   }
 
+  /// The threads a step may use: omp_get_max_threads() in OpenMP builds, else 1.
+  static int available_threads() {
+#if defined(_OPENMP)
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+  }
+
   /// The single-query path (file comment): the jobs (row, head, key range), cut into one part per
   /// thread, then per row and head the log-sum-exp merge of its jobs, in job order, so that the
   /// result does not depend on the number of threads.
   ///
   /// With more than one thread, `extra()` runs on the last part's thread, after its jobs,
   /// counted as `extra_keys` keys of work when the parts are cut; on one thread it does not run.
+  /// `split == false` keeps the step on the calling thread. Returns the step's work in keys (as
+  /// the parts count it, with `extra_keys`) when it is worth more than one thread, else 0.
   template <class Extra>
-  void attend_rows(const HeadsView<const Scalar>& q, const HeadsView<Scalar>& out, double scale,
-                   Extra&& extra, Index extra_keys) const {
+  double attend_rows(const HeadsView<const Scalar>& q, const HeadsView<Scalar>& out, double scale,
+                     Extra&& extra, Index extra_keys, bool split = true) const {
     using Compute = detail::Compute<Scalar>;
+    using Clock = std::chrono::steady_clock;
+    const int max_threads = available_threads();
     static thread_local detail::DecodeWorkspace<Scalar> calling_thread_workspace;
     // A reference: on the other threads the name must denote the calling thread's workspace, not
     // each thread's own.
@@ -685,11 +755,10 @@ class KvCache {
     workspace.first_job.back() = jobs;
     workspace.partial.resize(static_cast<std::size_t>(most_jobs * value_dim_));
     workspace.lse.resize(static_cast<std::size_t>(most_jobs));
-    Index threads = 1;
-#if defined(_OPENMP)
     const double work = static_cast<double>(union_keys) * static_cast<double>(dim_ + value_dim_);
-    if (jobs > 1 && work >= detail::kDecodeParallelWork) threads = omp_get_max_threads();
-#endif
+    // Whether the work is worth more than one thread, and whether this step uses them.
+    const bool worth_splitting = max_threads > 1 && jobs > 1 && work >= detail::kDecodeParallelWork;
+    const Index threads = worth_splitting && split ? max_threads : 1;
     if (static_cast<Index>(workspace.threads.size()) < threads) {
       workspace.threads.resize(static_cast<std::size_t>(threads));
     }
@@ -791,8 +860,7 @@ class KvCache {
     workspace.merged.assign(static_cast<std::size_t>(rows * heads_), 0);
     const auto run_part = [&](Index part, int thread) {
       // Timed only where there are parts to cut (a clock read is some 30 ns of a step of 7 us).
-      const auto start =
-          threads > 1 ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
+      const auto start = threads > 1 ? Clock::now() : Clock::time_point{};
       detail::DecodeThreadState<Scalar>& state =
           workspace.threads[static_cast<std::size_t>(thread)];
       const Index first = workspace.part_first[static_cast<std::size_t>(part)];
@@ -809,8 +877,7 @@ class KvCache {
       if (threads > 1 && part == threads - 1) extra();
       if (threads > 1) {
         // Work per second of this part, smoothed over steps (each thread its own entry).
-        const double seconds =
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
         const Index work = workspace.part_work[static_cast<std::size_t>(part)];
         double& speed = workspace.part_speed[static_cast<std::size_t>(part)];
         if (seconds > 0 && work > 0) {
@@ -837,6 +904,9 @@ class KvCache {
         }
       }
     }
+    return worth_splitting
+               ? static_cast<double>(union_keys + detail::kDecodeJobKeys * jobs + extra_keys)
+               : 0.0;
   }
 
   Index heads_;
