@@ -74,8 +74,8 @@ void convert_to_compute(const Storage* from, Index count, Compute<Storage>* to) 
 /// `static_cast<Storage>` gives (NaN included), in loops that vectorise where Eigen's scalar
 /// conversion does not (a row of output per call of the kernels). bfloat16: the rounding of
 /// Eigen's conversion on the float's bits (a NaN becomes the quiet NaN of its sign); half: the
-/// processor's conversion with round to nearest even (as Eigen's, which uses F16C when the build
-/// has it), 16 values at a time in AVX-512 builds; others by static_cast.
+/// processor's conversion with round to nearest even, 16 values at a time in AVX-512 builds
+/// (NaNs then by Eigen's conversion, which drops their payload); others by static_cast.
 template <class Storage>
 void convert_from_compute(const Compute<Storage>* from, Index count, Storage* to) {
   if constexpr (std::is_same<Storage, Eigen::bfloat16>::value) {
@@ -90,8 +90,15 @@ void convert_from_compute(const Compute<Storage>* from, Index count, Storage* to
 #if defined(__AVX512F__) && defined(__F16C__)
     if constexpr (std::is_same<Storage, Eigen::half>::value) {
       for (; i + 16 <= count; i += 16) {
+        const __m512 values = _mm512_loadu_ps(from + i);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + i),
-                            _mm512_cvtps_ph(_mm512_loadu_ps(from + i), _MM_FROUND_TO_NEAREST_INT));
+                            _mm512_cvtps_ph(values, _MM_FROUND_TO_NEAREST_INT));
+        // The processor keeps a NaN's payload; Eigen's conversion gives its canonical NaN.
+        for (__mmask16 nan = _mm512_cmp_ps_mask(values, values, _CMP_UNORD_Q); nan != 0;
+             nan = static_cast<__mmask16>(nan & (nan - 1))) {
+          const Index lane = i + __builtin_ctz(nan);
+          to[lane] = static_cast<Storage>(from[lane]);
+        }
       }
     }
 #endif
