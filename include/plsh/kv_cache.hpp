@@ -148,9 +148,10 @@ struct DecodeJob {
 /// measured speed (keys of work per second of whole steps, append included, smoothed over its
 /// measured steps by kDecodeSpeedSmoothing), parallel until both are measured; the other at the
 /// last two steps of every kDecodeProbeEvery, of which only the last is measured (the faster one
-/// every kDecodeMeasureEvery steps). On a virtual machine a
-/// helper can sit on a core that is slower or busy, or cross cores at a cost that outweighs the
-/// split: the steps then stay on one thread. The outputs do not depend on the mode.
+/// every kDecodeMeasureEvery steps). On a virtual machine a helper can sit on a core that is
+/// slower or busy, or cross cores at a cost that outweighs the split: the steps then stay on one
+/// thread. The outputs do not depend on the mode. One choice per calling thread and storage type,
+/// shared by its caches (the layers of a model decode steps of the same shape).
 struct DecodeModeChoice {
   struct Step {
     bool parallel;
