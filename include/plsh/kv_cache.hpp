@@ -113,6 +113,15 @@ constexpr Index kDecodeJobKeys = 16;
 constexpr double kDecodeSpeedRange = 4;
 constexpr double kDecodeSpeedSmoothing = 0.125;
 
+/// Folds `work` done in `seconds` into the smoothed speed `speed` (work per second, 0 until the
+/// first measurement, weight kDecodeSpeedSmoothing for the newest); a step that cannot be
+/// measured (no work, or no time on the clock) changes nothing.
+inline void smooth_speed(double& speed, double work, double seconds) {
+  if (!(seconds > 0) || !(work > 0)) return;
+  const double measured = work / seconds;
+  speed = speed > 0 ? speed + kDecodeSpeedSmoothing * (measured - speed) : measured;
+}
+
 /// One-token decoding steps run on the calling thread alone when that is measured faster than on
 /// all threads (see DecodeModeChoice): every kDecodeProbeEvery steps the slower mode runs twice,
 /// the first to wake the helpers and bring its data into its cores' caches, the second measured;
@@ -169,10 +178,7 @@ struct DecodeModeChoice {
   }
 
   void record(bool parallel, double work, double seconds) {
-    if (!(seconds > 0) || !(work > 0)) return;
-    double& smoothed = speed[parallel ? 1 : 0];
-    const double measured = work / seconds;
-    smoothed = smoothed > 0 ? smoothed + kDecodeSpeedSmoothing * (measured - smoothed) : measured;
+    smooth_speed(speed[parallel ? 1 : 0], work, seconds);
   }
 };
 
@@ -878,13 +884,10 @@ class KvCache {
       if (threads > 1 && part == threads - 1) extra();
       if (threads > 1) {
         // Work per second of this part, smoothed over steps (each thread its own entry).
-        const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-        const Index work = workspace.part_work[static_cast<std::size_t>(part)];
-        double& speed = workspace.part_speed[static_cast<std::size_t>(part)];
-        if (seconds > 0 && work > 0) {
-          const double measured = static_cast<double>(work) / seconds;
-          speed = speed > 0 ? speed + detail::kDecodeSpeedSmoothing * (measured - speed) : measured;
-        }
+        detail::smooth_speed(
+            workspace.part_speed[static_cast<std::size_t>(part)],
+            static_cast<double>(workspace.part_work[static_cast<std::size_t>(part)]),
+            std::chrono::duration<double>(Clock::now() - start).count());
       }
     };
     // Parts on the team's helpers (no system call on warm helpers), else in an OpenMP region
