@@ -3,7 +3,10 @@
 // fixed-block kernel compute in float, so on inputs that are exactly representable in the storage
 // type their output is the float kernel's output rounded once to nearest even: bit for bit, and
 // within the rounding bound |x - fl(x)| <= u |x| (u = 2^-8 for bfloat16, 2^-11 for half, plus
-// half's subnormal spacing 2^-24 / 2 near 0).
+// half's subnormal spacing 2^-24 / 2 near 0). Except the fused kernel on bfloat16 in AVX-512 BF16
+// builds (kBf16Scores), whose tiles' scores are summed by vdpbf16ps in another order than the
+// float product's: there the bound grows by the effect of the two scores' float rounding
+// (score_drift), and the bits may differ.
 
 #include <catch2/catch.hpp>
 
@@ -88,17 +91,53 @@ struct HalfBuffer {
 template <class View>
 using ScalarOf = std::remove_const_t<std::remove_pointer_t<decltype(View::data)>>;
 
+/// Largest magnitude in the buffer's view.
+double max_abs(const Buffer<float>& buffer) {
+  double largest = 0;
+  for (Index t = 0; t < buffer.view.tokens; ++t)
+    for (Index h = 0; h < buffer.view.heads; ++h)
+      for (Index e = 0; e < buffer.view.dim; ++e) {
+        largest = std::max(largest, std::abs(static_cast<double>(buffer.at(t, h, e))));
+      }
+  return largest;
+}
+
+/// Bound on |y_b - y_f| between two float evaluations of the fused kernel whose scores differ by
+/// their summation order (kBf16Scores against the float product). Each score is within
+/// (gamma_d + u) s sum_e |q_e k_e| <= (gamma_d + u) s d max|q| max|k| of s q.k (gamma_m =
+/// m u / (1 - m u), u = 2^-24: d float sums and the scaling), so the two differ by at most delta,
+/// twice that. Logits that move by at most delta move each softmax weight by a factor within
+/// e^{+-2 delta}, and the exact weighted mean by at most (e^{2 delta} - 1) max|v|. Each
+/// evaluation adds its own rounding on top: a weighted mean of at most n_k terms (the sums of
+/// the weights and of the weighted values, exponentials within a few ulps), gamma_{2 n_k + 32}
+/// max|v|, twice.
+double score_drift(const Problem<float>& problem, double scale) {
+  const double u = std::ldexp(1.0, -24);
+  const auto gamma = [&](double m) { return m * u / (1 - m * u); };
+  const auto dim = static_cast<double>(problem.q.view.dim);
+  const double delta = 2 * (gamma(dim) + u) * scale * dim * max_abs(problem.q) * max_abs(problem.k);
+  const double rounding = gamma(2.0 * static_cast<double>(problem.k.view.tokens) + 32);
+  return (std::expm1(2 * delta) + 2 * rounding) * max_abs(problem.v);
+}
+
 /// Runs `attend` on the problem with its inputs rounded to `Half`, in float and in `Half`; checks
 /// that the 16-bit output is the float output rounded (bit for bit), within the rounding bound,
-/// and that no padding moved.
+/// and that no padding moved. `fused`: the options when `attend` is the fused kernel, whose
+/// bfloat16 scores may be summed in another order (kBf16Scores): then only the bound is checked,
+/// grown by score_drift.
 template <class Half, class Attend>
-void check_against_float(Problem<float>& problem, Attend&& attend) {
+void check_against_float(Problem<float>& problem, Attend&& attend,
+                         const plsh::AttentionOptions* fused = nullptr) {
   const HalfBuffer<Half> q(problem.q);
   const HalfBuffer<Half> k(problem.k);
   const HalfBuffer<Half> v(problem.v);
   HalfBuffer<Half> out(problem.out);
   attend(problem.q.in(), problem.k.in(), problem.v.in(), problem.out.view);
   attend(q.in(), k.in(), v.in(), out.view);
+  const bool reordered = fused != nullptr && plsh::detail::kBf16Scores<Half>;
+  const double drift =
+      reordered ? score_drift(problem, plsh::detail::resolved_scale(*fused, problem.q.view.dim))
+                : 0.0;
 
   Index differing_bits = 0;
   double worst_excess = 0;  // largest |out - expected| - bound, <= 0 when every entry is in bound
@@ -110,12 +149,13 @@ void check_against_float(Problem<float>& problem, Attend&& attend) {
         const Half got = out.at(t, h, e);
         if (std::memcmp(&rounded, &got, sizeof(Half)) != 0) ++differing_bits;
         const double error = std::abs(static_cast<double>(got) - static_cast<double>(x));
-        const double bound =
-            Rounding<Half>::relative * std::abs(static_cast<double>(x)) + Rounding<Half>::absolute;
+        const double bound = Rounding<Half>::relative * std::abs(static_cast<double>(x)) +
+                             Rounding<Half>::absolute + (1 + Rounding<Half>::relative) * drift;
         worst_excess = std::max(worst_excess, error - bound);
       }
-  INFO(Rounding<Half>::name << ": worst excess over the rounding bound " << worst_excess);
-  CHECK(differing_bits == 0);
+  INFO(Rounding<Half>::name << ": worst excess over the rounding bound " << worst_excess << ", "
+                            << differing_bits << " outputs not the float output rounded");
+  if (!reordered) CHECK(differing_bits == 0);
   CHECK(worst_excess <= 0);
   CHECK(out.touched_padding() == 0);
 }
@@ -142,10 +182,13 @@ void check_kernels(const Shape& shape, const plsh::AttentionOptions& base, std::
       INFO(shape << ", " << plsh_test::describe(base) << ", " << layout << ", s = " << samples
                  << (kernel == plsh::Kernel::Fused ? ", fused" : ", passes"));
       const plsh::PlshOptions options = plsh_options(base, samples, kernel);
-      check_against_float<Half>(problem, [&](auto q, auto k, auto v, auto out) {
-        using Scalar = ScalarOf<decltype(out)>;
-        plsh::plsh_attention<Scalar>(q, k, v, out, slopes, options);
-      });
+      check_against_float<Half>(
+          problem,
+          [&](auto q, auto k, auto v, auto out) {
+            using Scalar = ScalarOf<decltype(out)>;
+            plsh::plsh_attention<Scalar>(q, k, v, out, slopes, options);
+          },
+          kernel == plsh::Kernel::Fused ? &options : nullptr);
     }
   }
   {
@@ -248,8 +291,9 @@ TEST_CASE("16-bit fused kernel: keys converted once per span or chunk by chunk i
   // fused_span converts the key and value rows a span of query rows may see into packed float
   // scratch once (when they are at most max_packed_keys, whatever the layout); with
   // max_packed_keys = 0 every tile converts its own chunks instead. Same arithmetic: the outputs
-  // must agree bit for bit, and equal the float kernel's rounded once. Slopes from steep to 0,
-  // causal and not, both layouts.
+  // must agree bit for bit, and equal the float kernel's rounded once (within the bound of
+  // check_against_float where kBf16Scores sums the scores in another order). Slopes from steep
+  // to 0, causal and not, both layouts.
   const std::vector<double> slopes = {0.5, 1.0 / 40, 1.0 / 300, 0.0};
   for (const Layout layout : {Layout::Packed, Layout::HeadMajor}) {
     for (const bool causal : {true, false}) {
@@ -260,10 +304,13 @@ TEST_CASE("16-bit fused kernel: keys converted once per span or chunk by chunk i
       const auto grids = plsh::detail::kernel_grids(slopes, options, "fused_attention");
       Problem<float> problem(Shape{600, 640, 4, 2, 8, 6}, 4200, layout);
       INFO(layout << ", " << plsh_test::describe(base));
-      check_against_float<Eigen::bfloat16>(problem, [&](auto q, auto k, auto v, auto out) {
-        using Scalar = ScalarOf<decltype(out)>;
-        plsh::plsh_attention<Scalar>(q, k, v, out, slopes, options);
-      });
+      check_against_float<Eigen::bfloat16>(
+          problem,
+          [&](auto q, auto k, auto v, auto out) {
+            using Scalar = ScalarOf<decltype(out)>;
+            plsh::plsh_attention<Scalar>(q, k, v, out, slopes, options);
+          },
+          &options);
       const HalfBuffer<Eigen::bfloat16> q(problem.q), k(problem.k), v(problem.v);
       HalfBuffer<Eigen::bfloat16> in_place(problem.out);
       HalfBuffer<Eigen::bfloat16> packed(problem.out);

@@ -5,6 +5,9 @@
 // LogCountLookup must return the table's entries exactly through either of its branches (permute
 // for s < 32, gather beyond).
 // counted_weights must give a row's largest weight exactly 1 and masked keys exactly 0.
+// With AVX-512 BF16 (-mavx512bf16): pack_key_panels must put every key's pairs where bf16_scores
+// reads them, from bfloat16 rows and from float rows alike, and bf16_scores must be within the
+// bound of a float sum of the exact products (sums in double here).
 
 #include <catch2/catch.hpp>
 
@@ -12,9 +15,11 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <random>
 #include <vector>
 
 #include <plsh/attention/online_softmax.hpp>
+#include <plsh/detail/bf16_scores.hpp>
 
 #if !defined(PLSH_FUSED_AVX512)
 #error "fused_avx512.cpp needs -mavx512f (tests/CMakeLists.txt)"
@@ -90,3 +95,122 @@ TEST_CASE("counted_weights: the largest weight is exactly 1, masked keys weigh e
     }
   }
 }
+
+#if defined(PLSH_DECODE_AVX512_BF16)
+
+namespace {
+
+/// `count` rows of `dim` bfloat16 numbers, `stride` apart (the gaps hold NaN, which must never be
+/// read), uniform in [-2, 2] with a few zeros and tiny and huge magnitudes.
+std::vector<Eigen::bfloat16> bf16_rows(Index count, Index dim, Index stride, std::uint32_t seed) {
+  std::mt19937 generator(seed);
+  std::uniform_real_distribution<float> uniform(-2.0f, 2.0f);
+  std::vector<Eigen::bfloat16> rows(static_cast<std::size_t>(count * stride),
+                                    Eigen::bfloat16(std::numeric_limits<float>::quiet_NaN()));
+  for (Index j = 0; j < count; ++j) {
+    for (Index e = 0; e < dim; ++e) {
+      const float x = uniform(generator);
+      const float scaled = e % 7 == 3 ? x * 1e-10f : e % 11 == 5 ? x * 1e15f : x;
+      rows[static_cast<std::size_t>(j * stride + e)] = Eigen::bfloat16(e % 13 == 6 ? 0.0f : scaled);
+    }
+  }
+  return rows;
+}
+
+std::uint16_t bits16(Eigen::bfloat16 x) {
+  std::uint16_t bits = 0;
+  std::memcpy(&bits, &x, sizeof bits);
+  return bits;
+}
+
+}  // namespace
+
+TEST_CASE("pack_key_panels puts pair e of key 16p + l at panel p, row e, lane l",
+          "[plsh][avx512]") {
+  for (const Index dim : {1, 2, 3, 16, 31, 32, 33, 64, 65}) {
+    for (const Index count : {1, 15, 16, 17, 40, 256}) {
+      const Index stride = dim + 3;
+      const std::vector<Eigen::bfloat16> keys = bf16_rows(count, dim, stride, 7);
+      std::vector<float> wide(keys.size());
+      for (std::size_t i = 0; i < keys.size(); ++i) wide[i] = static_cast<float>(keys[i]);
+      plsh::detail::AlignedVector<std::uint32_t> from_bf16;
+      plsh::detail::AlignedVector<std::uint32_t> from_float;
+      plsh::detail::avx512::pack_key_panels(keys.data(), count, dim, stride, from_bf16);
+      plsh::detail::avx512::pack_key_panels(wide.data(), count, dim, stride, from_float);
+      const Index width = plsh::detail::avx512::bf16_pairs(dim);
+      const Index panels = (count + 15) / 16;
+      REQUIRE(from_bf16.size() == static_cast<std::size_t>(panels * width * 16));
+      INFO("dim " << dim << ", " << count << " keys");
+      CHECK(from_float == from_bf16);
+      Index wrong = 0;
+      for (Index p = 0; p < panels; ++p)
+        for (Index e = 0; e < width; ++e)
+          for (Index l = 0; l < 16; ++l) {
+            const Index j = 16 * p + l;
+            std::uint32_t expected = 0;
+            if (j < count) {
+              const auto low = static_cast<std::uint32_t>(
+                  bits16(keys[static_cast<std::size_t>(j * stride + 2 * e)]));
+              const std::uint32_t high =
+                  2 * e + 1 < dim ? bits16(keys[static_cast<std::size_t>(j * stride + 2 * e + 1)])
+                                  : 0u;
+              expected = low | high << 16;
+            }
+            if (from_bf16[static_cast<std::size_t>((p * width + e) * 16 + l)] != expected) ++wrong;
+          }
+      CHECK(wrong == 0);
+    }
+  }
+}
+
+TEST_CASE("bf16_scores is the scaled dot product within the float summation bound",
+          "[plsh][avx512]") {
+  // Each product of two bfloat16 numbers is exact in float; the d products are added in float
+  // (d roundings at most) and the sum is scaled (one more): |S - s q.k| <= gamma_{d+1} s sum_e
+  // |q_e k_e| with gamma_m = m u / (1 - m u), u = 2^-24. The inputs have no denormal product.
+  const float scale = 0.3f;
+  for (const Index dim : {1, 2, 3, 16, 31, 32, 33, 64, 65}) {
+    for (const Index rows : {1, 3, 4, 5, 9}) {
+      for (const Index count : {1, 15, 16, 17, 40, 100}) {
+        const Index stride = dim + 1;
+        const std::vector<Eigen::bfloat16> query = bf16_rows(rows, dim, stride, 11);
+        const std::vector<Eigen::bfloat16> keys = bf16_rows(count, dim, dim, 12);
+        plsh::detail::AlignedVector<std::uint32_t> pairs;
+        plsh::detail::AlignedVector<std::uint32_t> panels;
+        plsh::detail::avx512::pack_query_pairs(query.data(), rows, dim, stride, pairs);
+        plsh::detail::avx512::pack_key_panels(keys.data(), count, dim, dim, panels);
+        const Index ld = count + 5;
+        std::vector<float> scores(static_cast<std::size_t>(rows * ld), -7.0f);
+        plsh::detail::avx512::bf16_scores(pairs.data(), rows, panels.data(), count,
+                                          plsh::detail::avx512::bf16_pairs(dim), scale,
+                                          scores.data(), ld);
+        const double u = std::ldexp(1.0, -24);
+        const double gamma = (dim + 1) * u / (1 - (dim + 1) * u);
+        double worst_excess = -1;
+        for (Index r = 0; r < rows; ++r) {
+          for (Index j = 0; j < count; ++j) {
+            double exact = 0;
+            double magnitude = 0;
+            for (Index e = 0; e < dim; ++e) {
+              const double product =
+                  static_cast<double>(query[static_cast<std::size_t>(r * stride + e)]) *
+                  static_cast<double>(keys[static_cast<std::size_t>(j * dim + e)]);
+              exact += product;
+              magnitude += std::abs(product);
+            }
+            const double got = scores[static_cast<std::size_t>(r * ld + j)];
+            const double error = std::abs(got - scale * exact);
+            worst_excess = std::max(worst_excess, error - gamma * scale * magnitude);
+          }
+          for (Index j = count; j < ld; ++j) {
+            CHECK(scores[static_cast<std::size_t>(r * ld + j)] == -7.0f);  // not written
+          }
+        }
+        INFO("dim " << dim << ", " << rows << " rows, " << count << " keys");
+        CHECK(worst_excess <= 0);
+      }
+    }
+  }
+}
+
+#endif  // PLSH_DECODE_AVX512_BF16

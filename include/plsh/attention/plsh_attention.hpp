@@ -63,6 +63,7 @@
 #include <vector>
 
 #include "../batched_heads_view.hpp"
+#include "../detail/bf16_scores.hpp"
 #include "../detail/check.hpp"
 #include "../detail/decode_simd.hpp"
 #include "../detail/parallel.hpp"
@@ -414,7 +415,19 @@ struct FusedWorkspace {
   Eigen::Array<Scalar, Eigen::Dynamic, 1> exponentials;
   Eigen::Matrix<Scalar, 1, Eigen::Dynamic> sum;  // one row's weighted sum of values
   std::vector<Index> bad;                        // value rows with a non-finite entry
+  AlignedVector<std::uint32_t> query_pairs;      // a tile's query rows (kBf16Scores)
+  AlignedVector<std::uint32_t> key_panels;       // a chunk's keys (kBf16Scores)
 };
+
+#if defined(PLSH_DECODE_AVX512_BF16) && defined(PLSH_FUSED_AVX512)
+/// Whether fused_rows computes the scores of `Storage` tiles by `vdpbf16ps` (bf16_scores.hpp):
+/// bfloat16 storage in AVX-512 BF16 builds.
+template <class Storage>
+constexpr bool kBf16Scores = std::is_same<Storage, Eigen::bfloat16>::value;
+#else
+template <class Storage>
+constexpr bool kBf16Scores = false;
+#endif
 
 /// Unions of at most this many keys take fused_row_by_row, except where update_counted takes the
 /// AVX-512 walk (kVectorWalk): below it, Eigen's packing for the blocked products and the
@@ -531,15 +544,32 @@ void fused_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeyStorage>& 
   }
   workspace.softmax.reset(rows, v.cols());
   if (keys.begin < keys.end) {
-    workspace.query.noalias() = compute_rows(map_rows(q, row_begin, rows), workspace.query_rows) *
-                                static_cast<Scalar>(options.scale);
+    if constexpr (kBf16Scores<Storage>) {
+#if defined(PLSH_DECODE_AVX512_BF16) && defined(PLSH_FUSED_AVX512)
+      avx512::pack_query_pairs(q.data() + row_begin * q.outerStride(), rows, q.cols(),
+                               q.outerStride(), workspace.query_pairs);
+#endif
+    } else {
+      workspace.query.noalias() = compute_rows(map_rows(q, row_begin, rows), workspace.query_rows) *
+                                  static_cast<Scalar>(options.scale);
+    }
     workspace.scores.resize(static_cast<std::size_t>(rows * kFusedKeyTile));
     for (Index c0 = keys.begin; c0 < keys.end; c0 += kFusedKeyTile) {
       const Index cols = std::min(kFusedKeyTile, keys.end - c0);
       const Index first_key = c0 - options.key_position;
       Eigen::Map<RowMatrix<Scalar>> scores(workspace.scores.data(), rows, cols);
-      multiply_transposed(workspace.query,
-                          compute_rows(map_rows(k, first_key, cols), workspace.key_rows), scores);
+      if constexpr (kBf16Scores<Storage>) {
+#if defined(PLSH_DECODE_AVX512_BF16) && defined(PLSH_FUSED_AVX512)
+        avx512::pack_key_panels(k.data() + first_key * k.outerStride(), cols, k.cols(),
+                                k.outerStride(), workspace.key_panels);
+        avx512::bf16_scores(workspace.query_pairs.data(), rows, workspace.key_panels.data(), cols,
+                            avx512::bf16_pairs(k.cols()), static_cast<float>(options.scale),
+                            scores.data(), cols);
+#endif
+      } else {
+        multiply_transposed(workspace.query,
+                            compute_rows(map_rows(k, first_key, cols), workspace.key_rows), scores);
+      }
       workspace.counts.start_chunk(c0, cols);
       workspace.softmax.update_counted(
           scores, compute_rows(map_rows(v, first_key, cols), workspace.value_rows),
