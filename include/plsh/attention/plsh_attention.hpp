@@ -32,7 +32,9 @@
 ///   Compiled for AVX-512 (`__AVX512F__`, e.g. `-march=native` on such a processor), a float
 ///   chunk takes each row's walk in two vectorised passes and the product \f$PV\f$ by register
 ///   blocks of 6 rows by 64 columns over each block's visible keys, without packing
-///   (online_softmax.hpp), narrow tiles too; \f$QK^\top\f$ stays Eigen's. There too, the causal
+///   (online_softmax.hpp), narrow tiles too; \f$QK^\top\f$ stays Eigen's, except for bfloat16
+///   storage with AVX-512 BF16 as well (kBf16Scores: `vdpbf16ps` on the bfloat16 query rows and
+///   keys, detail/bf16_scores.hpp; the float sums in another order). There too, the causal
 ///   rows of heads with \f$1/m <\f$ kCausalRowsReach go row by row (detail::fused_causal_rows):
 ///   a causal row's counts are \f$c_{ij} = \#\{t : b_t \le j\}\f$ from its draws' block starts
 ///   \f$b_t\f$, carried from row to row, so each row computes the scores of its own keys only
@@ -51,6 +53,8 @@
 /// the fused kernel converts each query row once and the key and value rows a span of query rows
 /// may see once (fused_span; when they are read in place, each chunk or row converts its own),
 /// the pass kernel each block's rows, and both round their output once (detail/storage.hpp).
+/// With kBf16Scores, a bfloat16 tile's scores come from its query rows and each chunk's keys in
+/// bfloat16 instead, summed in float by `vdpbf16ps`.
 ///
 /// Tested against plsh::reference::mask_attention (dense \f$D^{-1}(e^S\circ\hat K)V\f$ in
 /// double, same grids) in tests/test_plsh_attention.cpp; fused against passes there too; the
@@ -518,7 +522,8 @@ void fused_row_by_row(FusedWorkspace<Storage>& workspace, const RowMatrix<Comput
 /// online softmax in chunks of kFusedKeyTile keys (OnlineSoftmax::update_counted). The key and
 /// value rows are stored as `Storage` or already in the compute type (fused_span's packed
 /// copies). The query tile and each key and value chunk not yet in the compute type are
-/// converted once; the output rows are rounded back once.
+/// converted once; the output rows are rounded back once. With kBf16Scores the scores come from
+/// the query tile's bfloat16 pairs and each chunk's key panels (avx512::bf16_scores) instead.
 template <class Storage, class KeyStorage>
 void fused_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeyStorage>& k,
                 const ConstHeadMap<KeyStorage>& v, const std::vector<Grid>& grids,

@@ -14,8 +14,8 @@
 ///   16 keys' sums. A panel is built by a 16 × 16 transposition in registers; keys stored in
 ///   float (the fused kernel's packed copies of bfloat16 rows) are rounded to bfloat16 first,
 ///   which is exact for them.
-/// - bf16_scores: blocks of 4 query rows and 32 keys, 8 sums in registers, a pair of every row
-///   and of 32 keys per step.
+/// - bf16_scores: blocks of 8 query rows (then 4, then 1) and 32 keys, 16 sums in registers, a
+///   pair of every row and of 32 keys per step.
 ///
 /// Products of two bfloat16 numbers are exact in float; `vdpbf16ps` adds pairs of them to float
 /// sums (denormal inputs and results flushed to zero), so the scores differ from the float
@@ -27,8 +27,10 @@
 
 #if defined(PLSH_DECODE_AVX512_BF16)
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "storage.hpp"
 
@@ -168,6 +170,7 @@ inline void bf16_scores(const std::uint32_t* query, Index rows, const std::uint3
     }
   };
   Index r = 0;
+  for (; r + 8 <= rows; r += 8) row_block(std::integral_constant<int, 8>{}, r);
   for (; r + 4 <= rows; r += 4) row_block(std::integral_constant<int, 4>{}, r);
   for (; r < rows; ++r) row_block(std::integral_constant<int, 1>{}, r);
 }
