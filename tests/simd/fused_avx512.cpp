@@ -16,6 +16,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include <plsh/attention/online_softmax.hpp>
@@ -29,8 +30,11 @@ namespace {
 
 using plsh::Index;
 
-std::uint32_t bits_of(float x) {
-  std::uint32_t bits = 0;
+/// The bit pattern of a float (32 bits) or of a bfloat16 number (16 bits).
+template <class Number>
+auto bits_of(Number x) {
+  std::conditional_t<sizeof(Number) == 4, std::uint32_t, std::uint16_t> bits = 0;
+  static_assert(sizeof bits == sizeof x, "a float or a 16-bit number");
   std::memcpy(&bits, &x, sizeof bits);
   return bits;
 }
@@ -117,12 +121,6 @@ std::vector<Eigen::bfloat16> bf16_rows(Index count, Index dim, Index stride, std
   return rows;
 }
 
-std::uint16_t bits16(Eigen::bfloat16 x) {
-  std::uint16_t bits = 0;
-  std::memcpy(&bits, &x, sizeof bits);
-  return bits;
-}
-
 }  // namespace
 
 TEST_CASE("pack_key_panels puts pair e of key 16p + l at panel p, row e, lane l",
@@ -150,9 +148,9 @@ TEST_CASE("pack_key_panels puts pair e of key 16p + l at panel p, row e, lane l"
             std::uint32_t expected = 0;
             if (j < count) {
               const auto low = static_cast<std::uint32_t>(
-                  bits16(keys[static_cast<std::size_t>(j * stride + 2 * e)]));
+                  bits_of(keys[static_cast<std::size_t>(j * stride + 2 * e)]));
               const std::uint32_t high =
-                  2 * e + 1 < dim ? bits16(keys[static_cast<std::size_t>(j * stride + 2 * e + 1)])
+                  2 * e + 1 < dim ? bits_of(keys[static_cast<std::size_t>(j * stride + 2 * e + 1)])
                                   : 0u;
               expected = low | high << 16;
             }
