@@ -114,7 +114,7 @@ void pack_key_panels(const KeyStorage* keys, Index count, Index dim, Index strid
       }
       transpose16(block);
       const Index rows = std::min<Index>(16, width - e0);
-      for (Index e = 0; e < rows; ++e) _mm512_store_si512(panel + (e0 + e) * 16, block[e]);
+      for (Index e = 0; e < rows; ++e) _mm512_storeu_si512(panel + (e0 + e) * 16, block[e]);
     }
   }
 }
@@ -132,7 +132,7 @@ EIGEN_ALWAYS_INLINE void score_tile(const std::uint32_t* query, Index width,
   for (Index e = 0; e < width; ++e) {
     __m512bh keys[Panels];
     for (int p = 0; p < Panels; ++p) {
-      keys[p] = (__m512bh)_mm512_load_si512(panel + (p * width + e) * 16);
+      keys[p] = (__m512bh)_mm512_loadu_si512(panel + (p * width + e) * 16);
     }
     for (int r = 0; r < Rows; ++r) {
       const __m512bh pair = (__m512bh)_mm512_set1_epi32(static_cast<int>(query[r * width + e]));
