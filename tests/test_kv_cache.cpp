@@ -411,52 +411,111 @@ TEST_CASE(
   }
 }
 
-TEST_CASE("DecodeModeChoice runs the faster mode and tries the other every kDecodeProbeEvery steps",
-          "[kv_cache][threads]") {
+TEST_CASE(
+    "DecodeModeChoice runs the faster mode and probes the other every kDecodeProbeEvery steps",
+    "[kv_cache][threads]") {
   using plsh::detail::DecodeModeChoice;
+  using plsh::detail::kDecodeMeasureEvery;
   using plsh::detail::kDecodeProbeEvery;
+  using plsh::detail::kDecodeProbeMeasured;
+  using plsh::detail::kDecodeProbeSteps;
+  using Step = DecodeModeChoice::Step;
   DecodeModeChoice choice;
-  // Until both modes are measured: parallel, measured every kDecodeMeasureEvery steps, with the
-  // calling thread alone at the last two steps of each period (the second of them measured).
-  Index wrong = 0;
-  for (std::uint64_t step = 0; step < kDecodeProbeEvery; ++step) {
-    const DecodeModeChoice::Step next = choice.next();
-    const bool probe = step + 2 >= kDecodeProbeEvery;
-    const bool measured =
-        probe ? step + 1 == kDecodeProbeEvery : step % plsh::detail::kDecodeMeasureEvery == 0;
-    wrong += next.parallel == !probe && next.measured == measured ? 0 : 1;
-  }
-  CHECK(wrong == 0);
-  choice.record(true, 1000, 1e-5);   // parallel: 1e8 keys per second
-  choice.record(false, 1000, 2e-5);  // alone: 5e7
+  // Steps of the faster mode (`parallel`), `first` .. `last` of its period: measured at the last
+  // of every kDecodeMeasureEvery.
+  const auto run_faster = [&](bool parallel, std::uint64_t last, std::uint64_t first = 1) {
+    Index wrong = 0;
+    for (std::uint64_t step = first; step <= last; ++step) {
+      const Step next = choice.next();
+      wrong += next.parallel == parallel && next.measured == (step % kDecodeMeasureEvery == 0) &&
+                       next.probe_step == -1
+                   ? 0
+                   : 1;
+    }
+    return wrong;
+  };
+  // A probe of the other mode, `parallel`: kDecodeProbeSteps steps, each measured but the first,
+  // recorded at the given speeds (keys per second; 0: a step that cannot be measured), the last
+  // kDecodeProbeMeasured of them deciding. Returns the number of probe steps that ran (the step
+  // after a probe that ended early is the first of the faster mode's period), or -1 when one was
+  // not as expected.
+  const auto probe = [&](bool parallel, const std::vector<double>& speeds) {
+    REQUIRE(speeds.size() == static_cast<std::size_t>(kDecodeProbeSteps));
+    for (int place = 0; place < kDecodeProbeSteps; ++place) {
+      const Step next = choice.next();
+      if (next.probe_step == -1 && next.parallel != parallel) return place;  // ended early
+      if (next.parallel != parallel || next.measured != (place > 0) || next.probe_step != place) {
+        return -1;
+      }
+      const double speed = speeds[static_cast<std::size_t>(place)];
+      if (next.measured) choice.record(next, speed > 0 ? 1000 : 0, speed > 0 ? 1000 / speed : 1e-6);
+    }
+    return kDecodeProbeSteps;
+  };
+  // Parallel until it is measured, then at once a probe of the calling thread alone.
+  CHECK(run_faster(true, 3 * kDecodeMeasureEvery) == 0);
+  choice.record(Step{true, true, -1}, 1000, 1e-5);  // 1e8 keys per second
   CHECK(choice.speed[1] == Approx(1e8));
-  CHECK(choice.speed[0] == Approx(5e7));
-  CHECK(choice.next().parallel);
-  // Alone measured faster, smoothed: 5e7 + (4e8 - 5e7) / 8 = 9.375e7 is still slower; a second
-  // measurement passes 1e8 (9.375e7 + (4e8 - 9.375e7) / 8 = 1.3203125e8).
-  choice.record(false, 1000, 2.5e-6);
-  CHECK(choice.speed[0] == Approx(9.375e7));
-  CHECK(choice.next().parallel);
-  choice.record(false, 1000, 2.5e-6);
-  CHECK(choice.speed[0] == Approx(1.3203125e8));
-  choice.steps = 0;
-  for (std::uint64_t step = 0; step < 2 * kDecodeProbeEvery; ++step) {
-    wrong += choice.next().parallel == (step % kDecodeProbeEvery + 2 >= kDecodeProbeEvery) ? 0 : 1;
-  }
-  CHECK(wrong == 0);
+  // Only the last kDecodeProbeMeasured steps decide, by their median whatever their order: the
+  // slow first steps (waking helpers, warming caches) and a preempted step do not.
+  REQUIRE(kDecodeProbeSteps == 8);
+  REQUIRE(kDecodeProbeMeasured == 4);
+  CHECK(probe(false, {1e3, 6e7, 7e7, 8e7, 1.3e8, 1e6, 1.5e8, 1.2e8}) == kDecodeProbeSteps);
+  CHECK(choice.speed[0] == Approx(1.25e8));
+  // Now alone is faster: it runs, parallel is probed every kDecodeProbeEvery steps.
+  CHECK(run_faster(false, kDecodeProbeEvery - 1) == 0);
+  // Measurements of the running mode are smoothed: 1.25e8 + (5e7 - 1.25e8) / 8.
+  choice.record(Step{false, true, -1}, 1000, 2e-5);
+  CHECK(choice.speed[0] == Approx(1.15625e8));
   // Times that cannot be measured change nothing.
-  choice.record(true, 1000, 0);
-  choice.record(true, 0, 1e-6);
-  CHECK(choice.speed[1] == Approx(1e8));
+  choice.record(Step{false, true, -1}, 1000, 0);
+  choice.record(Step{false, true, -1}, 0, 1e-6);
+  CHECK(choice.speed[0] == Approx(1.15625e8));
+  // A probe with one measurable deciding step takes it; one with none keeps the old speed.
+  CHECK(probe(true, {0, 1e8, 1e8, 1e8, 0, 0, 1.1e8, 0}) == kDecodeProbeSteps);
+  CHECK(choice.speed[1] == Approx(1.1e8));
+  CHECK(run_faster(false, kDecodeProbeEvery - 1) == 0);
+  CHECK(probe(true, {0, 1e8, 1e8, 1e8, 0, 0, 0, 0}) == kDecodeProbeSteps);
+  CHECK(choice.speed[1] == Approx(1.1e8));
+  // A step after the first more than kDecodeProbeAbort times slower than the running mode
+  // (1.15625e8 / 4) ends the probe with its speed; the first step never does.
+  REQUIRE(plsh::detail::kDecodeProbeAbort == 4);
+  CHECK(run_faster(false, kDecodeProbeEvery - 1) == 0);
+  CHECK(probe(true, {1e3, 3e7, 2.5e7, 1e8, 1e8, 1e8, 1e8, 1e8}) == 3);
+  CHECK(choice.speed[1] == Approx(2.5e7));
+  CHECK(run_faster(false, kDecodeProbeEvery - 1, 2) == 0);
+  // A probe that finds parallel faster (median (1.2e8 + 1.4e8) / 2) switches back to it.
+  CHECK(probe(true, {1e3, 3e7, 3e7, 3e7, 1.4e8, 1.2e8, 1.1e8, 1.6e8}) == kDecodeProbeSteps);
+  CHECK(choice.speed[1] == Approx(1.3e8));
+  CHECK(run_faster(true, kDecodeProbeEvery - 1) == 0);
+  CHECK(probe(false, {1e8, 1e8, 1e8, 1e8, 1e8, 1e8, 1e8, 1e8}) == kDecodeProbeSteps);
+  CHECK(choice.speed[0] == Approx(1e8));
+  CHECK(run_faster(true, 2 * kDecodeMeasureEvery) == 0);
+}
+
+TEST_CASE("DecodeModeChoice probes the calling thread until it is measured",
+          "[kv_cache][threads]") {
+  // Steps too small to split cannot be measured: a probe of the calling thread alone that
+  // measured nothing is followed by another at once.
+  using plsh::detail::DecodeModeChoice;
+  DecodeModeChoice choice;
+  choice.record(DecodeModeChoice::Step{true, true, -1}, 1000, 1e-5);
+  Index wrong = 0;
+  for (int step = 0; step < 3 * plsh::detail::kDecodeProbeSteps; ++step) {
+    const DecodeModeChoice::Step next = choice.next();
+    wrong += !next.parallel && next.probe_step == step % plsh::detail::kDecodeProbeSteps ? 0 : 1;
+    if (next.measured) choice.record(next, 0, 1e-6);
+  }
+  CHECK(wrong == 0);
+  CHECK(choice.speed[0] == 0);
 }
 
 TEST_CASE("KvCache one-token steps give the same bits whichever mode runs them",
           "[kv_cache][threads]") {
-  // kDecodeProbeEvery + 300 one-token decoding steps, each split across 2 threads or kept on the
-  // calling thread by DecodeModeChoice (which tries the other mode every kDecodeProbeEvery
-  // steps, so both run here), against 1 thread, bit for bit.
-  const Sequence<float> sequence(static_cast<Index>(plsh::detail::kDecodeProbeEvery) + 300, 8, 2,
-                                 64, 64, 43);
+  // 600 one-token decoding steps, each split across 2 threads or kept on the calling thread by
+  // DecodeModeChoice (parallel until measured, then a probe of the calling thread alone, so both
+  // run here), against 1 thread, bit for bit.
+  const Sequence<float> sequence(600, 8, 2, 64, 64, 43);
   const std::vector<double> slopes = plsh::alibi_slopes(8);
   const Index row_size = sequence.heads * sequence.value_dim;
   std::vector<std::vector<float>> outputs;

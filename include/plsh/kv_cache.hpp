@@ -123,13 +123,25 @@ inline void smooth_speed(double& speed, double work, double seconds) {
 }
 
 /// One-token decoding steps run on the calling thread alone when that is measured faster than on
-/// all threads (see DecodeModeChoice): every kDecodeProbeEvery steps the slower mode runs twice,
-/// the first to wake the helpers and bring its data into its cores' caches, the second measured;
-/// the faster mode is measured every kDecodeMeasureEvery steps. Measured on a 2-core virtual
-/// machine: waking a helper that sleeps takes tens of microseconds, and timing every step cost
-/// 0.2-0.3 us of a 7.5 us step.
+/// all threads (see DecodeModeChoice). The mode that runs is measured every kDecodeMeasureEvery
+/// steps; every kDecodeProbeEvery steps the other one runs kDecodeProbeSteps steps (a probe), of
+/// which the last kDecodeProbeMeasured decide, unless one of the others is kDecodeProbeAbort
+/// times slower than the mode that runs. Measured on a 2-core virtual machine:
+/// - timing every step cost 0.2-0.3 us of a 7.5 us step;
+/// - waking a helper that sleeps took about 110 us;
+/// - after a change of mode, steps came within 5% of their steady time from the fifth on
+///   (parallel: 113, 10.1, 8.3, 8.0, then 7.8 us against 7.5; the calling thread alone: 13.4,
+///   8.6-9.2, 8.0, 8.0, then 7.7-7.9 us against 7.6), so that a probe measured at its second step
+///   favoured the mode that ran;
+/// - the second step of a probe of parallel mode after 4096 steps on the calling thread took up
+///   to 2.5 times the steady time, hence an abort at 4 times;
+/// - with the helper on the caller's core (a caller pinned to one core when it started the
+///   helpers) a parallel step took 220 us.
 constexpr std::uint64_t kDecodeProbeEvery = 4096;
 constexpr std::uint64_t kDecodeMeasureEvery = 16;
+constexpr int kDecodeProbeSteps = 8;
+constexpr int kDecodeProbeMeasured = 4;
+constexpr double kDecodeProbeAbort = 4;
 
 /// Estimated multiply-adds from which the single-query path runs on more than one thread. Handing
 /// a step to warm helper threads costs 0.1-0.5 microseconds, the time of some 10^4 multiply-adds
@@ -154,31 +166,78 @@ struct DecodeJob {
 
 /// Which of two modes runs a one-token decoding step (KvCache::decode) when more than one thread
 /// is available: all threads (parallel) or the calling thread alone. The faster one by its
-/// measured speed (keys of work per second of whole steps, append included, smoothed over its
-/// measured steps by kDecodeSpeedSmoothing), parallel until both are measured; the other at the
-/// last two steps of every kDecodeProbeEvery, of which only the last is measured (the faster one
-/// every kDecodeMeasureEvery steps). On a virtual machine a helper can sit on a core that is
-/// slower or busy, or cross cores at a cost that outweighs the split: the steps then stay on one
-/// thread. The outputs do not depend on the mode. One choice per calling thread and storage type,
-/// shared by its caches (the layers of a model decode steps of the same shape).
+/// measured speed (keys of work per second of whole steps, append included):
+/// - the mode that runs is measured at the last of every kDecodeMeasureEvery steps, smoothed by
+///   kDecodeSpeedSmoothing;
+/// - every kDecodeProbeEvery steps the other mode runs kDecodeProbeSteps steps (a probe). Its
+///   speed becomes the median of the last kDecodeProbeMeasured of them: the first ones wake the
+///   helpers and bring the data into their cores' caches. A step of the probe after its first
+///   that is kDecodeProbeAbort times slower than the running mode ends the probe, its speed that
+///   step's;
+/// - at first parallel runs until it is measured, then a probe measures the calling thread alone.
+///
+/// On a virtual machine a helper can sit on a core that is slower or busy, or cross cores at a
+/// cost that outweighs the split: the steps then stay on one thread. Steps whose work cannot be
+/// measured (too little work to split) change nothing. The outputs do not depend on the mode. One
+/// choice per calling thread and storage type, shared by its caches (the layers of a model decode
+/// steps of the same shape).
 struct DecodeModeChoice {
   struct Step {
     bool parallel;
     bool measured;
+    int probe_step;  // the step's place in a probe, 0 .. kDecodeProbeSteps - 1; else -1
   };
-  double speed[2] = {0, 0};  // [0]: the calling thread alone, [1]: parallel; 0: not measured
-  std::uint64_t steps = 0;
+  double speed[2] = {0, 0};       // [0]: the calling thread alone, [1]: parallel; 0: not measured
+  std::uint64_t since_probe = 0;  // steps of the faster mode since the last probe
+  int probe_left = 0;             // steps left of the running probe
+  double samples[kDecodeProbeMeasured] = {};  // the probe's deciding speeds; 0: not measurable
+
+  bool parallel_faster() const { return !(speed[1] > 0 && speed[0] > speed[1]); }
 
   Step next() {
-    const bool single_faster = speed[0] > 0 && speed[1] > 0 && speed[0] > speed[1];
-    const std::uint64_t phase = steps++ % kDecodeProbeEvery;
-    const bool probe = phase + 2 >= kDecodeProbeEvery;
-    return Step{probe == single_faster,
-                probe ? phase + 1 == kDecodeProbeEvery : phase % kDecodeMeasureEvery == 0};
+    if (probe_left == 0 && speed[1] > 0 &&
+        (!(speed[0] > 0) || since_probe + 1 >= kDecodeProbeEvery)) {
+      probe_left = kDecodeProbeSteps;
+      since_probe = 0;
+      std::fill(samples, samples + kDecodeProbeMeasured, 0.0);
+    }
+    if (probe_left > 0) {
+      const int place = kDecodeProbeSteps - probe_left--;
+      return Step{!parallel_faster(), place > 0, place};
+    }
+    ++since_probe;
+    return Step{parallel_faster(), since_probe % kDecodeMeasureEvery == 0, -1};
   }
 
-  void record(bool parallel, double work, double seconds) {
-    smooth_speed(speed[parallel ? 1 : 0], work, seconds);
+  void record(const Step& step, double work, double seconds) {
+    double& mode_speed = speed[step.parallel ? 1 : 0];
+    if (step.probe_step < 0) {
+      smooth_speed(mode_speed, work, seconds);
+      return;
+    }
+    const double measured = seconds > 0 && work > 0 ? work / seconds : 0;
+    constexpr int first_sample = kDecodeProbeSteps - kDecodeProbeMeasured;
+    if (step.probe_step >= first_sample) {
+      samples[step.probe_step - first_sample] = measured;
+    } else if (measured > 0 && measured * kDecodeProbeAbort < speed[step.parallel ? 0 : 1]) {
+      mode_speed = measured;
+      probe_left = 0;
+      return;
+    }
+    if (step.probe_step + 1 < kDecodeProbeSteps) return;
+    // The median of the measurable samples (a preempted step does not decide).
+    double sorted[kDecodeProbeMeasured];
+    const std::ptrdiff_t count = std::copy_if(samples, samples + kDecodeProbeMeasured, sorted,
+                                              [](double sample) { return sample > 0; }) -
+                                 sorted;
+    if (count == 0) return;
+    // Insertion sort: GCC 12 warns of bounds in std::sort's code for arrays this short.
+    for (std::ptrdiff_t i = 1; i < count; ++i) {
+      for (std::ptrdiff_t j = i; j > 0 && sorted[j - 1] > sorted[j]; --j) {
+        std::swap(sorted[j - 1], sorted[j]);
+      }
+    }
+    mode_speed = 0.5 * (sorted[(count - 1) / 2] + sorted[count / 2]);
   }
 };
 
@@ -453,7 +512,7 @@ class KvCache {
     using Clock = std::chrono::steady_clock;
     static thread_local detail::DecodeModeChoice choice;
     const detail::DecodeModeChoice::Step mode =
-        available_threads() > 1 ? choice.next() : detail::DecodeModeChoice::Step{false, false};
+        available_threads() > 1 ? choice.next() : detail::DecodeModeChoice::Step{false, false, -1};
     const Clock::time_point start = mode.measured ? Clock::now() : Clock::time_point{};
     append_checked(k, v);
     // The blocks of the next position depend on nothing but the position: with more than one
@@ -469,8 +528,7 @@ class KvCache {
     const double work = attend_rows(q, out, detail::resolved_scale(attend_options(1), dim_),
                                     look_ahead, heads_ * options_.samples, mode.parallel);
     if (mode.measured) {
-      choice.record(mode.parallel, work,
-                    std::chrono::duration<double>(Clock::now() - start).count());
+      choice.record(mode, work, std::chrono::duration<double>(Clock::now() - start).count());
     }
   }
 
