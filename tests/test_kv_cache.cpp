@@ -22,6 +22,7 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -514,19 +515,22 @@ TEST_CASE("KvCache one-token steps give the same bits whichever mode runs them",
           "[kv_cache][threads]") {
   // 600 one-token decoding steps, each split across 2 threads or kept on the calling thread by
   // DecodeModeChoice (parallel until measured, then a probe of the calling thread alone, so both
-  // run here), against 1 thread, bit for bit.
+  // run here), against 1 thread, bit for bit. Each run decodes on a thread of its own, whose
+  // choice (one per calling thread) starts afresh whatever ran before.
   const Sequence<float> sequence(600, 8, 2, 64, 64, 43);
   const std::vector<double> slopes = plsh::alibi_slopes(8);
   const Index row_size = sequence.heads * sequence.value_dim;
   std::vector<std::vector<float>> outputs;
   for (const int threads : {1, 2}) {
-    const plsh_test::ThreadCount thread_count(threads);
-    plsh::KvCache<float> cache(8, 2, 64, 64, slopes);
     outputs.emplace_back(static_cast<std::size_t>(sequence.tokens * row_size), -7.0f);
-    for (Index t = 0; t < sequence.tokens; ++t) {
-      cache.decode(sequence.queries(t, 1), sequence.keys(t, 1), sequence.values(t, 1),
-                   HeadsView<float>{outputs.back().data() + t * row_size, 1, 8, 64});
-    }
+    std::thread([&, threads] {
+      const plsh_test::ThreadCount thread_count(threads);
+      plsh::KvCache<float> cache(8, 2, 64, 64, slopes);
+      for (Index t = 0; t < sequence.tokens; ++t) {
+        cache.decode(sequence.queries(t, 1), sequence.keys(t, 1), sequence.values(t, 1),
+                     HeadsView<float>{outputs.back().data() + t * row_size, 1, 8, 64});
+      }
+    }).join();
   }
   REQUIRE(outputs[1].size() == outputs[0].size());
   CHECK(std::memcmp(outputs[1].data(), outputs[0].data(), outputs[0].size() * sizeof(float)) == 0);
