@@ -113,12 +113,18 @@ constexpr Index kDecodeJobKeys = 16;
 constexpr double kDecodeSpeedRange = 4;
 constexpr double kDecodeSpeedSmoothing = 0.125;
 
+/// `work` per second for `work` done in `seconds`, or 0 for a step that cannot be measured (no
+/// work, or no time on the clock).
+inline double measured_speed(double work, double seconds) {
+  return seconds > 0 && work > 0 ? work / seconds : 0;
+}
+
 /// Folds `work` done in `seconds` into the smoothed speed `speed` (work per second, 0 until the
 /// first measurement, weight kDecodeSpeedSmoothing for the newest); a step that cannot be
-/// measured (no work, or no time on the clock) changes nothing.
+/// measured changes nothing.
 inline void smooth_speed(double& speed, double work, double seconds) {
-  if (!(seconds > 0) || !(work > 0)) return;
-  const double measured = work / seconds;
+  const double measured = measured_speed(work, seconds);
+  if (!(measured > 0)) return;
   speed = speed > 0 ? speed + kDecodeSpeedSmoothing * (measured - speed) : measured;
 }
 
@@ -215,7 +221,7 @@ struct DecodeModeChoice {
       smooth_speed(mode_speed, work, seconds);
       return;
     }
-    const double measured = seconds > 0 && work > 0 ? work / seconds : 0;
+    const double measured = measured_speed(work, seconds);
     constexpr int first_sample = kDecodeProbeSteps - kDecodeProbeMeasured;
     if (step.probe_step >= first_sample) {
       samples[step.probe_step - first_sample] = measured;
