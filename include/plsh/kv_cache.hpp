@@ -33,18 +33,22 @@
 /// (detail::DecodeModeChoice, which tries the other mode every detail::kDecodeProbeEvery steps).
 /// They are merged by log-sum-exp in job order (by the thread that ran all of a head's jobs, or
 /// after the parts for a head whose jobs two threads shared), so the result is identical for any
-/// number of threads and any cut. A job's two products run in the AVX-512 code of
-/// detail/decode_simd.hpp when the library is compiled for it (the scores' product also returns
-/// their maximum, and one pass then computes the exponentials times the counts instead of adding
-/// the counts' logarithms; bfloat16 keys meet the bfloat16 query in `vdpbf16ps` where AVX-512
-/// BF16 is present), else in Eigen's matrix-vector products. Either
-/// way a job is plain arithmetic; one whose output or sum comes out non-finite is recomputed by
-/// the OnlineSoftmax of the other kernels, which applies the non-finite contract. Cost per query
-/// and head: \f$(d + d_v)\f$ times the union width (about \f$(\ln s + \ln\ln s)/m\f$), plus
-/// O(s) per job for the counts; the newest position's block starts are kept sorted by the
-/// appends, so a one-token attend looks up and sorts nothing, and allocates nothing once the
-/// scratch has grown. More queries go to the fused (or pass) kernel of
-/// plsh_attention on the resident keys, whose products are GEMMs over query tiles.
+/// number of threads, any cut and any order of the jobs: successive one-token `decode` steps of a
+/// cache run each part's heads in opposite orders (a head's jobs always in order, one stream of
+/// keys for the prefetchers), so that a step starts on the keys the step before read last, still
+/// cached when the keys of a step outgrow the cache (float at context 65536, 8 heads, d = 64:
+/// about 0.9 MB of keys and values per step against a 1 MB L2). A job's two products run in the
+/// AVX-512 code of detail/decode_simd.hpp when the library is compiled for it (the scores' product
+/// also returns their maximum, and one pass then computes the exponentials times the counts instead
+/// of adding the counts' logarithms; bfloat16 keys meet the bfloat16 query in `vdpbf16ps` where
+/// AVX-512 BF16 is present), else in Eigen's matrix-vector products. Either way a job is plain
+/// arithmetic; one whose output or sum comes out non-finite is recomputed by the OnlineSoftmax of
+/// the other kernels, which applies the non-finite contract. Cost per query and head: \f$(d +
+/// d_v)\f$ times the union width (about \f$(\ln s + \ln\ln s)/m\f$), plus O(s) per job for the
+/// counts; the newest position's block starts are kept sorted by the appends, so a one-token attend
+/// looks up and sorts nothing, and allocates nothing once the scratch has grown. More queries go to
+/// the fused (or pass) kernel of plsh_attention on the resident keys, whose products are GEMMs over
+/// query tiles.
 ///
 /// `decode(q, k, v, out)` is one decoding step: append then attend, every check made once and
 /// before the cache changes.
@@ -531,8 +535,11 @@ class KvCache {
       next_reachable_ = advance_blocks(next, next_blocks_, next_begins_);
       next_position_ = next;
     };
-    const double work = attend_rows(q, out, detail::resolved_scale(attend_options(1), dim_),
-                                    look_ahead, heads_ * options_.samples, mode.parallel);
+    // Each step runs its heads in the opposite order to the step before (file comment).
+    const double work =
+        attend_rows(q, out, detail::resolved_scale(attend_options(1), dim_), look_ahead,
+                    heads_ * options_.samples, mode.parallel, reverse_jobs_);
+    reverse_jobs_ = !reverse_jobs_;
     if (mode.measured) {
       choice.record(mode, work, std::chrono::duration<double>(Clock::now() - start).count());
     }
@@ -761,11 +768,14 @@ class KvCache {
   ///
   /// With more than one thread, `extra()` runs on the last part's thread, after its jobs,
   /// counted as `extra_keys` keys of work when the parts are cut; on one thread it does not run.
-  /// `split == false` keeps the step on the calling thread. Returns the step's work in keys (as
-  /// the parts count it, with `extra_keys`) when it is worth more than one thread, else 0.
+  /// `split == false` keeps the step on the calling thread; `reverse` runs each part's (row,
+  /// head)s from its last to its first, each one's jobs in order (the same results). Returns the
+  /// step's work in keys (as the parts count it, with `extra_keys`) when it is worth more than one
+  /// thread, else 0.
   template <class Extra>
   double attend_rows(const HeadsView<const Scalar>& q, const HeadsView<Scalar>& out, double scale,
-                     Extra&& extra, Index extra_keys, bool split = true) const {
+                     Extra&& extra, Index extra_keys, bool split = true,
+                     bool reverse = false) const {
     using Compute = detail::Compute<Scalar>;
     using Clock = std::chrono::steady_clock;
     const int max_threads = available_threads();
@@ -936,13 +946,30 @@ class KvCache {
           workspace.threads[static_cast<std::size_t>(thread)];
       const Index first = workspace.part_first[static_cast<std::size_t>(part)];
       const Index last = workspace.part_first[static_cast<std::size_t>(part + 1)];
-      for (Index j = first; j < last; ++j) {
-        run_job(j, state);
-        const detail::DecodeJob& job = workspace.jobs[static_cast<std::size_t>(j)];
-        const std::size_t index = static_cast<std::size_t>(job.row * heads_ + job.head);
-        if (workspace.first_job[index] >= first && workspace.first_job[index + 1] == j + 1) {
-          merge(job.row, job.head, state.output);
-          workspace.merged[index] = 1;
+      // Jobs begin..end-1 in order, each (row, head) merged after its last job when all of its
+      // jobs are in this part.
+      const auto run_jobs = [&](Index begin, Index end) {
+        for (Index j = begin; j < end; ++j) {
+          run_job(j, state);
+          const detail::DecodeJob& job = workspace.jobs[static_cast<std::size_t>(j)];
+          const std::size_t index = static_cast<std::size_t>(job.row * heads_ + job.head);
+          if (workspace.first_job[index] >= first && workspace.first_job[index + 1] == j + 1) {
+            merge(job.row, job.head, state.output);
+            workspace.merged[index] = 1;
+          }
+        }
+      };
+      if (!reverse) {
+        run_jobs(first, last);
+      } else {
+        // The (row, head)s from the last to the first, each one's jobs in order (a forward stream
+        // of keys for the hardware's prefetch).
+        for (Index end = last; end > first;) {
+          const detail::DecodeJob& job = workspace.jobs[static_cast<std::size_t>(end - 1)];
+          const Index begin = std::max(
+              first, workspace.first_job[static_cast<std::size_t>(job.row * heads_ + job.head)]);
+          run_jobs(begin, end);
+          end = begin;
         }
       }
       if (threads > 1 && part == threads - 1) extra();
@@ -1002,6 +1029,7 @@ class KvCache {
   Index oldest_ = 0;
   Index position_ = 0;
   Index last_append_ = 0;
+  bool reverse_jobs_ = false;  // the next one-token decode runs its heads last to first
 };
 
 }  // namespace plsh
