@@ -538,8 +538,8 @@ class KvCache {
     // Each step runs its heads in the opposite order to the step before (file comment).
     const double work =
         attend_rows(q, out, detail::resolved_scale(attend_options(1), dim_), look_ahead,
-                    heads_ * options_.samples, mode.parallel, reverse_jobs_);
-    reverse_jobs_ = !reverse_jobs_;
+                    heads_ * options_.samples, mode.parallel, reverse_heads_);
+    reverse_heads_ = !reverse_heads_;
     if (mode.measured) {
       choice.record(mode, work, std::chrono::duration<double>(Clock::now() - start).count());
     }
@@ -1029,7 +1029,7 @@ class KvCache {
   Index oldest_ = 0;
   Index position_ = 0;
   Index last_append_ = 0;
-  bool reverse_jobs_ = false;  // the next one-token decode runs its heads last to first
+  bool reverse_heads_ = false;  // the next one-token decode runs its heads last to first
 };
 
 }  // namespace plsh
