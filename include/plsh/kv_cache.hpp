@@ -37,7 +37,7 @@
 /// cache run each part's heads in opposite orders (a head's jobs always in order, one stream of
 /// keys for the prefetchers), so that a step starts on the keys the step before read last, still
 /// cached when the keys of a step outgrow the cache (float at context 65536, 8 heads, d = 64:
-/// about 0.9 MB of keys and values per step against a 1 MB L2). A job's two products run in the
+/// about 0.85 MB of keys and values per step against a 1 MB L2). A job's two products run in the
 /// AVX-512 code of detail/decode_simd.hpp when the library is compiled for it (the scores' product
 /// also returns their maximum, and one pass then computes the exponentials times the counts instead
 /// of adding the counts' logarithms; bfloat16 keys meet the bfloat16 query in `vdpbf16ps` where
