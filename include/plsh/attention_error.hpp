@@ -39,6 +39,7 @@
 #include "attention/plsh_attention.hpp"
 #include "attention/reference.hpp"
 #include "detail/check.hpp"
+#include "detail/deferred.hpp"
 #include "detail/validate.hpp"
 #include "error_norms.hpp"
 #include "partition.hpp"
@@ -283,32 +284,37 @@ class AttentionErrorOperator {
   Index rows() const { return q_.rows(); }
   Index cols() const { return k_.rows(); }
 
-  /// \f$y = Ex\f$: `x` holds cols() entries, `y` rows().
+  /// \f$y = Ex\f$: `x` holds cols() entries, `y` rows(). (`Tag` unused: the kernels are compiled
+  /// only where the products are called, detail::Deferred.)
+  template <class Tag = void>
   void product(const double* x, double* y) const {
+    using Real = detail::Deferred<double, Tag>;
     const HeadsView<const double> v{x, cols(), 1, 1};
-    detail::fused_attention<double>(query(), key(), v, HeadsView<double>{y, rows(), 1, 1}, grids_,
-                                    slopes_, options_);
-    exact_alibi_attention<double>(query(), key(), v,
-                                  HeadsView<double>{kernel_result_.data(), rows(), 1, 1}, slopes_,
-                                  options_);
+    detail::fused_attention<Real>(query(), key(), v, HeadsView<double>{y, rows(), 1, 1}, grids_,
+                                  slopes_, options_);
+    exact_alibi_attention<Real>(query(), key(), v,
+                                HeadsView<double>{kernel_result_.data(), rows(), 1, 1}, slopes_,
+                                options_);
     Eigen::Map<Eigen::VectorXd>(y, rows()) -= kernel_result_.head(rows());
   }
 
   /// \f$y = E^\top u\f$: `u` holds rows() entries, `y` cols().
+  template <class Tag = void>
   void transpose_product(const double* u, double* y) const {
+    using Real = detail::Deferred<double, Tag>;
     const HeadsView<const double> dout{u, rows(), 1, 1};
     const HeadsView<const double> v{zeros_.data(), cols(), 1, 1};
     const HeadsView<const double> out{zeros_.data(), rows(), 1, 1};
     const HeadsView<double> dq{dq_.data(), rows(), 1, q_.cols()};
     const HeadsView<double> dk{dk_.data(), cols(), 1, k_.cols()};
-    detail::block_counts_backward<double>(
+    detail::block_counts_backward<Real>(
         detail::batch_of_one(query()), detail::batch_of_one(key()), detail::batch_of_one(v),
         detail::batch_of_one(out), detail::batch_of_one(dout), detail::batch_of_one(dq),
         detail::batch_of_one(dk), detail::batch_of_one(HeadsView<double>{y, cols(), 1, 1}), slopes_,
         grids_, options_);
-    exact_alibi_attention_backward<double>(query(), key(), v, out, dout, dq, dk,
-                                           HeadsView<double>{kernel_result_.data(), cols(), 1, 1},
-                                           slopes_, options_);
+    exact_alibi_attention_backward<Real>(query(), key(), v, out, dout, dq, dk,
+                                         HeadsView<double>{kernel_result_.data(), cols(), 1, 1},
+                                         slopes_, options_);
     Eigen::Map<Eigen::VectorXd>(y, cols()) -= kernel_result_.head(cols());
   }
 

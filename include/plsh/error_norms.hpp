@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "detail/check.hpp"
+#include "detail/deferred.hpp"
 #include "limits.hpp"
 #include "metrics.hpp"
 #include "partition.hpp"
@@ -375,9 +376,13 @@ SpectralNorm largest_singular_value(const Operator& op, const LanczosOptions& op
 /// O(n s) per product, O(n x basis_size) memory. Equals mask_error(n, slope, grids).spectral for
 /// first = 0 to the Lanczos tolerance.
 /// \throws std::invalid_argument as mask_max_error, and for invalid options.
-inline SpectralNorm mask_spectral_error(Index n, double slope, const std::vector<Grid>& grids,
-                                        Index first = 0, const LanczosOptions& options = {}) {
-  return symmetric_spectral_norm(MaskErrorOperator(n, slope, grids, first), options);
+/// \tparam Tag unused: the solver is compiled only where mask_spectral_error is called
+/// (detail::Deferred).
+template <class Tag = void>
+SpectralNorm mask_spectral_error(Index n, double slope, const std::vector<Grid>& grids,
+                                 Index first = 0, const LanczosOptions& options = {}) {
+  return symmetric_spectral_norm(detail::Deferred<MaskErrorOperator, Tag>(n, slope, grids, first),
+                                 options);
 }
 
 #endif  // PLSH_HAS_SPECTRA

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "alibi.hpp"
+#include "detail/deferred.hpp"
 #include "partition.hpp"
 
 namespace plsh {
@@ -23,13 +24,16 @@ struct MaskError {
 /// Dense: O(n^2) memory and O(n^3) time (a symmetric eigenvalue solve), for tests and studies.
 /// \throws std::invalid_argument if `n` lies outside [1, kMaxPosition], the slope is invalid, or
 /// `grids` is empty or holds an invalid grid (the message names mask_error).
-inline MaskError mask_error(Index n, double slope, const std::vector<Grid>& grids) {
+/// \tparam Tag unused: the solver is compiled only where mask_error is called (detail::Deferred).
+template <class Tag = void>
+MaskError mask_error(Index n, double slope, const std::vector<Grid>& grids) {
   const char* function = "mask_error";
   detail::require(n >= 1 && n <= kMaxPosition, function, "n must lie in [1, kMaxPosition]");
   detail::require_slope(slope, function);
   detail::require_grids(grids, function);
-  const Eigen::MatrixXd error = mean_mask<double>(n, grids) - laplacian_kernel<double>(n, slope);
-  const Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd> solver(error, Eigen::EigenvaluesOnly);
+  using Matrix = detail::Deferred<Eigen::MatrixXd, Tag>;
+  const Matrix error = mean_mask<double>(n, grids) - laplacian_kernel<double>(n, slope);
+  const Eigen::SelfAdjointEigenSolver<Matrix> solver(error, Eigen::EigenvaluesOnly);
   return MaskError{solver.eigenvalues().cwiseAbs().maxCoeff(), error.cwiseAbs().maxCoeff()};
 }
 
