@@ -26,9 +26,10 @@
 /// (query, head, range) is a job: a matrix-vector product for its scores, \f$\log c_j\f$ added,
 /// an online softmax of one row and a matrix-vector product with its values, giving a partial
 /// (output, lse). With more than one OpenMP thread (when the work is worth it) the jobs are cut
-/// into contiguous parts, one per thread, sized by each thread's measured speed, and run on the
-/// helper threads of detail/thread_team.hpp (spinning between steps, so a step makes no system
-/// call; in an OpenMP region when that team is busy or the caller is inside a parallel region).
+/// into contiguous parts, one per thread, sized by each thread's measured speed (timed from the
+/// hand-over), and run on the helper threads of detail/thread_team.hpp (spinning between steps,
+/// so a step makes no system call; in an OpenMP region when that team is busy or the caller is
+/// inside a parallel region).
 /// A one-token `decode` stays on the calling thread instead while that is measured faster
 /// (detail::DecodeModeChoice, which tries the other mode every detail::kDecodeProbeEvery steps).
 /// They are merged by log-sum-exp in job order (by the thread that ran all of a head's jobs, or
@@ -121,6 +122,16 @@ constexpr double kDecodeSpeedSmoothing = 0.125;
 /// work, or no time on the clock).
 inline double measured_speed(double work, double seconds) {
   return seconds > 0 && work > 0 ? work / seconds : 0;
+}
+
+/// Asks the processor to bring the cache line of `address` closer (a hint; nothing where the
+/// compiler has no such builtin).
+inline void prefetch(const void* address) {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(address);
+#else
+  static_cast<void>(address);
+#endif
 }
 
 /// Folds `work` done in `seconds` into the smoothed speed `speed` (work per second, 0 until the
@@ -260,6 +271,7 @@ struct DecodeThreadState {
   AlignedVector<Scalar> values;  // a chunk of values in the compute type (16-bit storage)
   alignas(64) Scalar scores[kDecodeKeyChunk];
   OutputRows<Storage> output;  // the output rows of the (row, head)s this thread merges
+  std::chrono::steady_clock::time_point part_end;  // when its part of the last step ended
 };
 
 /// Scratch of the single-query path of one calling thread, reused across calls: after the first
@@ -277,9 +289,23 @@ struct DecodeWorkspace {
   AlignedVector<Scalar> partial;   // [job][value_dim]: normalised output of the job's keys
   AlignedVector<Scalar> lse;       // [job]: log-sum-exp of the job's logits
   std::vector<Scalar> log_count;   // log(c) for c = 0..s, log(0) = -inf
-  std::vector<char> merged;        // [row * heads + head]: merged by the thread of its jobs
   std::vector<DecodeThreadState<Storage>> threads;
 };
+
+/// Folds the times of a parallel step's parts into the threads' speeds, each part counted from
+/// `published`, when the calling thread handed them out: a helper's part then counts the time the
+/// step took to reach it, and the parts, which follow these speeds, end together rather than last
+/// equally long.
+template <class Storage>
+void record_decode_parts(DecodeWorkspace<Storage>& workspace, Index threads,
+                         std::chrono::steady_clock::time_point published) {
+  for (Index t = 0; t < threads; ++t) {
+    const std::size_t part = static_cast<std::size_t>(t);
+    smooth_speed(
+        workspace.part_speed[part], static_cast<double>(workspace.part_work[part]),
+        std::chrono::duration<double>(workspace.threads[part].part_end - published).count());
+  }
+}
 
 /// Adds \f$\log c_j\f$ to the logits of keys `first_position .. first_position + count - 1`:
 /// \f$c_j = \#\{t : b_t \le j\}\f$, `begins` the s block starts of the row's draws, sorted
@@ -864,9 +890,9 @@ class KvCache {
     // Each thread takes a contiguous part of the jobs with about its share of the keys (each job
     // counted kDecodeJobKeys more, the extra work extra_keys at the end): from one token to the
     // next the parts cover nearly the same keys, which stay in that core's cache. The shares
-    // follow each thread's measured speed on its recent parts (equal until measured): the cores
-    // of a shared or virtual machine can differ by tens of percent, and the step ends with its
-    // slowest part.
+    // follow each thread's measured speed on its recent parts (equal until measured; each part
+    // timed from the hand-over, record_decode_parts): the cores of a shared or virtual machine can
+    // differ by tens of percent, and the step ends with its slowest part.
     workspace.part_first.resize(static_cast<std::size_t>(threads + 1));
     workspace.part_work.resize(static_cast<std::size_t>(threads));
     workspace.part_speed.resize(static_cast<std::size_t>(threads), 0.0);
@@ -938,14 +964,12 @@ class KvCache {
     };
     // A (row, head) whose jobs all lie in one part is merged by that part's thread as soon as its
     // last job is done; the others (at most threads - 1) after every part is done.
-    workspace.merged.assign(static_cast<std::size_t>(rows * heads_), 0);
     const auto run_part = [&](Index part, int thread) {
-      // Timed only where there are parts to cut (a clock read is some 30 ns of a step of 7 us).
-      const auto start = threads > 1 ? Clock::now() : Clock::time_point{};
       detail::DecodeThreadState<Scalar>& state =
           workspace.threads[static_cast<std::size_t>(thread)];
       const Index first = workspace.part_first[static_cast<std::size_t>(part)];
       const Index last = workspace.part_first[static_cast<std::size_t>(part + 1)];
+      if (thread > 0) prefetch_part(workspace, first, last);
       // Jobs begin..end-1 in order, each (row, head) merged after its last job when all of its
       // jobs are in this part.
       const auto run_jobs = [&](Index begin, Index end) {
@@ -955,7 +979,6 @@ class KvCache {
           const std::size_t index = static_cast<std::size_t>(job.row * heads_ + job.head);
           if (workspace.first_job[index] >= first && workspace.first_job[index + 1] == j + 1) {
             merge(job.row, job.head, state.output);
-            workspace.merged[index] = 1;
           }
         }
       };
@@ -973,13 +996,8 @@ class KvCache {
         }
       }
       if (threads > 1 && part == threads - 1) extra();
-      if (threads > 1) {
-        // Work per second of this part, smoothed over steps (each thread its own entry).
-        detail::smooth_speed(
-            workspace.part_speed[static_cast<std::size_t>(part)],
-            static_cast<double>(workspace.part_work[static_cast<std::size_t>(part)]),
-            std::chrono::duration<double>(Clock::now() - start).count());
-      }
+      // Timed only where there are parts to cut (a clock read is some 30 ns of a step of 7 us).
+      if (threads > 1) state.part_end = Clock::now();
     };
     // Parts on the team's helpers (no system call on warm helpers), else in an OpenMP region
     // (also when called from inside one, where the helpers would compete with its threads).
@@ -987,21 +1005,66 @@ class KvCache {
 #if defined(_OPENMP)
     in_parallel = omp_in_parallel() != 0;
 #endif
+    const auto published = threads > 1 ? Clock::now() : Clock::time_point{};
     if (threads == 1 || in_parallel ||
         !detail::ThreadTeam::shared().run(static_cast<int>(threads),
                                           [&](int part) { run_part(part, part); })) {
       detail::parallel_for_threads(threads, threads > 1, run_part, detail::Schedule::Static);
     }
-    for (Index r = 0; r < rows; ++r) {
-      for (Index h = 0; h < heads_; ++h) {
-        if (workspace.merged[static_cast<std::size_t>(r * heads_ + h)] == 0) {
-          merge(r, h, workspace.threads[0].output);
-        }
-      }
+    if (threads > 1) detail::record_decode_parts(workspace, threads, published);
+    // The (row, head)s that a cut between two parts splits, each once (found from the cuts, so
+    // that nothing the other threads wrote is read but the split heads' partial outputs).
+    const detail::DecodeJob* merged = nullptr;
+    for (Index part = 1; part < threads; ++part) {
+      const Index cut = workspace.part_first[static_cast<std::size_t>(part)];
+      if (cut == 0 || cut == jobs) continue;
+      const detail::DecodeJob& before = workspace.jobs[static_cast<std::size_t>(cut - 1)];
+      const detail::DecodeJob& after = workspace.jobs[static_cast<std::size_t>(cut)];
+      if (before.row != after.row || before.head != after.head) continue;
+      if (merged != nullptr && merged->row == after.row && merged->head == after.head) continue;
+      merge(after.row, after.head, workspace.threads[0].output);
+      merged = &after;
     }
     return worth_splitting
                ? static_cast<double>(union_keys + detail::kDecodeJobKeys * jobs + extra_keys)
                : 0.0;
+  }
+
+  /// Asks for the lines that the calling thread wrote for the jobs first..last-1 of a step (the
+  /// jobs, their queries and block starts, the newest key and value of their heads), all at
+  /// once: a helper that read them job by job waited for each from the calling thread's core in
+  /// turn.
+  template <class Workspace>
+  void prefetch_part(const Workspace& workspace, Index first, Index last) const {
+    constexpr Index line = 64;
+    const auto ask = [](const void* address, std::size_t bytes) {
+      const char* begin = static_cast<const char*>(address);
+      for (std::size_t offset = 0; offset < bytes; offset += line) {
+        detail::prefetch(begin + offset);
+      }
+      detail::prefetch(begin + bytes - 1);
+    };
+    if (first >= last) return;
+    ask(&workspace.jobs[static_cast<std::size_t>(first)],
+        static_cast<std::size_t>(last - first) * sizeof(detail::DecodeJob));
+    Index previous = -1;
+    for (Index j = first; j < last; ++j) {
+      const detail::DecodeJob& job = workspace.jobs[static_cast<std::size_t>(j)];
+      const Index index = job.row * heads_ + job.head;
+      if (index == previous) continue;
+      previous = index;
+      ask(&workspace.queries[static_cast<std::size_t>(index * dim_)],
+          static_cast<std::size_t>(dim_) * sizeof(workspace.queries[0]));
+      ask(&workspace.begins[static_cast<std::size_t>(index * options_.samples)],
+          static_cast<std::size_t>(options_.samples) * sizeof(Index));
+      ask(&workspace.first_job[static_cast<std::size_t>(index)], 2 * sizeof(Index));
+      const Index newest = start_ + resident_ - 1;  // the row of the newest key
+      const Index g = job.head / (heads_ / kv_heads_);
+      ask(keys_.data() + (g * capacity_ + newest) * dim_,
+          static_cast<std::size_t>(dim_) * sizeof(Scalar));
+      ask(values_.data() + (g * capacity_ + newest) * value_dim_,
+          static_cast<std::size_t>(value_dim_) * sizeof(Scalar));
+    }
   }
 
   Index heads_;
