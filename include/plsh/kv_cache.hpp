@@ -544,7 +544,7 @@ class KvCache {
     }
     // Split across threads or kept on this one (DecodeModeChoice), timed from the append on:
     // a step kept here looks up the next position's blocks in the next append, a split one in
-    // its last part.
+    // the calling thread's part.
     using Clock = std::chrono::steady_clock;
     static thread_local detail::DecodeModeChoice choice;
     const detail::DecodeModeChoice::Step mode =
@@ -552,8 +552,8 @@ class KvCache {
     const Clock::time_point start = mode.measured ? Clock::now() : Clock::time_point{};
     append_checked(k, v);
     // The blocks of the next position depend on nothing but the position: with more than one
-    // thread they are looked up by the last part of this step, off the serial path of the next
-    // append.
+    // thread they are looked up by the calling thread's part of this step, off the serial path of
+    // the next append (on this thread, whose appends write and read the same tables).
     const Index next = position_;
     const auto look_ahead = [this, next] {
       next_blocks_ = blocks_;
@@ -792,8 +792,9 @@ class KvCache {
   /// thread, then per row and head the log-sum-exp merge of its jobs, in job order, so that the
   /// result does not depend on the number of threads.
   ///
-  /// With more than one thread, `extra()` runs on the last part's thread, after its jobs,
-  /// counted as `extra_keys` keys of work when the parts are cut; on one thread it does not run.
+  /// With more than one thread, `extra()` runs on the calling thread after the jobs of its part
+  /// (the first), counted as `extra_keys` keys of work at the start of that part when the parts
+  /// are cut; on one thread it does not run.
   /// `split == false` keeps the step on the calling thread; `reverse` runs each part's (row,
   /// head)s from its last to its first, each one's jobs in order (the same results). Returns the
   /// step's work in keys (as the parts count it, with `extra_keys`) when it is worth more than one
@@ -888,7 +889,7 @@ class KvCache {
           &workspace.lse[static_cast<std::size_t>(j)]);
     };
     // Each thread takes a contiguous part of the jobs with about its share of the keys (each job
-    // counted kDecodeJobKeys more, the extra work extra_keys at the end): from one token to the
+    // counted kDecodeJobKeys more, the extra work extra_keys at the start): from one token to the
     // next the parts cover nearly the same keys, which stay in that core's cache. The shares
     // follow each thread's measured speed on its recent parts (equal until measured; each part
     // timed from the hand-over, record_decode_parts): the cores of a shared or virtual machine can
@@ -916,8 +917,8 @@ class KvCache {
       double share_sum = 0;
       for (Index t = 0; t < threads; ++t) share_sum += share(t);
       Index part = 0;
-      double share_before = share(0);  // shares of parts 0..part
-      Index keys_before = 0;           // keys of the jobs before j
+      double share_before = share(0);                    // shares of parts 0..part
+      Index keys_before = threads > 1 ? extra_keys : 0;  // keys before job j (extra first)
       Index keys_at_cut = 0;
       workspace.part_first[0] = 0;
       for (Index j = 0; j < jobs && part + 1 < threads; ++j) {
@@ -995,7 +996,7 @@ class KvCache {
           end = begin;
         }
       }
-      if (threads > 1 && part == threads - 1) extra();
+      if (threads > 1 && part == 0) extra();
       // Timed only where there are parts to cut (a clock read is some 30 ns of a step of 7 us).
       if (threads > 1) state.part_end = Clock::now();
     };
