@@ -16,6 +16,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -509,6 +510,35 @@ TEST_CASE("DecodeModeChoice probes the calling thread until it is measured",
   }
   CHECK(wrong == 0);
   CHECK(choice.speed[0] == 0);
+}
+
+TEST_CASE("record_decode_parts times every part from the hand-over", "[kv_cache][threads]") {
+  // Parts of 600 and 400 keys seen ending 6 and 5 us after the hand-over: 100 and 80 keys per
+  // microsecond (a helper that starts late counts as slower), then smoothed by
+  // kDecodeSpeedSmoothing; an empty part changes nothing.
+  using Clock = std::chrono::steady_clock;
+  using plsh::detail::kDecodeSpeedSmoothing;
+  plsh::detail::DecodeWorkspace<float> workspace;
+  workspace.threads.resize(3);
+  workspace.part_work = {600, 400, 0};
+  workspace.part_speed = {0, 0, 0};
+  const Clock::time_point published = Clock::now();
+  const auto at = [&](double microseconds) {
+    return published + std::chrono::duration_cast<Clock::duration>(
+                           std::chrono::duration<double, std::micro>(microseconds));
+  };
+  workspace.threads[0].part_end = at(6);
+  workspace.threads[1].part_end = at(5);
+  workspace.threads[2].part_end = at(1);
+  plsh::detail::record_decode_parts(workspace, 3, published);
+  CHECK(workspace.part_speed[0] == Approx(100e6).epsilon(1e-6));
+  CHECK(workspace.part_speed[1] == Approx(80e6).epsilon(1e-6));
+  CHECK(workspace.part_speed[2] == 0);
+  workspace.threads[1].part_end = at(10);  // 40 keys per microsecond this step
+  plsh::detail::record_decode_parts(workspace, 2, published);
+  CHECK(workspace.part_speed[0] == Approx(100e6).epsilon(1e-6));
+  CHECK(workspace.part_speed[1] ==
+        Approx(80e6 + kDecodeSpeedSmoothing * (40e6 - 80e6)).epsilon(1e-6));
 }
 
 TEST_CASE("KvCache one-token steps give the same bits whichever mode runs them",
