@@ -1048,7 +1048,10 @@ class KvCache {
     if (first >= last) return;
     ask(&workspace.jobs[static_cast<std::size_t>(first)],
         static_cast<std::size_t>(last - first) * sizeof(detail::DecodeJob));
+    const Index newest = start_ + resident_ - 1;  // the row of the newest key
+    const Index group_size = heads_ / kv_heads_;
     Index previous = -1;
+    Index previous_group = -1;
     for (Index j = first; j < last; ++j) {
       const detail::DecodeJob& job = workspace.jobs[static_cast<std::size_t>(j)];
       const Index index = job.row * heads_ + job.head;
@@ -1059,8 +1062,10 @@ class KvCache {
       ask(&workspace.begins[static_cast<std::size_t>(index * options_.samples)],
           static_cast<std::size_t>(options_.samples) * sizeof(Index));
       ask(&workspace.first_job[static_cast<std::size_t>(index)], 2 * sizeof(Index));
-      const Index newest = start_ + resident_ - 1;  // the row of the newest key
-      const Index g = job.head / (heads_ / kv_heads_);
+      // The newest key and value row, once per key head of a group of consecutive heads.
+      const Index g = job.head / group_size;
+      if (g == previous_group) continue;
+      previous_group = g;
       ask(keys_.data() + (g * capacity_ + newest) * dim_,
           static_cast<std::size_t>(dim_) * sizeof(Scalar));
       ask(values_.data() + (g * capacity_ + newest) * value_dim_,
