@@ -363,9 +363,11 @@ TEST_CASE(
     "[kv_cache][threads]") {
   // The standard slopes at d = 64: unions of several hundred keys, split into several jobs per
   // head, enough work for more than one thread; grouped heads; chunks of up to 16 rows (the
-  // single-query path) and 40 (the fused kernel).
+  // single-query path) and 40 (the fused kernel). Then one shallow head among steep ones: it
+  // holds most keys, so that the cuts split it and, on 3 threads, the middle part lies inside it.
   const Sequence<float> sequence(700, 8, 2, 64, 64, 41);
-  const std::vector<double> slopes = plsh::alibi_slopes(8);
+  const std::vector<double> shallow_head = {1e-4, 1, 1, 1, 1, 1, 1, 1};
+  const std::vector<double> slopes = GENERATE_COPY(plsh::alibi_slopes(8), shallow_head);
   plsh::PlshOptions options;
   options.seed = 5;
   const std::vector<float> expected = whole_sequence(sequence, slopes, options);
