@@ -46,8 +46,10 @@
 /// arithmetic; one whose output or sum comes out non-finite is recomputed by the OnlineSoftmax of
 /// the other kernels, which applies the non-finite contract. Cost per query and head: \f$(d +
 /// d_v)\f$ times the union width (about \f$(\ln s + \ln\ln s)/m\f$), plus O(s) per job for the
-/// counts; the newest position's block starts are kept sorted by the appends, so a one-token attend
-/// looks up and sorts nothing, and allocates nothing once the scratch has grown. More queries go to
+/// counts; the newest position's block starts are kept sorted by the appends, and its jobs read
+/// them there, so a one-token attend looks up, sorts and copies none, and allocates nothing once
+/// the scratch has grown (each thread scales the queries of its own heads: the calling thread
+/// writes no copy of them or of the block starts for a helper to fetch). More queries go to
 /// the fused (or pass) kernel of plsh_attention on the resident keys, whose products are GEMMs over
 /// query tiles.
 ///
@@ -270,7 +272,8 @@ struct DecodeThreadState {
   AlignedVector<Scalar> keys;    // a chunk of keys in the compute type (16-bit storage)
   AlignedVector<Scalar> values;  // a chunk of values in the compute type (16-bit storage)
   alignas(64) Scalar scores[kDecodeKeyChunk];
-  OutputRows<Storage> output;  // the output rows of the (row, head)s this thread merges
+  OutputRows<Storage> output;     // the output rows of the (row, head)s this thread merges
+  AlignedVector<Scalar> queries;  // [row][head][dim]: its part's queries times the scale
   std::chrono::steady_clock::time_point part_end;  // when its part of the last step ended
 };
 
@@ -279,13 +282,13 @@ struct DecodeThreadState {
 template <class Storage>
 struct DecodeWorkspace {
   using Scalar = Compute<Storage>;
-  std::vector<Index> begins;     // [row][head][draw]: the block starts, sorted per row and head
+  // [row][head][draw]: the block starts, sorted per row and head, of the rows before the newest
+  std::vector<Index> begins;
   std::vector<Index> first_job;  // [row * heads + head]: its first job; one more at the end
   std::vector<DecodeJob> jobs;
   std::vector<Index> part_first;   // [part]: the first job of each thread's part; one more
   std::vector<Index> part_work;    // [part]: its keys (with kDecodeJobKeys per job and the extra)
   std::vector<double> part_speed;  // [part]: its thread's smoothed keys per second; 0: unmeasured
-  AlignedVector<Scalar> queries;   // [row][head][dim]: the queries times the scale
   AlignedVector<Scalar> partial;   // [job][value_dim]: normalised output of the job's keys
   AlignedVector<Scalar> lse;       // [job]: log-sum-exp of the job's logits
   std::vector<Scalar> log_count;   // log(c) for c = 0..s, log(0) = -inf
@@ -818,21 +821,21 @@ class KvCache {
     // Room for the most jobs the cache's buffer can need, so that calls between two growths of
     // the buffer allocate nothing.
     const Index most_jobs = rows * heads_ * (capacity_ / detail::kDecodeKeyChunk + 1);
-    workspace.begins.resize(static_cast<std::size_t>(rows * heads_ * samples));
+    workspace.begins.resize(static_cast<std::size_t>((rows - 1) * heads_ * samples));
     workspace.first_job.resize(static_cast<std::size_t>(rows * heads_ + 1));
     workspace.jobs.reserve(static_cast<std::size_t>(most_jobs));
     workspace.jobs.clear();
-    workspace.queries.resize(static_cast<std::size_t>(rows * heads_ * dim_));
     Index union_keys = 0;  // keys of every (row, head) union
     for (Index r = 0; r < rows; ++r) {
       const Index position = first_query + r;
       for (Index h = 0; h < heads_; ++h) {
-        Index* begins = &workspace.begins[static_cast<std::size_t>((r * heads_ + h) * samples)];
-        if (position == position_ - 1) {
-          // The newest position: the sorted starts of its blocks are kept by the appends.
-          const Index* newest = &block_begins_[static_cast<std::size_t>(h * samples)];
-          for (Index t = 0; t < samples; ++t) begins[t] = std::max(oldest_, newest[t]);
+        Index first_begin = 0;
+        if (r == rows - 1) {
+          // The newest position: the sorted starts of its blocks are kept by the appends, and
+          // read there (begins_of).
+          first_begin = std::max(oldest_, block_begins_[static_cast<std::size_t>(h * samples)]);
         } else {
+          Index* begins = &workspace.begins[static_cast<std::size_t>((r * heads_ + h) * samples)];
           for (Index t = 0; t < samples; ++t) {
             const Block& newest = blocks_[static_cast<std::size_t>(h * samples + t)];
             // Rows before the newest block of a draw: chunks that crossed a block boundary.
@@ -845,18 +848,15 @@ class KvCache {
                           .begin);
           }
           std::sort(begins, begins + samples);
+          first_begin = begins[0];
         }
         workspace.first_job[static_cast<std::size_t>(r * heads_ + h)] =
             static_cast<Index>(workspace.jobs.size());
-        for (Index begin = begins[0]; begin <= position; begin += detail::kDecodeKeyChunk) {
+        for (Index begin = first_begin; begin <= position; begin += detail::kDecodeKeyChunk) {
           workspace.jobs.push_back(detail::DecodeJob{
               r, h, begin, std::min(begin + detail::kDecodeKeyChunk, position + 1)});
         }
-        union_keys += position + 1 - begins[0];
-        Compute* query = &workspace.queries[static_cast<std::size_t>((r * heads_ + h) * dim_)];
-        detail::convert_to_compute(q.data + r * q.token_stride + h * q.head_stride, dim_, query);
-        Eigen::Map<Eigen::Matrix<Compute, 1, Eigen::Dynamic>>(query, dim_) *=
-            static_cast<Compute>(scale);
+        union_keys += position + 1 - first_begin;
       }
     }
     const Index jobs = static_cast<Index>(workspace.jobs.size());
@@ -875,17 +875,16 @@ class KvCache {
       const Index g = job.head / group;
       const Index first_row = start_ + job.begin - oldest_;
       const Index count = job.end - job.begin;
+      const Index index = job.row * heads_ + job.head;
       detail::decode_job<Scalar>(
           ConstHeadMap<Scalar>(keys_.data() + (g * capacity_ + first_row) * dim_, count, dim_,
                                Eigen::OuterStride<>(dim_)),
           ConstHeadMap<Scalar>(values_.data() + (g * capacity_ + first_row) * value_dim_, count,
                                value_dim_, Eigen::OuterStride<>(value_dim_)),
-          &workspace.queries[static_cast<std::size_t>((job.row * heads_ + job.head) * dim_)],
+          &state.queries[static_cast<std::size_t>(index * dim_)],
           q.data + job.row * q.token_stride + job.head * q.head_stride, static_cast<Compute>(scale),
-          job.begin,
-          &workspace.begins[static_cast<std::size_t>((job.row * heads_ + job.head) * samples)],
-          samples, workspace.log_count, state,
-          &workspace.partial[static_cast<std::size_t>(j * value_dim_)],
+          job.begin, begins_of(workspace, rows, job.row, job.head), samples, workspace.log_count,
+          state, &workspace.partial[static_cast<std::size_t>(j * value_dim_)],
           &workspace.lse[static_cast<std::size_t>(j)]);
     };
     // Each thread takes a contiguous part of the jobs with about its share of the keys (each job
@@ -970,7 +969,21 @@ class KvCache {
           workspace.threads[static_cast<std::size_t>(thread)];
       const Index first = workspace.part_first[static_cast<std::size_t>(part)];
       const Index last = workspace.part_first[static_cast<std::size_t>(part + 1)];
-      if (thread > 0) prefetch_part(workspace, first, last);
+      if (thread > 0) prefetch_part(workspace, q, first, last);
+      // The queries of its jobs times the scale, converted by this thread: a helper reads the
+      // rows as given rather than a copy that the calling thread wrote.
+      state.queries.resize(static_cast<std::size_t>(rows * heads_ * dim_));
+      for (Index j = first, previous = -1; j < last; ++j) {
+        const detail::DecodeJob& job = workspace.jobs[static_cast<std::size_t>(j)];
+        const Index index = job.row * heads_ + job.head;
+        if (index == previous) continue;
+        previous = index;
+        Compute* query = &state.queries[static_cast<std::size_t>(index * dim_)];
+        detail::convert_to_compute(q.data + job.row * q.token_stride + job.head * q.head_stride,
+                                   dim_, query);
+        Eigen::Map<Eigen::Matrix<Compute, 1, Eigen::Dynamic>>(query, dim_) *=
+            static_cast<Compute>(scale);
+      }
       // Jobs begin..end-1 in order, each (row, head) merged after its last job when all of its
       // jobs are in this part.
       const auto run_jobs = [&](Index begin, Index end) {
@@ -1031,12 +1044,25 @@ class KvCache {
                : 0.0;
   }
 
+  /// The sorted block starts of query row `row` of `rows` (the last at the newest position) and
+  /// head `head`: those of the newest position as the appends keep them (some may lie before the
+  /// oldest stored key, which changes no count of a stored key), the others as attend_rows looked
+  /// them up.
+  template <class Workspace>
+  const Index* begins_of(const Workspace& workspace, Index rows, Index row, Index head) const {
+    return row == rows - 1
+               ? &block_begins_[static_cast<std::size_t>(head * options_.samples)]
+               : &workspace
+                      .begins[static_cast<std::size_t>((row * heads_ + head) * options_.samples)];
+  }
+
   /// Asks for the lines that the calling thread wrote for the jobs first..last-1 of a step (the
   /// jobs, their queries and block starts, the newest key and value of their heads), all at
   /// once: a helper that read them job by job waited for each from the calling thread's core in
   /// turn.
   template <class Workspace>
-  void prefetch_part(const Workspace& workspace, Index first, Index last) const {
+  void prefetch_part(const Workspace& workspace, const HeadsView<const Scalar>& q, Index first,
+                     Index last) const {
     constexpr Index line = 64;
     const auto ask = [](const void* address, std::size_t bytes) {
       const char* begin = static_cast<const char*>(address);
@@ -1057,9 +1083,9 @@ class KvCache {
       const Index index = job.row * heads_ + job.head;
       if (index == previous) continue;
       previous = index;
-      ask(&workspace.queries[static_cast<std::size_t>(index * dim_)],
-          static_cast<std::size_t>(dim_) * sizeof(workspace.queries[0]));
-      ask(&workspace.begins[static_cast<std::size_t>(index * options_.samples)],
+      ask(q.data + job.row * q.token_stride + job.head * q.head_stride,
+          static_cast<std::size_t>(dim_) * sizeof(Scalar));
+      ask(begins_of(workspace, q.tokens, job.row, job.head),
           static_cast<std::size_t>(options_.samples) * sizeof(Index));
       ask(&workspace.first_job[static_cast<std::size_t>(index)], 2 * sizeof(Index));
       // The newest key and value row, once per key head of a group of consecutive heads.
