@@ -158,6 +158,18 @@ TEST_CASE("positions: grids and partitions are validated and never walk far",
         for (std::size_t b = 0; b < expected.size(); ++b) {
           REQUIRE(partition[static_cast<Index>(b)] == expected[b]);
         }
+        // The look-up of KvCache's next blocks, from every position (its hint is off by many
+        // positions here, so it searches).
+        Index starting_at_mismatches = 0;
+        for (const plsh::Block& block : expected) {
+          for (Index p = block.begin; p < block.end; ++p) {
+            if (plsh::detail::block_starting_at(grid, p, first + width) !=
+                plsh::Block{p, block.end}) {
+              ++starting_at_mismatches;
+            }
+          }
+        }
+        REQUIRE(starting_at_mismatches == 0);
       }
     }
   }

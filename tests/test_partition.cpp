@@ -90,20 +90,26 @@ void check_partition(const Grid& grid, Index first, Index last) {
   CHECK(index_mismatches == 0);
   CHECK(split_or_merged == 0);
 
-  // Every position: block_of, grid_block and the brute-force block agree with the tiling.
+  // Every position: block_of, grid_block and the brute-force block agree with the tiling, and the
+  // block of [p, last) that holds p (block_starting_at) is the rest of p's block.
   Index block_of_mismatches = 0;
   Index grid_block_mismatches = 0;
   Index brute_force_mismatches = 0;
+  Index starting_at_mismatches = 0;
   std::size_t k = 0;
   for (Index p = first; p < last; ++p) {
     while (!blocks[k].contains(p)) ++k;
     if (partition.block_of(p) != blocks[k]) ++block_of_mismatches;
     if (plsh::grid_block(grid, p, first, last) != blocks[k]) ++grid_block_mismatches;
     if (brute_force_block(grid, p, first, last) != blocks[k]) ++brute_force_mismatches;
+    if (plsh::detail::block_starting_at(grid, p, last) != Block{p, blocks[k].end}) {
+      ++starting_at_mismatches;
+    }
   }
   CHECK(block_of_mismatches == 0);
   CHECK(grid_block_mismatches == 0);
   CHECK(brute_force_mismatches == 0);
+  CHECK(starting_at_mismatches == 0);
 }
 
 /// Grids of several slopes, as a kernel would draw them for several heads.

@@ -716,12 +716,20 @@ class KvCache {
         Block& block = blocks[static_cast<std::size_t>(h * samples + t)];
         if (!block.contains(position)) {
           const Index old_begin = block.begin;
-          // A position just past its draw's block starts the next block: only its end is
-          // looked up.
-          block =
-              grid_block(grids_[static_cast<std::size_t>(h)][static_cast<std::size_t>(t)], position,
-                         position == block.end ? position : options_.key_position, kMaxPosition);
-          replace_sorted(begins, samples, old_begin, block.begin);
+          const Grid& grid = grids_[static_cast<std::size_t>(h)][static_cast<std::size_t>(t)];
+          if (position == block.end) {
+            // A position just past its draw's block starts the next block: only its end is
+            // looked up, and its begin, the position, is the largest of the begins (no other
+            // draw's block begins after the position), so the old begin leaves the sorted begins
+            // and the new one goes last.
+            block = detail::block_starting_at(grid, position, kMaxPosition);
+            Index* old = std::lower_bound(begins, begins + samples, old_begin);
+            std::copy(old + 1, begins + samples, old);
+            begins[samples - 1] = position;
+          } else {
+            block = grid_block(grid, position, options_.key_position, kMaxPosition);
+            replace_sorted(begins, samples, old_begin, block.begin);
+          }
         }
       }
       start = std::min(start, begins[0]);

@@ -145,6 +145,28 @@ inline Block grid_block(const Grid& grid, Index position, Index first, Index las
   return Block{begin, end};
 }
 
+namespace detail {
+
+/// `grid_block(grid, position, position, last)` for a grid accepted by require_grid and `position
+/// < last`: the block of `[position, last)` that holds `position`, as KvCache looks up the next
+/// block of a draw when the position passes the end of its block. The end's hint is accepted when
+/// the bins at it and before it show a change there: two bin evaluations that do not depend on
+/// each other, and one branch that goes the same way nearly always. Only where the hint is off
+/// (rounding at a bin edge, an ill-conditioned grid) does grid_block search.
+inline Block block_starting_at(const Grid& grid, Index position, Index last) {
+  if (grid.pitch > 1 && !std::isinf(grid.pitch)) {
+    const double k = bin_index(grid, position);
+    const Index end = clamped_ceil(grid.shift + (k + 1) * grid.pitch, position + 1, last);
+    if ((end == last || bin_index(grid, end) > k) &&
+        (end - 1 == position || !(bin_index(grid, end - 1) > k))) {
+      return Block{position, end};
+    }
+  }
+  return grid_block(grid, position, position, last);
+}
+
+}  // namespace detail
+
 /// The partition of positions `[first, last)` into the non-empty bins of a Grid: contiguous
 /// blocks, in increasing order, with no gap or overlap. `first > 0` describes a chunk of a longer
 /// sequence: blocks are those of the whole sequence, cut at `first` and `last`.
