@@ -18,15 +18,30 @@
 ///
 /// Counter `tokens_per_second`: decoded tokens per second. Goals (issue 10): at most 15 us per
 /// token at context 65536 on 1 thread, 2 threads at least 1.6x faster than 1.
+///
+/// What any split step can gain on the machine at the time of the run, with no data to move
+/// between the cores:
+///
+/// - `team_step/work/threads`: a step of `work` microseconds of arithmetic (independent
+///   multiply-add chains in registers, calibrated once per process on the calling thread), on
+///   the calling thread alone (threads = 1) or cut in two halves run by the calling thread and a
+///   helper of plsh/detail/thread_team.hpp (threads = 2), the helper team that KvCache::decode
+///   hands its parts to. `work` 8 is about a bf16 decoding step at context 65536, 12 a float one.
+///   The ratio of /1 to /2 bounds what 2 threads can give a decoding step of that length then: a
+///   decoding step also moves its query, new keys and values and the partial results of a shared
+///   head between the cores.
+/// - `team_step/empty/2`: a step of two empty parts, the hand-over and the completion alone.
 
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include <plsh/detail/thread_team.hpp>
 #include <plsh/plsh.hpp>
 
 #include "../tests/fill.hpp"
@@ -142,6 +157,65 @@ void decode_exact(benchmark::State& state, Index context) {
       benchmark::Counter(static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
 }
 
+/// `iterations` rounds of 8 independent multiply-add chains in registers.
+float team_arithmetic(std::int64_t iterations) {
+  float chains[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+  benchmark::DoNotOptimize(chains);
+  for (std::int64_t i = 0; i < iterations; ++i) {
+    for (float& chain : chains) chain = chain * 0.999999f + 1e-7f;
+  }
+  float sum = 0;
+  for (const float chain : chains) sum += chain;
+  return sum;
+}
+
+/// Rounds of team_arithmetic per microsecond on the calling thread, measured once per process (the
+/// fastest of 5 timings of 2^16 rounds).
+double team_rounds_per_microsecond() {
+  static const double rate = [] {
+    constexpr std::int64_t kRounds = std::int64_t{1} << 16;
+    double best = 0;
+    for (int trial = 0; trial < 5; ++trial) {
+      const auto start = std::chrono::steady_clock::now();
+      benchmark::DoNotOptimize(team_arithmetic(kRounds));
+      const double microseconds =
+          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start)
+              .count();
+      best = std::max(best, static_cast<double>(kRounds) / microseconds);
+    }
+    return best;
+  }();
+  return rate;
+}
+
+/// One iteration: a step of `work_us` microseconds of arithmetic on 1 thread, or its two halves
+/// on the calling thread and a helper of the team (`work_us` 0: two empty parts).
+void team_step(benchmark::State& state, double work_us, int threads) {
+  const std::int64_t rounds =
+      static_cast<std::int64_t>(work_us * team_rounds_per_microsecond() + 0.5);
+  const std::int64_t half = rounds / 2;
+  // Each part's result on its own cache line, so that the parts share no line.
+  struct alignas(64) Result {
+    float value = 0;
+  };
+  Result results[2];
+  const auto part = [&](int index) {
+    if (rounds > 0) results[index].value = team_arithmetic(index == 0 ? half : rounds - half);
+  };
+  for (auto _ : state) {
+    if (threads == 1) {
+      part(0);
+      part(1);
+    } else if (!plsh::detail::ThreadTeam::shared().run(threads, part)) {
+      state.SkipWithError("the helper team is in use or cannot start its threads");
+      break;
+    }
+    benchmark::DoNotOptimize(results);
+  }
+  state.counters["threads"] = threads;
+  state.counters["work_us"] = work_us;
+}
+
 bool register_decode_benchmarks() {
 #if defined(_OPENMP)
   const std::vector<int> thread_counts = {1, 2};
@@ -167,6 +241,18 @@ bool register_decode_benchmarks() {
                                  context)
         ->Unit(benchmark::kMicrosecond)
         ->UseRealTime();
+  }
+  benchmark::RegisterBenchmark("team_step/empty/2", team_step, 0.0, 2)
+      ->Unit(benchmark::kMicrosecond)
+      ->UseRealTime();
+  for (const int work : {8, 12}) {
+    for (const int threads : {1, 2}) {
+      benchmark::RegisterBenchmark(
+          ("team_step/" + std::to_string(work) + "/" + std::to_string(threads)).c_str(), team_step,
+          static_cast<double>(work), threads)
+          ->Unit(benchmark::kMicrosecond)
+          ->UseRealTime();
+    }
   }
   return true;
 }
