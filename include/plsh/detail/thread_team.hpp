@@ -79,16 +79,21 @@ class ThreadTeam {
     step_.invoke = [](void* target, int part) { (*static_cast<Target*>(target))(part); };
     step_.parts = parts;
     const std::uint64_t generation = step_.generation.load(std::memory_order_relaxed) + 1;
-    step_.generation.store(generation, std::memory_order_seq_cst);
-    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
-      std::lock_guard<std::mutex> lock(sleep_);
-      wake_.notify_all();
-    }
+    step_.generation.store(generation, std::memory_order_release);
     std::exception_ptr failure;
     try {
       body(0);
     } catch (...) {
       failure = std::current_exception();
+    }
+    // Only now the fence that orders the generation before the read of sleepers_ (against a
+    // helper's increment of sleepers_ before its last read of the generation): a fence right
+    // after the store would hold this thread until the store reached the helpers' core, a round
+    // trip of the step's cache line, before its own part. A sleeping helper wakes after part 0.
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+      std::lock_guard<std::mutex> lock(sleep_);
+      wake_.notify_all();
     }
     // Every helper acknowledges every step, so none can still be reading this step's body when
     // the next one is written.
