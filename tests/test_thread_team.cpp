@@ -110,6 +110,28 @@ TEST_CASE("ThreadTeam wakes helpers that went to sleep", "[thread_team]") {
   CHECK(runs.load() == 15);
 }
 
+TEST_CASE("ThreadTeam wakes sleeping helpers before the calling thread's part", "[thread_team]") {
+  ThreadTeam& team = ThreadTeam::shared();
+  REQUIRE(team.run(2, [](int) {}));  // the team has a helper
+  std::this_thread::sleep_for(ThreadTeam::kSpin * 4);
+  // Part 0 waits (at most 5 s) for part 1 to start: a helper woken only after part 0 would
+  // start after that wait.
+  std::atomic<bool> helper_started{false};
+  bool seen_in_part_0 = false;
+  REQUIRE(team.run(2, [&](int part) {
+    if (part == 1) {
+      helper_started.store(true);
+      return;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (!helper_started.load() && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::yield();
+    }
+    seen_in_part_0 = helper_started.load();
+  }));
+  CHECK(seen_in_part_0);
+}
+
 #if defined(__unix__) || defined(__APPLE__)
 TEST_CASE("ThreadTeam declines steps in a forked child, whose copy has no helpers",
           "[thread_team]") {

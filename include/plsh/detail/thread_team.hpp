@@ -80,6 +80,9 @@ class ThreadTeam {
     step_.parts = parts;
     const std::uint64_t generation = step_.generation.load(std::memory_order_relaxed) + 1;
     step_.generation.store(generation, std::memory_order_release);
+    // Helpers seen asleep are woken before part 0; the check after it (below) is the one that
+    // cannot miss a helper that falls asleep meanwhile.
+    if (sleepers_.load(std::memory_order_relaxed) > 0) wake_sleepers();
     std::exception_ptr failure;
     try {
       body(0);
@@ -89,12 +92,9 @@ class ThreadTeam {
     // Only now the fence that orders the generation before the read of sleepers_ (against a
     // helper's increment of sleepers_ before its last read of the generation): a fence right
     // after the store would hold this thread until the store reached the helpers' core, a round
-    // trip of the step's cache line, before its own part. A sleeping helper wakes after part 0.
+    // trip of the step's cache line, before its own part.
     std::atomic_thread_fence(std::memory_order_seq_cst);
-    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
-      std::lock_guard<std::mutex> lock(sleep_);
-      wake_.notify_all();
-    }
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) wake_sleepers();
     // Every helper acknowledges every step, so none can still be reading this step's body when
     // the next one is written.
     for (auto& helper : helpers_) {
@@ -131,6 +131,11 @@ class ThreadTeam {
   static std::atomic<bool>& forked() {
     static std::atomic<bool> flag{false};
     return flag;
+  }
+
+  void wake_sleepers() {
+    std::lock_guard<std::mutex> lock(sleep_);
+    wake_.notify_all();
   }
 
   /// At least `count` helpers; false when a thread cannot be started.
