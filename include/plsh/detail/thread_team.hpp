@@ -36,6 +36,15 @@
 namespace plsh {
 namespace detail {
 
+/// Asks the processor for the cache line of `address` with the right to write it (a hint).
+inline void prefetch_for_write(const void* address) {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(address, 1);
+#else
+  static_cast<void>(address);
+#endif
+}
+
 /// A spin-wait hint to the processor.
 inline void spin_pause() {
 #if defined(__x86_64__) || defined(_M_X64) || defined(__i386__) || defined(_M_IX86)
@@ -45,9 +54,10 @@ inline void spin_pause() {
 
 /// Helper threads that run the parts of short steps: `run(parts, body)` calls `body(part)` for
 /// part in [0, parts), part 0 on the calling thread and part i on helper i, and returns once
-/// every part is done. One process-wide team (`shared()`), used by one caller at a time: `run`
-/// returns false without running anything when another thread is inside it, or in the child of
-/// a fork (whose copy of the team has no threads); the caller then takes another way.
+/// every part is done; `part_end(i)` then tells when helper i finished. One process-wide team
+/// (`shared()`), used by one caller at a time: `run` returns false without running anything when
+/// another thread is inside it, or in the child of a fork (whose copy of the team has no threads);
+/// the caller then takes another way.
 class ThreadTeam {
  public:
   /// How long a helper spins for the next step before it sleeps.
@@ -115,10 +125,19 @@ class ThreadTeam {
     return true;
   }
 
+  /// When part `part` (1 <= part < parts) of the last step that `run` completed ended, read by
+  /// its helper's clock. Only for the thread that called `run`, before it calls it again.
+  std::chrono::steady_clock::time_point part_end(int part) const {
+    return helpers_[static_cast<std::size_t>(part - 1)]->finished;
+  }
+
  private:
+  // One cache line, written by its helper at the end of a step and read by the calling thread
+  // then: done, failure and finished reach it together.
   struct alignas(64) Helper {
     std::atomic<std::uint64_t> done{0};
     std::exception_ptr failure;
+    std::chrono::steady_clock::time_point finished;
     std::thread thread;
   };
 
@@ -176,6 +195,9 @@ class ThreadTeam {
         generation = step_.generation.load(std::memory_order_acquire);
       }
       seen = generation;
+      // The line of done, asked for now, while the calling thread runs its part: at the end of
+      // the step it is written at once, not after the calling thread's copy is invalidated.
+      prefetch_for_write(&self);
       if (index + 1 < step_.parts) {
         try {
           step_.invoke(step_.body, index + 1);
@@ -183,6 +205,7 @@ class ThreadTeam {
           self.failure = std::current_exception();
         }
       }
+      self.finished = std::chrono::steady_clock::now();
       self.done.store(generation, std::memory_order_release);
     }
   }
