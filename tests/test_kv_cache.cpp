@@ -521,7 +521,6 @@ TEST_CASE("record_decode_parts times every part from the hand-over", "[kv_cache]
   using Clock = std::chrono::steady_clock;
   using plsh::detail::kDecodeSpeedSmoothing;
   plsh::detail::DecodeWorkspace<float> workspace;
-  workspace.threads.resize(3);
   workspace.part_work = {600, 400, 0};
   workspace.part_speed = {0, 0, 0};
   const Clock::time_point published = Clock::now();
@@ -529,14 +528,15 @@ TEST_CASE("record_decode_parts times every part from the hand-over", "[kv_cache]
     return published + std::chrono::duration_cast<Clock::duration>(
                            std::chrono::duration<double, std::micro>(microseconds));
   };
-  workspace.threads[0].part_end = at(6);
-  workspace.threads[1].part_end = at(5);
-  workspace.threads[2].part_end = at(1);
+  workspace.part_end.resize(3);
+  workspace.part_end[0].time = at(6);
+  workspace.part_end[1].time = at(5);
+  workspace.part_end[2].time = at(1);
   plsh::detail::record_decode_parts(workspace, 3, published);
   CHECK(workspace.part_speed[0] == Approx(100e6).epsilon(1e-6));
   CHECK(workspace.part_speed[1] == Approx(80e6).epsilon(1e-6));
   CHECK(workspace.part_speed[2] == 0);
-  workspace.threads[1].part_end = at(10);  // 40 keys per microsecond this step
+  workspace.part_end[1].time = at(10);  // 40 keys per microsecond this step
   plsh::detail::record_decode_parts(workspace, 2, published);
   CHECK(workspace.part_speed[0] == Approx(100e6).epsilon(1e-6));
   CHECK(workspace.part_speed[1] ==

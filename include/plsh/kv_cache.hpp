@@ -179,6 +179,13 @@ constexpr bool kDecodeSimd = true;
 constexpr bool kDecodeSimd = false;
 #endif
 
+/// The place of job j's log-sum-exp in DecodeWorkspace::lse is `j * kDecodeLseStride<Scalar>`,
+/// one 64-byte line per job (a quarter of the bytes of its partial output at d_v = 64): packed,
+/// the two threads of a step wrote neighbouring entries of the same lines at once, and a 2-thread
+/// decoding step took 3.2-3.7% longer (two builds alternating in one program, both placements).
+template <class Scalar>
+constexpr Index kDecodeLseStride = 64 / static_cast<Index>(sizeof(Scalar));
+
 /// Keys `[begin, end)` (absolute positions) of query row `row` and head `head`.
 struct DecodeJob {
   Index row;
@@ -274,7 +281,6 @@ struct DecodeThreadState {
   alignas(64) Scalar scores[kDecodeKeyChunk];
   OutputRows<Storage> output;     // the output rows of the (row, head)s this thread merges
   AlignedVector<Scalar> queries;  // [row][head][dim]: its part's queries times the scale
-  std::chrono::steady_clock::time_point part_end;  // when its part of the last step ended
 };
 
 /// Scratch of the single-query path of one calling thread, reused across calls: after the first
@@ -289,9 +295,17 @@ struct DecodeWorkspace {
   std::vector<Index> part_first;   // [part]: the first job of each thread's part; one more
   std::vector<Index> part_work;    // [part]: its keys (with kDecodeJobKeys per job and the extra)
   std::vector<double> part_speed;  // [part]: its thread's smoothed keys per second; 0: unmeasured
-  AlignedVector<Scalar> partial;   // [job][value_dim]: normalised output of the job's keys
-  AlignedVector<Scalar> lse;       // [job]: log-sum-exp of the job's logits
-  std::vector<Scalar> log_count;   // log(c) for c = 0..s, log(0) = -inf
+  // [part]: when it ended in the last step split across threads (a helper's as the team saw it),
+  // each on a cache line of its own: the calling thread writes its own while the helpers work
+  struct alignas(64) PartEnd {
+    std::chrono::steady_clock::time_point time;
+  };
+  std::vector<PartEnd> part_end;
+  AlignedVector<Scalar> partial;  // [job][value_dim]: normalised output of the job's keys
+  // [job * kDecodeLseStride]: log-sum-exp of the job's logits, each on a cache line of its own:
+  // the jobs on either side of a cut between two parts are written by two threads at once
+  AlignedVector<Scalar> lse;
+  std::vector<Scalar> log_count;  // log(c) for c = 0..s, log(0) = -inf
   std::vector<DecodeThreadState<Storage>> threads;
 };
 
@@ -304,9 +318,8 @@ void record_decode_parts(DecodeWorkspace<Storage>& workspace, Index threads,
                          std::chrono::steady_clock::time_point published) {
   for (Index t = 0; t < threads; ++t) {
     const std::size_t part = static_cast<std::size_t>(t);
-    smooth_speed(
-        workspace.part_speed[part], static_cast<double>(workspace.part_work[part]),
-        std::chrono::duration<double>(workspace.threads[part].part_end - published).count());
+    smooth_speed(workspace.part_speed[part], static_cast<double>(workspace.part_work[part]),
+                 std::chrono::duration<double>(workspace.part_end[part].time - published).count());
   }
 }
 
@@ -559,10 +572,10 @@ class KvCache {
     // the next append (on this thread, whose appends write and read the same tables).
     const Index next = position_;
     const auto look_ahead = [this, next] {
-      next_blocks_ = blocks_;
-      next_begins_ = block_begins_;
-      next_reachable_ = advance_blocks(next, next_blocks_, next_begins_);
-      next_position_ = next;
+      next_.blocks = blocks_;
+      next_.begins = block_begins_;
+      next_.reachable = advance_blocks(next, next_.blocks, next_.begins);
+      next_.position = next;
     };
     // Each step runs its heads in the opposite order to the step before (file comment).
     const double work =
@@ -694,14 +707,14 @@ class KvCache {
   /// each block is looked up once, when p enters it. The partitions are cut to
   /// `[key_position, kMaxPosition)`, which holds every position append accepts.
   Index reachable_from(Index position) {
-    if (next_position_ == position) {
+    if (next_.position == position) {
       // Looked up during the previous step's parts (decode).
-      blocks_.swap(next_blocks_);
-      block_begins_.swap(next_begins_);
-      next_position_ = -1;
-      return next_reachable_;
+      blocks_.swap(next_.blocks);
+      block_begins_.swap(next_.begins);
+      next_.position = -1;
+      return next_.reachable;
     }
-    next_position_ = -1;
+    next_.position = -1;
     return advance_blocks(position, blocks_, block_begins_);
   }
 
@@ -748,6 +761,7 @@ class KvCache {
 
   void evict(Index reachable) {
     const Index dropped = std::min(resident_, std::max<Index>(0, reachable - oldest_));
+    if (dropped == 0) return;  // start_ and oldest_ unwritten (the helpers of a step read them)
     start_ += dropped;
     resident_ -= dropped;
     oldest_ += dropped;
@@ -825,6 +839,7 @@ class KvCache {
     const Index samples = options_.samples;
     const Index group = heads_ / kv_heads_;
     const Index first_query = position_ - rows;
+    const Index newest_row = start_ + position_ - 1 - oldest_;  // the buffer row of the newest key
     detail::fill_log_counts(workspace.log_count, samples);
     // Room for the most jobs the cache's buffer can need, so that calls between two growths of
     // the buffer allocate nothing.
@@ -870,7 +885,8 @@ class KvCache {
     const Index jobs = static_cast<Index>(workspace.jobs.size());
     workspace.first_job.back() = jobs;
     workspace.partial.resize(static_cast<std::size_t>(most_jobs * value_dim_));
-    workspace.lse.resize(static_cast<std::size_t>(most_jobs));
+    constexpr Index lse_stride = detail::kDecodeLseStride<Compute>;
+    workspace.lse.resize(static_cast<std::size_t>(most_jobs * lse_stride));
     const double work = static_cast<double>(union_keys) * static_cast<double>(dim_ + value_dim_);
     // Whether the work is worth more than one thread, and whether this step uses them.
     const bool worth_splitting = max_threads > 1 && jobs > 1 && work >= detail::kDecodeParallelWork;
@@ -878,7 +894,11 @@ class KvCache {
     if (static_cast<Index>(workspace.threads.size()) < threads) {
       workspace.threads.resize(static_cast<std::size_t>(threads));
     }
-    const auto run_job = [&](Index j, detail::DecodeThreadState<Scalar>& state) {
+    // The closures that a part runs capture by value (but the workspace and extra): a helper runs
+    // a copy of run_part on its own stack (below), so that its jobs read nothing from the calling
+    // thread's stack, whose lines that thread writes meanwhile.
+    const auto run_job = [this, &workspace, group, q, scale, rows, samples](
+                             Index j, detail::DecodeThreadState<Scalar>& state) {
       const detail::DecodeJob& job = workspace.jobs[static_cast<std::size_t>(j)];
       const Index g = job.head / group;
       const Index first_row = start_ + job.begin - oldest_;
@@ -893,7 +913,7 @@ class KvCache {
           q.data + job.row * q.token_stride + job.head * q.head_stride, static_cast<Compute>(scale),
           job.begin, begins_of(workspace, rows, job.row, job.head), samples, workspace.log_count,
           state, &workspace.partial[static_cast<std::size_t>(j * value_dim_)],
-          &workspace.lse[static_cast<std::size_t>(j)]);
+          &workspace.lse[static_cast<std::size_t>(j * lse_stride)]);
     };
     // Each thread takes a contiguous part of the jobs with about its share of the keys (each job
     // counted kDecodeJobKeys more, the extra work extra_keys at the start): from one token to the
@@ -904,6 +924,7 @@ class KvCache {
     workspace.part_first.resize(static_cast<std::size_t>(threads + 1));
     workspace.part_work.resize(static_cast<std::size_t>(threads));
     workspace.part_speed.resize(static_cast<std::size_t>(threads), 0.0);
+    workspace.part_end.resize(static_cast<std::size_t>(threads));
     {
       const double total = static_cast<double>(union_keys + detail::kDecodeJobKeys * jobs +
                                                (threads > 1 ? extra_keys : 0));
@@ -952,7 +973,8 @@ class KvCache {
       workspace.part_first[static_cast<std::size_t>(threads)] = jobs;
     }
     // The log-sum-exp merge of the jobs of (row r, head h), in job order, into its output row.
-    const auto merge = [&](Index r, Index h, detail::OutputRows<Scalar>& output) {
+    const auto merge = [this, &workspace, out](Index r, Index h,
+                                               detail::OutputRows<Scalar>& output) {
       HeadMap<Compute> row =
           output.bind(HeadMap<Scalar>(out.data + r * out.token_stride + h * out.head_stride, 1,
                                       value_dim_, Eigen::OuterStride<>(value_dim_)));
@@ -966,18 +988,20 @@ class KvCache {
             Eigen::Map<const RowMatrix<Compute>>(
                 &workspace.partial[static_cast<std::size_t>(j * value_dim_)], 1, value_dim_),
             Eigen::Map<const Eigen::Matrix<Compute, 1, 1>>(
-                &workspace.lse[static_cast<std::size_t>(j)]));
+                &workspace.lse[static_cast<std::size_t>(j * lse_stride)]));
       }
       output.store();
     };
     // A (row, head) whose jobs all lie in one part is merged by that part's thread as soon as its
     // last job is done; the others (at most threads - 1) after every part is done.
-    const auto run_part = [&](Index part, int thread) {
+    bool on_team = false;  // whether the parts run on the team's helpers (which time them)
+    const auto run_part = [this, &workspace, &extra, &on_team, run_job, merge, threads, reverse, q,
+                           scale, rows, newest_row](Index part, int thread) {
       detail::DecodeThreadState<Scalar>& state =
           workspace.threads[static_cast<std::size_t>(thread)];
       const Index first = workspace.part_first[static_cast<std::size_t>(part)];
       const Index last = workspace.part_first[static_cast<std::size_t>(part + 1)];
-      if (thread > 0) prefetch_part(workspace, q, first, last);
+      if (thread > 0) prefetch_part(workspace, q, first, last, newest_row);
       // The queries of its jobs times the scale, converted by this thread: a helper reads the
       // rows as given rather than a copy that the calling thread wrote.
       state.queries.resize(static_cast<std::size_t>(rows * heads_ * dim_));
@@ -1007,19 +1031,43 @@ class KvCache {
       if (!reverse) {
         run_jobs(first, last);
       } else {
+        // A (row, head) that the part shares with the one before comes first all the same, so
+        // that its partial outputs are ready when the calling thread asks for them (below).
+        const Index rest = split_head_end(workspace, first, last);
+        run_jobs(first, rest);
         // The (row, head)s from the last to the first, each one's jobs in order (a forward stream
         // of keys for the hardware's prefetch).
-        for (Index end = last; end > first;) {
+        for (Index end = last; end > rest;) {
           const detail::DecodeJob& job = workspace.jobs[static_cast<std::size_t>(end - 1)];
           const Index begin = std::max(
-              first, workspace.first_job[static_cast<std::size_t>(job.row * heads_ + job.head)]);
+              rest, workspace.first_job[static_cast<std::size_t>(job.row * heads_ + job.head)]);
           run_jobs(begin, end);
           end = begin;
         }
       }
-      if (threads > 1 && part == 0) extra();
-      // Timed only where there are parts to cut (a clock read is some 30 ns of a step of 7 us).
-      if (threads > 1) state.part_end = Clock::now();
+      if (threads > 1 && part == 0) {
+        extra();
+        // The partial outputs that the helpers wrote for the heads they share with the part
+        // before, asked for before the calling thread waits for the helpers: they then arrive
+        // while it waits, not after.
+        for (Index next = 1; next < threads; ++next) {
+          const Index begin = workspace.part_first[static_cast<std::size_t>(next)];
+          const Index end = split_head_end(
+              workspace, begin, workspace.part_first[static_cast<std::size_t>(next + 1)]);
+          for (Index j = begin; j < end; ++j) {
+            detail::prefetch(&workspace.lse[static_cast<std::size_t>(j * lse_stride)]);
+            const Compute* partial = &workspace.partial[static_cast<std::size_t>(j * value_dim_)];
+            for (Index c = 0; c < value_dim_; c += 64 / static_cast<Index>(sizeof(Compute))) {
+              detail::prefetch(partial + c);
+            }
+          }
+        }
+      }
+      // Timed only where there are parts to cut (a clock read is some 30 ns of a step of 7 us);
+      // the team times its helpers' parts itself, on the line that reports them done.
+      if (threads > 1 && (thread == 0 || !on_team)) {
+        workspace.part_end[static_cast<std::size_t>(part)].time = Clock::now();
+      }
     };
     // Parts on the team's helpers (no system call on warm helpers), else in an OpenMP region
     // (also when called from inside one, where the helpers would compete with its threads).
@@ -1028,9 +1076,21 @@ class KvCache {
     in_parallel = omp_in_parallel() != 0;
 #endif
     const auto published = threads > 1 ? Clock::now() : Clock::time_point{};
-    if (threads == 1 || in_parallel ||
-        !detail::ThreadTeam::shared().run(static_cast<int>(threads),
-                                          [&](int part) { run_part(part, part); })) {
+    on_team = threads > 1 && !in_parallel;
+    if (on_team && detail::ThreadTeam::shared().run(static_cast<int>(threads), [&](int part) {
+          if (part == 0) {
+            run_part(part, part);
+          } else {
+            auto copy = run_part;
+            copy(part, part);
+          }
+        })) {
+      for (Index part = 1; part < threads; ++part) {
+        workspace.part_end[static_cast<std::size_t>(part)].time =
+            detail::ThreadTeam::shared().part_end(static_cast<int>(part));
+      }
+    } else {
+      on_team = false;
       detail::parallel_for_threads(threads, threads > 1, run_part, detail::Schedule::Static);
     }
     if (threads > 1) detail::record_decode_parts(workspace, threads, published);
@@ -1052,6 +1112,18 @@ class KvCache {
                : 0.0;
   }
 
+  /// The end of the jobs from `first` (before `last`) of a (row, head) whose jobs begin before
+  /// `first`: those that a part beginning at `first` shares with the part before; `first` when
+  /// there are none.
+  template <class Workspace>
+  Index split_head_end(const Workspace& workspace, Index first, Index last) const {
+    if (first == 0 || first >= last) return first;
+    const detail::DecodeJob& job = workspace.jobs[static_cast<std::size_t>(first)];
+    const std::size_t index = static_cast<std::size_t>(job.row * heads_ + job.head);
+    return workspace.first_job[index] < first ? std::min(last, workspace.first_job[index + 1])
+                                              : first;
+  }
+
   /// The sorted block starts of query row `row` of `rows` (the last at the newest position) and
   /// head `head`: those of the newest position as the appends keep them (some may lie before the
   /// oldest stored key, which changes no count of a stored key), the others as attend_rows looked
@@ -1065,12 +1137,12 @@ class KvCache {
   }
 
   /// Asks for the lines that the calling thread wrote for the jobs first..last-1 of a step (the
-  /// jobs, their queries and block starts, the newest key and value of their heads), all at
-  /// once: a helper that read them job by job waited for each from the calling thread's core in
-  /// turn.
+  /// jobs, their queries and block starts, the newest key and value of their heads, in buffer row
+  /// `newest`), all at once: a helper that read them job by job waited for each from the calling
+  /// thread's core in turn.
   template <class Workspace>
   void prefetch_part(const Workspace& workspace, const HeadsView<const Scalar>& q, Index first,
-                     Index last) const {
+                     Index last, Index newest) const {
     constexpr Index line = 64;
     const auto ask = [](const void* address, std::size_t bytes) {
       const char* begin = static_cast<const char*>(address);
@@ -1082,7 +1154,6 @@ class KvCache {
     if (first >= last) return;
     ask(&workspace.jobs[static_cast<std::size_t>(first)],
         static_cast<std::size_t>(last - first) * sizeof(detail::DecodeJob));
-    const Index newest = start_ + resident_ - 1;  // the row of the newest key
     const Index group_size = heads_ / kv_heads_;
     Index previous = -1;
     Index previous_group = -1;
@@ -1116,20 +1187,26 @@ class KvCache {
   std::vector<std::vector<Grid>> grids_;
   std::vector<Block> blocks_;        // [head][draw]: the block of the newest position
   std::vector<Index> block_begins_;  // [head][]: the begins of blocks_, sorted per head
-  // The blocks, sorted begins and E of position next_position_ (-1: none), looked up by decode
-  // ahead of the append that reaches it.
-  std::vector<Block> next_blocks_;
-  std::vector<Index> next_begins_;
-  Index next_reachable_ = 0;
-  Index next_position_ = -1;
+  // The blocks, sorted begins and E of position `position` (-1: none), looked up by decode ahead
+  // of the append that reaches it. On cache lines of their own: the calling thread writes them
+  // during a step whose helpers read the members around them.
+  struct alignas(64) LookAhead {
+    std::vector<Block> blocks;
+    std::vector<Index> begins;
+    Index reachable = 0;
+    Index position = -1;
+  };
+  LookAhead next_;
   // [kv_head][capacity_][dim]: rows [start_, start_ + resident_) of each head's region hold
   // positions oldest_ on.
   detail::AlignedVector<Scalar> keys_;
   detail::AlignedVector<Scalar> values_;  // [kv_head][capacity_][value_dim]
   Index capacity_ = 0;
   Index start_ = 0;
-  Index resident_ = 0;
   Index oldest_ = 0;
+  // Written by every append and step: on a cache line of their own, away from the members that
+  // the helpers of a step read (the ones above change only when rows are evicted or moved).
+  alignas(64) Index resident_ = 0;
   Index position_ = 0;
   Index last_append_ = 0;
   bool reverse_heads_ = false;  // the next one-token decode runs its heads last to first
