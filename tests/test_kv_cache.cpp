@@ -521,25 +521,26 @@ TEST_CASE("record_decode_parts times every part from the hand-over", "[kv_cache]
   using Clock = std::chrono::steady_clock;
   using plsh::detail::kDecodeSpeedSmoothing;
   plsh::detail::DecodeWorkspace<float> workspace;
-  workspace.part_work = {600, 400, 0};
-  workspace.part_speed = {0, 0, 0};
+  workspace.parts.resize(3);
   const Clock::time_point published = Clock::now();
   const auto at = [&](double microseconds) {
     return published + std::chrono::duration_cast<Clock::duration>(
                            std::chrono::duration<double, std::micro>(microseconds));
   };
-  workspace.part_end.resize(3);
-  workspace.part_end[0].time = at(6);
-  workspace.part_end[1].time = at(5);
-  workspace.part_end[2].time = at(1);
+  const Index work[] = {600, 400, 0};
+  const double ends[] = {6, 5, 1};
+  for (std::size_t part = 0; part < 3; ++part) {
+    workspace.parts[part].work = work[part];
+    workspace.parts[part].end = at(ends[part]);
+  }
   plsh::detail::record_decode_parts(workspace, 3, published);
-  CHECK(workspace.part_speed[0] == Approx(100e6).epsilon(1e-6));
-  CHECK(workspace.part_speed[1] == Approx(80e6).epsilon(1e-6));
-  CHECK(workspace.part_speed[2] == 0);
-  workspace.part_end[1].time = at(10);  // 40 keys per microsecond this step
+  CHECK(workspace.parts[0].speed == Approx(100e6).epsilon(1e-6));
+  CHECK(workspace.parts[1].speed == Approx(80e6).epsilon(1e-6));
+  CHECK(workspace.parts[2].speed == 0);
+  workspace.parts[1].end = at(10);  // 40 keys per microsecond this step
   plsh::detail::record_decode_parts(workspace, 2, published);
-  CHECK(workspace.part_speed[0] == Approx(100e6).epsilon(1e-6));
-  CHECK(workspace.part_speed[1] ==
+  CHECK(workspace.parts[0].speed == Approx(100e6).epsilon(1e-6));
+  CHECK(workspace.parts[1].speed ==
         Approx(80e6 + kDecodeSpeedSmoothing * (40e6 - 80e6)).epsilon(1e-6));
 }
 

@@ -186,12 +186,40 @@ constexpr bool kDecodeSimd = false;
 template <class Scalar>
 constexpr Index kDecodeLseStride = 64 / static_cast<Index>(sizeof(Scalar));
 
-/// Keys `[begin, end)` (absolute positions) of query row `row` and head `head`.
+/// Keys `[begin, min(end, p + 1))` (absolute positions) of query row `row`, at position p, and
+/// head `head`: `end` is the end of the job's range of kDecodeKeyChunk keys, so that the job
+/// list of a one-token step is that of the step before (and is not written again) until a
+/// head's union gains or loses a range or moves.
 struct DecodeJob {
   Index row;
   Index head;
   Index begin;
   Index end;
+};
+
+/// The end of `job`'s keys when its query rows start at position `first_query`.
+inline Index job_end(const DecodeJob& job, Index first_query) {
+  return std::min(job.end, first_query + job.row + 1);
+}
+
+inline bool operator==(const DecodeJob& a, const DecodeJob& b) {
+  return a.row == b.row && a.head == b.head && a.begin == b.begin && a.end == b.end;
+}
+
+/// `target = value`, unless it holds that value already: a helper thread that read the line in
+/// the step before keeps it, and the calling thread does not wait to take it back.
+template <class T>
+void store_changed(T& target, const T& value) {
+  if (!(target == value)) target = value;
+}
+
+/// What the calling thread keeps of one thread's part of the single-query path, each on a cache
+/// line of its own (written at every step, while the helpers read the job list).
+struct alignas(64) DecodePart {
+  Index work = 0;    // its keys (with kDecodeJobKeys per job and the extra)
+  double speed = 0;  // its thread's smoothed keys per second; 0: unmeasured
+  // When it ended in the last step split across threads (a helper's as the team saw it).
+  std::chrono::steady_clock::time_point end;
 };
 
 /// Which of two modes runs a one-token decoding step (KvCache::decode) when more than one thread
@@ -292,15 +320,8 @@ struct DecodeWorkspace {
   std::vector<Index> begins;
   std::vector<Index> first_job;  // [row * heads + head]: its first job; one more at the end
   std::vector<DecodeJob> jobs;
-  std::vector<Index> part_first;   // [part]: the first job of each thread's part; one more
-  std::vector<Index> part_work;    // [part]: its keys (with kDecodeJobKeys per job and the extra)
-  std::vector<double> part_speed;  // [part]: its thread's smoothed keys per second; 0: unmeasured
-  // [part]: when it ended in the last step split across threads (a helper's as the team saw it),
-  // each on a cache line of its own: the calling thread writes its own while the helpers work
-  struct alignas(64) PartEnd {
-    std::chrono::steady_clock::time_point time;
-  };
-  std::vector<PartEnd> part_end;
+  std::vector<Index> part_first;  // [part]: the first job of each thread's part; one more
+  std::vector<DecodePart> parts;  // [part]
   AlignedVector<Scalar> partial;  // [job][value_dim]: normalised output of the job's keys
   // [job * kDecodeLseStride]: log-sum-exp of the job's logits, each on a cache line of its own:
   // the jobs on either side of a cut between two parts are written by two threads at once
@@ -318,8 +339,9 @@ void record_decode_parts(DecodeWorkspace<Storage>& workspace, Index threads,
                          std::chrono::steady_clock::time_point published) {
   for (Index t = 0; t < threads; ++t) {
     const std::size_t part = static_cast<std::size_t>(t);
-    smooth_speed(workspace.part_speed[part], static_cast<double>(workspace.part_work[part]),
-                 std::chrono::duration<double>(workspace.part_end[part].time - published).count());
+    DecodePart& stats = workspace.parts[part];
+    smooth_speed(stats.speed, static_cast<double>(stats.work),
+                 std::chrono::duration<double>(stats.end - published).count());
   }
 }
 
@@ -847,7 +869,16 @@ class KvCache {
     workspace.begins.resize(static_cast<std::size_t>((rows - 1) * heads_ * samples));
     workspace.first_job.resize(static_cast<std::size_t>(rows * heads_ + 1));
     workspace.jobs.reserve(static_cast<std::size_t>(most_jobs));
-    workspace.jobs.clear();
+    // The job list written over the one of the call before, only where it changed.
+    std::size_t job_count = 0;
+    const auto put_job = [&](const detail::DecodeJob& job) {
+      if (job_count < workspace.jobs.size()) {
+        detail::store_changed(workspace.jobs[job_count], job);
+      } else {
+        workspace.jobs.push_back(job);
+      }
+      ++job_count;
+    };
     Index union_keys = 0;  // keys of every (row, head) union
     for (Index r = 0; r < rows; ++r) {
       const Index position = first_query + r;
@@ -873,17 +904,17 @@ class KvCache {
           std::sort(begins, begins + samples);
           first_begin = begins[0];
         }
-        workspace.first_job[static_cast<std::size_t>(r * heads_ + h)] =
-            static_cast<Index>(workspace.jobs.size());
+        detail::store_changed(workspace.first_job[static_cast<std::size_t>(r * heads_ + h)],
+                              static_cast<Index>(job_count));
         for (Index begin = first_begin; begin <= position; begin += detail::kDecodeKeyChunk) {
-          workspace.jobs.push_back(detail::DecodeJob{
-              r, h, begin, std::min(begin + detail::kDecodeKeyChunk, position + 1)});
+          put_job(detail::DecodeJob{r, h, begin, begin + detail::kDecodeKeyChunk});
         }
         union_keys += position + 1 - first_begin;
       }
     }
-    const Index jobs = static_cast<Index>(workspace.jobs.size());
-    workspace.first_job.back() = jobs;
+    workspace.jobs.resize(job_count);
+    const Index jobs = static_cast<Index>(job_count);
+    detail::store_changed(workspace.first_job.back(), jobs);
     workspace.partial.resize(static_cast<std::size_t>(most_jobs * value_dim_));
     constexpr Index lse_stride = detail::kDecodeLseStride<Compute>;
     workspace.lse.resize(static_cast<std::size_t>(most_jobs * lse_stride));
@@ -897,12 +928,12 @@ class KvCache {
     // The closures that a part runs capture by value (but the workspace and extra): a helper runs
     // a copy of run_part on its own stack (below), so that its jobs read nothing from the calling
     // thread's stack, whose lines that thread writes meanwhile.
-    const auto run_job = [this, &workspace, group, q, scale, rows, samples](
+    const auto run_job = [this, &workspace, group, q, scale, rows, samples, first_query](
                              Index j, detail::DecodeThreadState<Scalar>& state) {
       const detail::DecodeJob& job = workspace.jobs[static_cast<std::size_t>(j)];
       const Index g = job.head / group;
       const Index first_row = start_ + job.begin - oldest_;
-      const Index count = job.end - job.begin;
+      const Index count = detail::job_end(job, first_query) - job.begin;
       const Index index = job.row * heads_ + job.head;
       detail::decode_job<Scalar>(
           ConstHeadMap<Scalar>(keys_.data() + (g * capacity_ + first_row) * dim_, count, dim_,
@@ -922,23 +953,23 @@ class KvCache {
     // timed from the hand-over, record_decode_parts): the cores of a shared or virtual machine can
     // differ by tens of percent, and the step ends with its slowest part.
     workspace.part_first.resize(static_cast<std::size_t>(threads + 1));
-    workspace.part_work.resize(static_cast<std::size_t>(threads));
-    workspace.part_speed.resize(static_cast<std::size_t>(threads), 0.0);
-    workspace.part_end.resize(static_cast<std::size_t>(threads));
+    if (workspace.parts.size() < static_cast<std::size_t>(threads)) {
+      workspace.parts.resize(static_cast<std::size_t>(threads));
+    }
     {
       const double total = static_cast<double>(union_keys + detail::kDecodeJobKeys * jobs +
                                                (threads > 1 ? extra_keys : 0));
       bool measured = true;
       double fastest = 0;
       for (Index t = 0; t < threads; ++t) {
-        const double speed = workspace.part_speed[static_cast<std::size_t>(t)];
+        const double speed = workspace.parts[static_cast<std::size_t>(t)].speed;
         measured = measured && speed > 0;
         fastest = std::max(fastest, speed);
       }
       // Each thread's share: its speed, at least 1/kDecodeSpeedRange of the fastest; equal shares
       // until every thread has been measured.
       const auto share = [&](Index t) {
-        return measured ? std::max(workspace.part_speed[static_cast<std::size_t>(t)],
+        return measured ? std::max(workspace.parts[static_cast<std::size_t>(t)].speed,
                                    fastest / detail::kDecodeSpeedRange)
                         : 1.0;
       };
@@ -948,29 +979,30 @@ class KvCache {
       double share_before = share(0);                    // shares of parts 0..part
       Index keys_before = threads > 1 ? extra_keys : 0;  // keys before job j (extra first)
       Index keys_at_cut = 0;
-      workspace.part_first[0] = 0;
+      detail::store_changed(workspace.part_first[0], Index{0});
       for (Index j = 0; j < jobs && part + 1 < threads; ++j) {
-        const Index job_keys = detail::kDecodeJobKeys +
-                               workspace.jobs[static_cast<std::size_t>(j)].end -
-                               workspace.jobs[static_cast<std::size_t>(j)].begin;
+        const detail::DecodeJob& job = workspace.jobs[static_cast<std::size_t>(j)];
+        const Index job_keys =
+            detail::kDecodeJobKeys + detail::job_end(job, first_query) - job.begin;
         // Job j starts the next part when its middle lies past this part's share.
         while (part + 1 < threads &&
                (static_cast<double>(keys_before) + 0.5 * static_cast<double>(job_keys)) *
                        share_sum >=
                    share_before * total) {
-          workspace.part_work[static_cast<std::size_t>(part)] = keys_before - keys_at_cut;
+          workspace.parts[static_cast<std::size_t>(part)].work = keys_before - keys_at_cut;
           keys_at_cut = keys_before;
-          workspace.part_first[static_cast<std::size_t>(++part)] = j;
+          detail::store_changed(workspace.part_first[static_cast<std::size_t>(++part)], j);
           share_before += share(part);
         }
         keys_before += job_keys;
       }
-      workspace.part_work[static_cast<std::size_t>(part)] = static_cast<Index>(total) - keys_at_cut;
+      workspace.parts[static_cast<std::size_t>(part)].work =
+          static_cast<Index>(total) - keys_at_cut;
       while (++part < threads) {
-        workspace.part_first[static_cast<std::size_t>(part)] = jobs;
-        workspace.part_work[static_cast<std::size_t>(part)] = 0;
+        detail::store_changed(workspace.part_first[static_cast<std::size_t>(part)], jobs);
+        workspace.parts[static_cast<std::size_t>(part)].work = 0;
       }
-      workspace.part_first[static_cast<std::size_t>(threads)] = jobs;
+      detail::store_changed(workspace.part_first[static_cast<std::size_t>(threads)], jobs);
     }
     // The log-sum-exp merge of the jobs of (row r, head h), in job order, into its output row.
     const auto merge = [this, &workspace, out](Index r, Index h,
@@ -1066,7 +1098,7 @@ class KvCache {
       // Timed only where there are parts to cut (a clock read is some 30 ns of a step of 7 us);
       // the team times its helpers' parts itself, on the line that reports them done.
       if (threads > 1 && (thread == 0 || !on_team)) {
-        workspace.part_end[static_cast<std::size_t>(part)].time = Clock::now();
+        workspace.parts[static_cast<std::size_t>(part)].end = Clock::now();
       }
     };
     // Parts on the team's helpers (no system call on warm helpers), else in an OpenMP region
@@ -1086,7 +1118,7 @@ class KvCache {
           }
         })) {
       for (Index part = 1; part < threads; ++part) {
-        workspace.part_end[static_cast<std::size_t>(part)].time =
+        workspace.parts[static_cast<std::size_t>(part)].end =
             detail::ThreadTeam::shared().part_end(static_cast<int>(part));
       }
     } else {
