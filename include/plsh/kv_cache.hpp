@@ -1026,9 +1026,9 @@ class KvCache {
     };
     // A (row, head) whose jobs all lie in one part is merged by that part's thread as soon as its
     // last job is done; the others (at most threads - 1) after every part is done.
-    bool on_team = false;  // whether the parts run on the team's helpers (which time them)
-    const auto run_part = [this, &workspace, &extra, &on_team, run_job, merge, threads, reverse, q,
-                           scale, rows, newest_row](Index part, int thread) {
+    // `on_team`: the part runs on the team's helpers, which time their parts themselves.
+    const auto run_part = [this, &workspace, &extra, run_job, merge, threads, reverse, q, scale,
+                           rows, newest_row](Index part, int thread, bool on_team) {
       detail::DecodeThreadState<Scalar>& state =
           workspace.threads[static_cast<std::size_t>(thread)];
       const Index first = workspace.part_first[static_cast<std::size_t>(part)];
@@ -1108,13 +1108,13 @@ class KvCache {
     in_parallel = omp_in_parallel() != 0;
 #endif
     const auto published = threads > 1 ? Clock::now() : Clock::time_point{};
-    on_team = threads > 1 && !in_parallel;
-    if (on_team && detail::ThreadTeam::shared().run(static_cast<int>(threads), [&](int part) {
+    if (threads > 1 && !in_parallel &&
+        detail::ThreadTeam::shared().run(static_cast<int>(threads), [&](int part) {
           if (part == 0) {
-            run_part(part, part);
+            run_part(part, part, true);
           } else {
             auto copy = run_part;
-            copy(part, part);
+            copy(part, part, true);
           }
         })) {
       for (Index part = 1; part < threads; ++part) {
@@ -1122,8 +1122,9 @@ class KvCache {
             detail::ThreadTeam::shared().part_end(static_cast<int>(part));
       }
     } else {
-      on_team = false;
-      detail::parallel_for_threads(threads, threads > 1, run_part, detail::Schedule::Static);
+      detail::parallel_for_threads(
+          threads, threads > 1, [&](Index part, int thread) { run_part(part, thread, false); },
+          detail::Schedule::Static);
     }
     if (threads > 1) detail::record_decode_parts(workspace, threads, published);
     // The (row, head)s that a cut between two parts splits, each once (found from the cuts, so
