@@ -11,8 +11,9 @@
 // a condition variable (the next step then wakes it with one call), as libgomp's threads do after
 // their spin count.
 //
-// Tested in tests/test_thread_team.cpp (every part once, on distinct threads; exceptions; a busy
-// team; sleeping helpers; a forked child) and through KvCache's tests at 1, 2 and 3 threads.
+// Tested in tests/test_thread_team.cpp (every part once, on distinct threads; the helpers' end
+// times; exceptions; a busy team; sleeping helpers; a forked child) and through KvCache's tests at
+// 1, 2 and 3 threads.
 
 #include <atomic>
 #include <chrono>
