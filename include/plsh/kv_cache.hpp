@@ -49,9 +49,10 @@
 /// counts; the newest position's block starts are kept sorted by the appends, and its jobs read
 /// them there, so a one-token attend looks up, sorts and copies none, and allocates nothing once
 /// the scratch has grown (each thread scales the queries of its own heads: the calling thread
-/// writes no copy of them or of the block starts for a helper to fetch). More queries go to
-/// the fused (or pass) kernel of plsh_attention on the resident keys, whose products are GEMMs over
-/// query tiles.
+/// writes no copy of them or of the block starts for a helper to fetch; no cache line is written
+/// by two threads in a step, and the job list only where it changes from the step before). More
+/// queries go to the fused (or pass) kernel of plsh_attention on the resident keys, whose products
+/// are GEMMs over query tiles.
 ///
 /// `decode(q, k, v, out)` is one decoding step: append then attend, every check made once and
 /// before the cache changes.
@@ -182,7 +183,7 @@ constexpr bool kDecodeSimd = false;
 /// The place of job j's log-sum-exp in DecodeWorkspace::lse is `j * kDecodeLseStride<Scalar>`,
 /// one 64-byte line per job (a quarter of the bytes of its partial output at d_v = 64): packed,
 /// the two threads of a step wrote neighbouring entries of the same lines at once, and a 2-thread
-/// decoding step took 3.2-3.7% longer (two builds alternating in one program, both placements).
+/// decoding step took 3.1-3.7% longer (two builds alternating in one program, both placements).
 template <class Scalar>
 constexpr Index kDecodeLseStride = 64 / static_cast<Index>(sizeof(Scalar));
 
