@@ -127,14 +127,12 @@ inline double measured_speed(double work, double seconds) {
   return seconds > 0 && work > 0 ? work / seconds : 0;
 }
 
-/// Asks the processor to bring the cache line of `address` closer (a hint; nothing where the
-/// compiler has no such builtin).
-inline void prefetch(const void* address) {
-#if defined(__GNUC__) || defined(__clang__)
-  __builtin_prefetch(address);
-#else
-  static_cast<void>(address);
-#endif
+/// Asks for every cache line of the `bytes` bytes from `address` (detail::prefetch), all at once.
+inline void prefetch_bytes(const void* address, std::size_t bytes) {
+  constexpr std::size_t line = 64;
+  const char* begin = static_cast<const char*>(address);
+  for (std::size_t offset = 0; offset < bytes; offset += line) prefetch(begin + offset);
+  prefetch(begin + bytes - 1);
 }
 
 /// Folds `work` done in `seconds` into the smoothed speed `speed` (work per second, 0 until the
@@ -1089,10 +1087,8 @@ class KvCache {
               workspace, begin, workspace.part_first[static_cast<std::size_t>(next + 1)]);
           for (Index j = begin; j < end; ++j) {
             detail::prefetch(&workspace.lse[static_cast<std::size_t>(j * lse_stride)]);
-            const Compute* partial = &workspace.partial[static_cast<std::size_t>(j * value_dim_)];
-            for (Index c = 0; c < value_dim_; c += 64 / static_cast<Index>(sizeof(Compute))) {
-              detail::prefetch(partial + c);
-            }
+            detail::prefetch_bytes(&workspace.partial[static_cast<std::size_t>(j * value_dim_)],
+                                   static_cast<std::size_t>(value_dim_) * sizeof(Compute));
           }
         }
       }
@@ -1177,17 +1173,9 @@ class KvCache {
   template <class Workspace>
   void prefetch_part(const Workspace& workspace, const HeadsView<const Scalar>& q, Index first,
                      Index last, Index newest) const {
-    constexpr Index line = 64;
-    const auto ask = [](const void* address, std::size_t bytes) {
-      const char* begin = static_cast<const char*>(address);
-      for (std::size_t offset = 0; offset < bytes; offset += line) {
-        detail::prefetch(begin + offset);
-      }
-      detail::prefetch(begin + bytes - 1);
-    };
     if (first >= last) return;
-    ask(&workspace.jobs[static_cast<std::size_t>(first)],
-        static_cast<std::size_t>(last - first) * sizeof(detail::DecodeJob));
+    detail::prefetch_bytes(&workspace.jobs[static_cast<std::size_t>(first)],
+                           static_cast<std::size_t>(last - first) * sizeof(detail::DecodeJob));
     const Index group_size = heads_ / kv_heads_;
     Index previous = -1;
     Index previous_group = -1;
@@ -1196,19 +1184,20 @@ class KvCache {
       const Index index = job.row * heads_ + job.head;
       if (index == previous) continue;
       previous = index;
-      ask(q.data + job.row * q.token_stride + job.head * q.head_stride,
-          static_cast<std::size_t>(dim_) * sizeof(Scalar));
-      ask(begins_of(workspace, q.tokens, job.row, job.head),
-          static_cast<std::size_t>(options_.samples) * sizeof(Index));
-      ask(&workspace.first_job[static_cast<std::size_t>(index)], 2 * sizeof(Index));
+      detail::prefetch_bytes(q.data + job.row * q.token_stride + job.head * q.head_stride,
+                             static_cast<std::size_t>(dim_) * sizeof(Scalar));
+      detail::prefetch_bytes(begins_of(workspace, q.tokens, job.row, job.head),
+                             static_cast<std::size_t>(options_.samples) * sizeof(Index));
+      detail::prefetch_bytes(&workspace.first_job[static_cast<std::size_t>(index)],
+                             2 * sizeof(Index));
       // The newest key and value row, once per key head of a group of consecutive heads.
       const Index g = job.head / group_size;
       if (g == previous_group) continue;
       previous_group = g;
-      ask(keys_.data() + (g * capacity_ + newest) * dim_,
-          static_cast<std::size_t>(dim_) * sizeof(Scalar));
-      ask(values_.data() + (g * capacity_ + newest) * value_dim_,
-          static_cast<std::size_t>(value_dim_) * sizeof(Scalar));
+      detail::prefetch_bytes(keys_.data() + (g * capacity_ + newest) * dim_,
+                             static_cast<std::size_t>(dim_) * sizeof(Scalar));
+      detail::prefetch_bytes(values_.data() + (g * capacity_ + newest) * value_dim_,
+                             static_cast<std::size_t>(value_dim_) * sizeof(Scalar));
     }
   }
 

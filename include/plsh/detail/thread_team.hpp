@@ -37,7 +37,17 @@
 namespace plsh {
 namespace detail {
 
-/// Asks the processor for the cache line of `address` with the right to write it (a hint).
+/// Asks the processor to bring the cache line of `address` closer (a hint; nothing where the
+/// compiler has no such builtin).
+inline void prefetch(const void* address) {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(address);
+#else
+  static_cast<void>(address);
+#endif
+}
+
+/// prefetch, asking also for the right to write the line.
 inline void prefetch_for_write(const void* address) {
 #if defined(__GNUC__) || defined(__clang__)
   __builtin_prefetch(address, 1);
