@@ -331,8 +331,8 @@ struct DecodeWorkspace {
 
 /// Folds the times of a parallel step's parts into the threads' speeds, each part counted from
 /// `published`, when the calling thread handed them out: a helper's part then counts the time the
-/// step took to reach it, and the parts, which follow these speeds, end together rather than last
-/// equally long.
+/// step took to reach it (on the team's helpers, twice: once more for its end to reach the calling
+/// thread), and the parts, which follow these speeds, end together rather than last equally long.
 template <class Storage>
 void record_decode_parts(DecodeWorkspace<Storage>& workspace, Index threads,
                          std::chrono::steady_clock::time_point published) {
@@ -1114,9 +1114,15 @@ class KvCache {
             copy(part, part, true);
           }
         })) {
+      // A helper's part ends for this thread when its done line arrives here, some time after
+      // the helper wrote it: counted as long again as the hand-over took (the helper's start
+      // after `published`), so that the cut leaves the helper that much less and this thread
+      // stops waiting sooner.
+      const detail::ThreadTeam& team = detail::ThreadTeam::shared();
       for (Index part = 1; part < threads; ++part) {
         workspace.parts[static_cast<std::size_t>(part)].end =
-            detail::ThreadTeam::shared().part_end(static_cast<int>(part));
+            team.part_end(static_cast<int>(part)) +
+            (team.part_start(static_cast<int>(part)) - published);
       }
     } else {
       detail::parallel_for_threads(

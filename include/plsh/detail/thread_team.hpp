@@ -65,10 +65,10 @@ inline void spin_pause() {
 
 /// Helper threads that run the parts of short steps: `run(parts, body)` calls `body(part)` for
 /// part in [0, parts), part 0 on the calling thread and part i on helper i, and returns once
-/// every part is done; `part_end(i)` then tells when helper i finished. One process-wide team
-/// (`shared()`), used by one caller at a time: `run` returns false without running anything when
-/// another thread is inside it, or in the child of a fork (whose copy of the team has no threads);
-/// the caller then takes another way.
+/// every part is done; `part_start(i)` and `part_end(i)` then tell when helper i started and
+/// finished. One process-wide team (`shared()`), used by one caller at a time: `run` returns false
+/// without running anything when another thread is inside it, or in the child of a fork (whose
+/// copy of the team has no threads); the caller then takes another way.
 class ThreadTeam {
  public:
   /// How long a helper spins for the next step before it sleeps.
@@ -142,12 +142,18 @@ class ThreadTeam {
     return helpers_[static_cast<std::size_t>(part - 1)]->finished;
   }
 
+  /// When part `part` of the last step that `run` completed started on its helper (as part_end).
+  std::chrono::steady_clock::time_point part_start(int part) const {
+    return helpers_[static_cast<std::size_t>(part - 1)]->started;
+  }
+
  private:
   // One cache line, written by its helper at the end of a step and read by the calling thread
-  // then: done, failure and finished reach it together.
+  // then: done, failure, started and finished reach it together.
   struct alignas(64) Helper {
     std::atomic<std::uint64_t> done{0};
     std::exception_ptr failure;
+    std::chrono::steady_clock::time_point started;
     std::chrono::steady_clock::time_point finished;
     std::thread thread;
   };
@@ -209,6 +215,7 @@ class ThreadTeam {
       // The line of done, asked for now, while the calling thread runs its part: at the end of
       // the step it is written at once, not after the calling thread's copy is invalidated.
       prefetch_for_write(&self);
+      self.started = std::chrono::steady_clock::now();
       if (index + 1 < step_.parts) {
         try {
           step_.invoke(step_.body, index + 1);
