@@ -148,8 +148,9 @@ class ThreadTeam {
   }
 
  private:
-  // One cache line, written by its helper at the end of a step and read by the calling thread
-  // then: done, failure, started and finished reach it together.
+  // One cache line, written by its helper during a step (started when its part starts, the rest
+  // at its end) and read by the calling thread at the end: done, failure, started and finished
+  // reach it together.
   struct alignas(64) Helper {
     std::atomic<std::uint64_t> done{0};
     std::exception_ptr failure;
