@@ -127,14 +127,6 @@ inline double measured_speed(double work, double seconds) {
   return seconds > 0 && work > 0 ? work / seconds : 0;
 }
 
-/// Asks for every cache line of the `bytes` bytes from `address` (detail::prefetch), all at once.
-inline void prefetch_bytes(const void* address, std::size_t bytes) {
-  constexpr std::size_t line = 64;
-  const char* begin = static_cast<const char*>(address);
-  for (std::size_t offset = 0; offset < bytes; offset += line) prefetch(begin + offset);
-  prefetch(begin + bytes - 1);
-}
-
 /// Folds `work` done in `seconds` into the smoothed speed `speed` (work per second, 0 until the
 /// first measurement, weight kDecodeSpeedSmoothing for the newest); a step that cannot be
 /// measured changes nothing.

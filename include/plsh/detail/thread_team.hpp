@@ -18,6 +18,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstddef>
 #include <cstdint>
 #include <exception>
 #include <memory>
@@ -54,6 +55,14 @@ inline void prefetch_for_write(const void* address) {
 #else
   static_cast<void>(address);
 #endif
+}
+
+/// Asks for every cache line of the `bytes` bytes from `address` (prefetch), all at once.
+inline void prefetch_bytes(const void* address, std::size_t bytes) {
+  constexpr std::size_t line = 64;
+  const char* begin = static_cast<const char*>(address);
+  for (std::size_t offset = 0; offset < bytes; offset += line) prefetch(begin + offset);
+  prefetch(begin + bytes - 1);
 }
 
 /// A spin-wait hint to the processor.
