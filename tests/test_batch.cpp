@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <plsh/alibi.hpp>
@@ -235,6 +236,106 @@ TEST_CASE("Batched kernels: a batch of zero elements does nothing", "[batch]") {
   plsh::exact_alibi_attention<float>(q, k, v, BatchedHeadsView<float>(0, out.view),
                                      plsh::alibi_slopes(kShape.heads));
   CHECK(out.storage == problem.out.storage);
+}
+
+TEST_CASE("Batched kernels: elements without query tokens give an empty output", "[batch]") {
+  // Views of 0 query tokens (and 0 keys), with the default batch stride and with batch stride 0,
+  // which is what an array of no elements may carry.
+  const Shape shape{0, 0, 4, 2, 8, 6};
+  std::vector<float> storage(8, 1.0f);  // never read: a valid, non-null address
+  const HeadsView<float> q_element{storage.data(), 0, shape.heads, shape.dim};
+  const HeadsView<float> k_element{storage.data(), 0, shape.kv_heads, shape.dim};
+  const HeadsView<float> v_element{storage.data(), 0, shape.kv_heads, shape.value_dim};
+  std::vector<float> out_storage(8, 7.0f);
+  const std::vector<float> untouched = out_storage;
+  const HeadsView<float> out_element{out_storage.data(), 0, shape.heads, shape.value_dim};
+  const std::vector<double> slopes = plsh::alibi_slopes(shape.heads);
+  plsh::PlshOptions options;
+  options.samples = 3;
+  for (const Index batch_stride : {Index(-1), Index(0)}) {
+    const auto batch = [&](const HeadsView<float>& element) {
+      return batch_stride < 0 ? BatchedHeadsView<float>(2, element)
+                              : BatchedHeadsView<float>(2, element, batch_stride);
+    };
+    const BatchedHeadsView<const float> q = batch(q_element), k = batch(k_element),
+                                        v = batch(v_element);
+    const BatchedHeadsView<float> out = batch(out_element);
+    for_each_forward<float>(slopes, options, [&](const char* name, const auto& kernel) {
+      INFO(name << ", batch stride " << batch_stride);
+      REQUIRE_NOTHROW(kernel(q, k, v, out));
+    });
+    for_each_backward<float>(slopes, options, [&](const char* name, const auto& kernel) {
+      INFO(name << ", batch stride " << batch_stride);
+      REQUIRE_NOTHROW(
+          kernel(q, k, v, out, out, batch(q_element), batch(k_element), batch(v_element)));
+    });
+  }
+  CHECK(out_storage == untouched);
+}
+
+TEST_CASE("Batched kernels: an empty batch is checked like a batch of one", "[batch]") {
+  // Each case fails the checks of an element; with 0 elements the same message as with 1.
+  Problem<float> problem(kShape, 5);
+  const std::vector<double> slopes = plsh::alibi_slopes(kShape.heads);
+  const auto batch_of = [](const auto& view, Index batch) {
+    using View = std::decay_t<decltype(view)>;
+    return BatchedHeadsView<std::remove_pointer_t<decltype(View::data)>>(batch, view);
+  };
+  for (const Index batch : {Index(1), Index(0)}) {
+    INFO("batch " << batch);
+    const auto q = batch_of(problem.q.in(), batch);
+    const auto k = batch_of(problem.k.in(), batch);
+    const auto v = batch_of(problem.v.in(), batch);
+    Buffer<float> out_buffer = problem.out;
+    const auto out = batch_of(out_buffer.view, batch);
+    const HeadsView<const float> k_view = problem.k.in();
+    const auto narrow_k =
+        batch_of(HeadsView<const float>{k_view.data, k_view.tokens, k_view.heads, k_view.dim - 1,
+                                        k_view.token_stride, k_view.head_stride},
+                 batch);
+    REQUIRE_THROWS_WITH(plsh::exact_alibi_attention<float>(q, narrow_k, v, out, slopes),
+                        "exact_alibi_attention: k.dim must equal q.dim");
+    const HeadsView<const float> q_view = problem.q.in();
+    const auto odd_q = batch_of(HeadsView<const float>{q_view.data, q_view.tokens, 3, q_view.dim,
+                                                       q_view.token_stride, q_view.head_stride},
+                                batch);
+    const HeadsView<float> out_view = out_buffer.view;
+    const auto odd_out = batch_of(HeadsView<float>{out_view.data, out_view.tokens, 3, out_view.dim,
+                                                   out_view.token_stride, out_view.head_stride},
+                                  batch);
+    REQUIRE_THROWS_WITH(
+        plsh::exact_alibi_attention<float>(odd_q, k, v, odd_out, plsh::alibi_slopes(3)),
+        "exact_alibi_attention: q.heads must be a multiple of k.heads");
+    std::vector<double> nan_slopes = slopes;
+    nan_slopes[1] = std::numeric_limits<double>::quiet_NaN();
+    REQUIRE_THROWS_AS(plsh::windowed_alibi_attention<float>(q, k, v, out, nan_slopes),
+                      std::invalid_argument);
+    plsh::PlshOptions no_samples;
+    no_samples.samples = 0;
+    REQUIRE_THROWS_AS(plsh::plsh_attention<float>(q, k, v, out, slopes, no_samples),
+                      std::invalid_argument);
+    plsh::AttentionOptions nan_scale;
+    nan_scale.scale = std::numeric_limits<double>::quiet_NaN();
+    REQUIRE_THROWS_WITH(plsh::fixed_block_attention<float>(q, k, v, out, 16, nan_scale),
+                        "fixed_block_attention: options.scale must be finite");
+    plsh::PlshOptions before_start;
+    before_start.query_position = -100;
+    REQUIRE_THROWS_AS(
+        plsh::plsh_attention_backward<float>(q, k, v, out, out, batch_of(problem.q.view, batch),
+                                             batch_of(problem.k.view, batch),
+                                             batch_of(problem.v.view, batch), slopes, before_start),
+        std::invalid_argument);
+    // out on q's memory (q has the output's shape here: d = d_v would be needed, so alias the
+    // first rows of q's buffer with a view of out's shape).
+    Buffer<float> shared = problem.q;
+    const auto q_shared = batch_of(HeadsView<const float>(shared.view), batch);
+    const auto out_on_q =
+        batch_of(HeadsView<float>{shared.view.data, kShape.n_q, kShape.heads, kShape.value_dim,
+                                  shared.view.token_stride, shared.view.head_stride},
+                 batch);
+    REQUIRE_THROWS_WITH(plsh::exact_alibi_attention<float>(q_shared, k, v, out_on_q, slopes),
+                        "exact_alibi_attention: out overlaps q");
+  }
 }
 
 TEST_CASE("Batched kernels: argument checks", "[batch]") {

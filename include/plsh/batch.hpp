@@ -70,7 +70,8 @@ Index batched_extent(const BatchedHeadsView<Scalar>& view, const char* function,
 template <class Scalar>
 void require_batched_injective(const BatchedHeadsView<Scalar>& view, const char* function,
                                const char* name) {
-  std::vector<std::pair<Index, Index>> axes;  // (stride, size)
+  if (view.batch == 0 || view.tokens == 0) return;  // no elements: nothing can overlap
+  std::vector<std::pair<Index, Index>> axes;        // (stride, size)
   const std::pair<Index, Index> all[] = {{view.batch_stride, view.batch},
                                          {view.token_stride, view.tokens},
                                          {view.head_stride, view.heads},
@@ -99,7 +100,8 @@ bool batched_overlap(const BatchedHeadsView<A>& a, Index extent_a, const Batched
 
 /// The checks of a batched call: every view well formed and free of index overflow, the same
 /// batch size everywhere, each output injective and overlapping neither an input nor another
-/// output. The shapes and options of an element are checked by the kernel, on element 0.
+/// output. The shapes and options of an element are checked by the kernel, on the view of
+/// element 0, also when the batch is empty (the kernel then returns after its checks).
 template <class Scalar, std::size_t Inputs, std::size_t Outputs>
 void validate_batch(const char* function, const BatchedHeadsView<const Scalar> (&inputs)[Inputs],
                     const char* const (&input_names)[Inputs],
@@ -135,7 +137,8 @@ void validate_batch(const char* function, const BatchedHeadsView<const Scalar> (
   }
 }
 
-/// validate_batch for a forward kernel (q, k, v -> out), then `run()` unless the batch is empty.
+/// validate_batch for a forward kernel (q, k, v -> out), then `run()`, which checks an element's
+/// shapes and options and computes nothing for an empty batch.
 template <class Scalar, class Run>
 void run_forward_batch(const char* function, const BatchedHeadsView<const Scalar>& q,
                        const BatchedHeadsView<const Scalar>& k,
@@ -146,11 +149,11 @@ void run_forward_batch(const char* function, const BatchedHeadsView<const Scalar
   const BatchedHeadsView<Scalar> outputs[] = {out};
   const char* const output_names[] = {"out"};
   validate_batch(function, inputs, input_names, outputs, output_names);
-  if (q.batch > 0) run();
+  run();
 }
 
-/// validate_batch for a backward kernel (q, k, v, out, dout -> dq, dk, dv), then `run()` unless
-/// the batch is empty.
+/// validate_batch for a backward kernel (q, k, v, out, dout -> dq, dk, dv), then `run()`, as
+/// run_forward_batch.
 template <class Scalar, class Run>
 void run_backward_batch(const char* function, const BatchedHeadsView<const Scalar>& q,
                         const BatchedHeadsView<const Scalar>& k,
@@ -164,7 +167,7 @@ void run_backward_batch(const char* function, const BatchedHeadsView<const Scala
   const BatchedHeadsView<Scalar> outputs[] = {dq, dk, dv};
   const char* const output_names[] = {"dq", "dk", "dv"};
   validate_batch(function, inputs, input_names, outputs, output_names);
-  if (q.batch > 0) run();
+  run();
 }
 
 }  // namespace detail
