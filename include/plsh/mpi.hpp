@@ -24,10 +24,11 @@
 /// The backward of Positional LSH gathers the same halo, runs plsh_attention_backward on it, and
 /// sends the halo's key and value gradients back to their owners, who add them to their own.
 ///
-/// Every function is collective over `comm` (every rank calls it, with the same options, slopes
-/// and head shapes); the messages go over a duplicate of `comm`, so they never match the caller's.
-/// Arguments are checked on every rank before any message is sent; when one rank's arguments are
-/// wrong, every rank throws std::invalid_argument.
+/// Every function is collective over `comm` (every rank calls it, with the same scalar type,
+/// options, slopes and head shapes); the messages go over a duplicate of `comm`, so they never
+/// match the caller's. Arguments are checked on every rank before any message is sent; when one
+/// rank's arguments are wrong, or the ranks disagree (another scalar type included), every rank
+/// throws std::invalid_argument.
 ///
 /// Results: each rank's rows equal those rows of the single-process kernel over the whole
 /// sequence to float rounding (the kernels tile the rows from the chunk's first row, and the
@@ -461,9 +462,34 @@ ExchangeCounts scatter_add(const CallComm& comm, const ChunkLayout& layout,
   return counts;
 }
 
-/// What every rank must agree on: the heads, sizes, options and slopes.
+/// The storage types of the entry points, in the order of their codes (scalar_code).
+inline constexpr const char* kScalarNames[] = {"float", "double", "Eigen::bfloat16", "Eigen::half"};
+
+/// The storage type `Scalar` as one word that ranks compare: 256 times its index in kScalarNames
+/// plus its size in bytes (bfloat16 and half have the same size; the index tells them apart).
+template <class Scalar>
+constexpr std::int64_t scalar_code() {
+  plsh::detail::require_storage_type<Scalar>();
+  const std::int64_t index = std::is_same<Scalar, float>::value             ? 0
+                             : std::is_same<Scalar, double>::value          ? 1
+                             : std::is_same<Scalar, Eigen::bfloat16>::value ? 2
+                                                                            : 3;
+  return 256 * index + static_cast<std::int64_t>(sizeof(Scalar));
+}
+
+/// The name of the type of a scalar_code, for messages.
+inline std::string scalar_name(std::int64_t code) {
+  const std::int64_t index = code / 256;
+  return index >= 0 && index < 4 ? kScalarNames[index] : "an unknown type";
+}
+
+/// What every rank must agree on: the storage type (compared on its own, so that a disagreement
+/// names the types), and the heads, sizes, options and slopes (compared by hash).
 struct Signature {
+  std::int64_t scalar;
   std::vector<std::int64_t> values;
+
+  explicit Signature(std::int64_t scalar_code) : scalar(scalar_code) {}
 
   void add(std::int64_t value) { values.push_back(value); }
   void add_double(double value) {
@@ -485,10 +511,13 @@ struct Signature {
   }
 };
 
-inline Signature attention_signature(Index heads, Index kv_heads, Index dim, Index value_dim,
-                                     const std::vector<double>& slopes,
-                                     const AttentionOptions& options) {
-  Signature signature;
+/// The signature that every entry point starts from: the storage type, heads, sizes, options and
+/// slopes (the entry points add their own options). `Scalar` cannot be deduced: every call names
+/// the type the messages are sized by.
+template <class Scalar>
+Signature attention_signature(Index heads, Index kv_heads, Index dim, Index value_dim,
+                              const std::vector<double>& slopes, const AttentionOptions& options) {
+  Signature signature(scalar_code<Scalar>());
   signature.add(heads);
   signature.add(kv_heads);
   signature.add(dim);
@@ -503,10 +532,12 @@ inline Signature attention_signature(Index heads, Index kv_heads, Index dim, Ind
 }
 
 /// The layout of the chunks, in one collective call: every rank runs `check` on its own
-/// arguments, then shares whether it threw, its query count and the hash of its `signature`.
-/// When any rank's check threw std::invalid_argument, every rank throws: the failing ranks their
-/// own message, the others one that names the first failing rank. When the signatures differ,
-/// every rank throws.
+/// arguments, then shares whether it threw, its query count, its scalar type and the hash of its
+/// `signature`. When any rank's check threw std::invalid_argument, every rank throws: the failing
+/// ranks their own message, the others one that names the first failing rank. When the scalar
+/// types or the signatures differ, every rank throws. The exchange is four 64-bit words whatever
+/// the scalar type, and it comes before any message of key rows: ranks of different types throw
+/// together, before one could read rows of another type or a truncated message.
 template <class Check>
 ChunkLayout agree_on_layout(const CallComm& comm, const char* function, Index queries,
                             const Signature& signature, Check&& check) {
@@ -516,16 +547,23 @@ ChunkLayout agree_on_layout(const CallComm& comm, const char* function, Index qu
   } catch (const std::invalid_argument& error) {
     message = error.what();
   }
-  const std::int64_t mine[3] = {message.empty() ? 0 : 1, queries, signature.hash()};
-  std::vector<std::int64_t> all(static_cast<std::size_t>(3 * comm.ranks()));
-  MPI_Allgather(mine, 3, MPI_INT64_T, all.data(), 3, MPI_INT64_T, comm.get());
+  constexpr int kWords = 4;
+  const std::int64_t mine[kWords] = {message.empty() ? 0 : 1, queries, signature.scalar,
+                                     signature.hash()};
+  std::vector<std::int64_t> all(static_cast<std::size_t>(kWords * comm.ranks()));
+  MPI_Allgather(mine, kWords, MPI_INT64_T, all.data(), kWords, MPI_INT64_T, comm.get());
   if (!message.empty()) throw std::invalid_argument(message);
   std::vector<Index> sizes;
   for (int r = 0; r < comm.ranks(); ++r) {
-    const std::int64_t* other = all.data() + 3 * r;
+    const std::int64_t* other = all.data() + kWords * r;
     require(other[0] == 0, function,
             [&] { return "invalid arguments on rank " + std::to_string(r); });
     require(other[2] == mine[2], function, [&] {
+      return "rank " + std::to_string(r) + " passed views of " + scalar_name(other[2]) + ", rank " +
+             std::to_string(comm.rank()) + " views of " + scalar_name(mine[2]) +
+             " (every rank must pass the same scalar type)";
+    });
+    require(other[3] == mine[3], function, [&] {
       return "rank " + std::to_string(r) +
              " passed other heads, sizes, options or slopes than rank " +
              std::to_string(comm.rank()) + " (every rank must pass the same)";
@@ -586,7 +624,7 @@ ExchangeCounts plsh_attention(MPI_Comm comm, HeadsView<const plsh::detail::NonDe
   const char* function = "plsh::mpi::plsh_attention";
   const detail::CallComm call(comm);
   detail::Signature signature =
-      detail::attention_signature(q.heads, k.heads, q.dim, v.dim, slopes, options);
+      detail::attention_signature<Scalar>(q.heads, k.heads, q.dim, v.dim, slopes, options);
   signature.add(options.samples);
   signature.add(static_cast<std::int64_t>(options.seed));
   signature.add(static_cast<std::int64_t>(options.sampling));
@@ -619,7 +657,7 @@ ExchangeCounts windowed_alibi_attention(MPI_Comm comm,
   const char* function = "plsh::mpi::windowed_alibi_attention";
   const detail::CallComm call(comm);
   detail::Signature signature =
-      detail::attention_signature(q.heads, k.heads, q.dim, v.dim, slopes, options);
+      detail::attention_signature<Scalar>(q.heads, k.heads, q.dim, v.dim, slopes, options);
   signature.add_double(tolerance);
   const ChunkLayout layout = detail::agree_on_layout(call, function, q.tokens, signature, [&] {
     detail::check_forward(function, q, k, v, out, slopes, options);
@@ -653,7 +691,7 @@ ExchangeCounts exact_alibi_attention(MPI_Comm comm,
   const detail::CallComm call(comm);
   const ChunkLayout layout = detail::agree_on_layout(
       call, function, q.tokens,
-      detail::attention_signature(q.heads, k.heads, q.dim, v.dim, slopes, options),
+      detail::attention_signature<Scalar>(q.heads, k.heads, q.dim, v.dim, slopes, options),
       [&] { detail::check_forward(function, q, k, v, out, slopes, options); });
   detail::check_sequence(function, layout, options);
   const int me = call.rank();
@@ -747,7 +785,7 @@ ExchangeCounts plsh_attention_backward(MPI_Comm comm,
   const char* function = "plsh::mpi::plsh_attention_backward";
   const detail::CallComm call(comm);
   detail::Signature signature =
-      detail::attention_signature(q.heads, k.heads, q.dim, v.dim, slopes, options);
+      detail::attention_signature<Scalar>(q.heads, k.heads, q.dim, v.dim, slopes, options);
   signature.add(options.samples);
   signature.add(static_cast<std::int64_t>(options.seed));
   signature.add(static_cast<std::int64_t>(options.sampling));

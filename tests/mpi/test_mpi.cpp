@@ -21,6 +21,7 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <plsh/alibi.hpp>
@@ -472,6 +473,118 @@ TEST_CASE("bad arguments on any rank throw on every rank", "[mpi][errors]") {
                                               dv.view.dim, dk.view.token_stride, dv.view.dim},
                             slopes),
                         "plsh::mpi::plsh_attention_backward: dv overlaps dk");
+  }
+}
+
+/// The name of a storage type in the messages of mpi.hpp.
+template <class S>
+std::string scalar_name() {
+  if (std::is_same<S, float>::value) return "float";
+  if (std::is_same<S, double>::value) return "double";
+  if (std::is_same<S, Eigen::bfloat16>::value) return "Eigen::bfloat16";
+  return "Eigen::half";
+}
+
+/// Every MPI entry point that accepts views of `Mine` (exact_alibi_attention: float and double
+/// only), called on this rank's chunk of one problem (n = 40, 2 heads, d = 4, standard slopes)
+/// stored as `Mine`, while the ranks of the other parity pass `Theirs`. Every call must throw
+/// std::invalid_argument on every rank, naming the function, the first rank of the other type and
+/// both types, before any key row is sent: a rank that reads another type's rows gets wrong
+/// results or a truncated message, and one that does not throw leaves the others waiting (ctest's
+/// timeout of the "[mismatch]" entries).
+template <class Mine, class Theirs>
+void require_every_entry_point_rejects_mixed_types() {
+  const Shape shape{40, 40, 2, 2, 4, 4};
+  const plsh_test::Problem<double> problem(shape, 31);
+  Buffer<double> dout_values = problem.output();
+  dout_values.fill_random(plsh::detail::mix64(37));
+  const Block chunk = plsh::mpi::even_chunk(shape.n_q, MPI_COMM_WORLD);
+  // Packed copies of this rank's rows, stored as Mine.
+  const auto stored = [&](const Buffer<double>& buffer) {
+    std::vector<Mine> rows(static_cast<std::size_t>(
+        std::max<Index>(1, chunk.size() * buffer.view.heads * buffer.view.dim)));
+    for (Index t = 0; t < chunk.size(); ++t)
+      for (Index h = 0; h < buffer.view.heads; ++h)
+        for (Index e = 0; e < buffer.view.dim; ++e) {
+          rows[static_cast<std::size_t>((t * buffer.view.heads + h) * buffer.view.dim + e)] =
+              static_cast<Mine>(buffer.at(chunk.begin + t, h, e));
+        }
+    return rows;
+  };
+  std::vector<Mine> q = stored(problem.q), k = stored(problem.k), v = stored(problem.v);
+  std::vector<Mine> dout = stored(dout_values);
+  std::vector<Mine> out(dout.size()), dq(q.size()), dk(k.size()), dv(v.size());
+  const auto view = [&](std::vector<Mine>& rows, Index heads, Index dim) {
+    return HeadsView<Mine>{rows.data(), chunk.size(), heads, dim};
+  };
+  const auto in = [&](const std::vector<Mine>& rows, Index heads, Index dim) {
+    return HeadsView<const Mine>{rows.data(), chunk.size(), heads, dim};
+  };
+  const HeadsView<const Mine> q_in = in(q, shape.heads, shape.dim);
+  const HeadsView<const Mine> k_in = in(k, shape.kv_heads, shape.dim);
+  const HeadsView<const Mine> v_in = in(v, shape.kv_heads, shape.value_dim);
+  const std::vector<double> slopes = plsh::alibi_slopes(shape.heads);
+  // The first rank of the other parity is 1 for even ranks, 0 for odd ones.
+  const int other = world_rank() % 2 == 0 ? 1 : 0;
+  const auto expected = [&](const std::string& function) {
+    return Catch::Message("plsh::mpi::" + function + ": rank " + std::to_string(other) +
+                          " passed views of " + scalar_name<Theirs>() + ", rank " +
+                          std::to_string(world_rank()) + " views of " + scalar_name<Mine>() +
+                          " (every rank must pass the same scalar type)");
+  };
+  INFO("rank " << world_rank() << " of " << world_size() << " passes " << scalar_name<Mine>()
+               << ", rank " << other << " " << scalar_name<Theirs>());
+
+  plsh::PlshOptions options;
+  for (const plsh::Kernel kernel : {plsh::Kernel::Fused, plsh::Kernel::Passes}) {
+    options.kernel = kernel;
+    REQUIRE_THROWS_MATCHES(
+        plsh::mpi::plsh_attention<Mine>(MPI_COMM_WORLD, q_in, k_in, v_in,
+                                        view(out, shape.heads, shape.value_dim), slopes, options),
+        std::invalid_argument, expected("plsh_attention"));
+  }
+  REQUIRE_THROWS_MATCHES(plsh::mpi::windowed_alibi_attention<Mine>(
+                             MPI_COMM_WORLD, q_in, k_in, v_in,
+                             view(out, shape.heads, shape.value_dim), slopes, 1e-6, options),
+                         std::invalid_argument, expected("windowed_alibi_attention"));
+  if constexpr (std::is_floating_point<Mine>::value && std::is_floating_point<Theirs>::value) {
+    REQUIRE_THROWS_MATCHES(plsh::mpi::exact_alibi_attention<Mine>(
+                               MPI_COMM_WORLD, q_in, k_in, v_in,
+                               view(out, shape.heads, shape.value_dim), slopes, options),
+                           std::invalid_argument, expected("exact_alibi_attention"));
+  }
+  REQUIRE_THROWS_MATCHES(
+      plsh::mpi::plsh_attention_backward<Mine>(
+          MPI_COMM_WORLD, q_in, k_in, v_in, in(dout, shape.heads, shape.value_dim),
+          in(dout, shape.heads, shape.value_dim), view(dq, shape.heads, shape.dim),
+          view(dk, shape.kv_heads, shape.dim), view(dv, shape.kv_heads, shape.value_dim), slopes,
+          options),
+      std::invalid_argument, expected("plsh_attention_backward"));
+}
+
+TEST_CASE("ranks that pass another scalar type throw on every rank", "[mpi][errors][mismatch]") {
+  // One rank cannot disagree with itself: nothing to check.
+  if (world_size() < 2) return;
+  SECTION("float on even ranks, double on odd ones") {
+    if (world_rank() % 2 == 0) {
+      require_every_entry_point_rejects_mixed_types<float, double>();
+    } else {
+      require_every_entry_point_rejects_mixed_types<double, float>();
+    }
+  }
+  SECTION("Eigen::bfloat16 on even ranks, Eigen::half on odd ones (both 2 bytes)") {
+    if (world_rank() % 2 == 0) {
+      require_every_entry_point_rejects_mixed_types<Eigen::bfloat16, Eigen::half>();
+    } else {
+      require_every_entry_point_rejects_mixed_types<Eigen::half, Eigen::bfloat16>();
+    }
+  }
+  SECTION("float on even ranks, Eigen::bfloat16 on odd ones") {
+    if (world_rank() % 2 == 0) {
+      require_every_entry_point_rejects_mixed_types<float, Eigen::bfloat16>();
+    } else {
+      require_every_entry_point_rejects_mixed_types<Eigen::bfloat16, float>();
+    }
   }
 }
 
