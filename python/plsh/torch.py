@@ -18,6 +18,8 @@ Slopes of 0 give plain softmax attention ("no positional bias"):
 ``exact_alibi_attention(q, k, v, slopes=[0.0] * H)``.
 """
 
+import operator as _operator
+
 import numpy as _numpy
 import torch as _torch
 
@@ -69,6 +71,18 @@ def _check_inputs(q, k, v):
     _check("q", q)
     _check("k", k, q)
     _check("v", v, q)
+
+
+def _integer(name, value):
+    """``value`` as an int: a Python int or an object with ``__index__``; a float or another type
+    is a TypeError (never truncated). The range is checked by the kernels."""
+    try:
+        return _operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer (got {type(value).__name__})") from None
+
+
+_SEED_LIMIT = 2 ** 64
 
 
 def _slopes(slopes):
@@ -160,8 +174,9 @@ def exact_alibi_attention(q, k, v, slopes=None, *, causal=True, scale=0.0, query
     first query and key rows. Returns ``[B, T, H, D_v]``.
     """
     _check_inputs(q, k, v)
-    return _ExactAlibiFunction.apply(q, k, v, _slopes(slopes), bool(causal),
-                                     float(scale), int(query_position), int(key_position))
+    return _ExactAlibiFunction.apply(q, k, v, _slopes(slopes), bool(causal), float(scale),
+                                     _integer("query_position", query_position),
+                                     _integer("key_position", key_position))
 
 
 def plsh_attention(q, k, v, slopes=None, *, causal=True, scale=0.0, query_position=0,
@@ -177,8 +192,9 @@ def plsh_attention(q, k, v, slopes=None, *, causal=True, scale=0.0, query_positi
     """
     _check_inputs(q, k, v)
     return _PlshFunction.apply(q, k, v, _slopes(slopes), bool(causal), float(scale),
-                               int(query_position), int(key_position), int(samples), int(seed),
-                               str(sampling))
+                               _integer("query_position", query_position),
+                               _integer("key_position", key_position),
+                               _integer("samples", samples), _integer("seed", seed), str(sampling))
 
 
 def fixed_block_attention(q, k, v, block_size, *, causal=True, scale=0.0, query_position=0,
@@ -190,8 +206,9 @@ def fixed_block_attention(q, k, v, block_size, *, causal=True, scale=0.0, query_
     :func:`exact_alibi_attention`.
     """
     _check_inputs(q, k, v)
-    return _FixedBlockFunction.apply(q, k, v, int(block_size), bool(causal), float(scale),
-                                     int(query_position), int(key_position))
+    return _FixedBlockFunction.apply(q, k, v, _integer("block_size", block_size), bool(causal),
+                                     float(scale), _integer("query_position", query_position),
+                                     _integer("key_position", key_position))
 
 
 class AlibiAttention(_torch.nn.Module):
@@ -208,11 +225,12 @@ class AlibiAttention(_torch.nn.Module):
       ``"none"``   plain causal softmax attention (every slope 0), no positional bias.
 
     Seeds (method "plsh"): in training mode, forward number t (counted from 0 over the module's
-    training forwards) uses ``seed + t``, so every training step sees fresh partitions; the counter
-    is the buffer ``training_forwards``, saved with the state dict so that a resumed run continues
-    the sequence. In eval mode every forward uses ``seed`` itself (fixed partitions, deterministic
-    evaluation). The counter advances on every training forward of the module (also for the other
-    methods, which ignore it).
+    training forwards) uses ``(seed + t) mod 2**64``, so every training step sees fresh
+    partitions; the counter is the buffer ``training_forwards``, saved with the state dict so that
+    a resumed run continues the sequence. In eval mode every forward uses ``seed`` itself (fixed
+    partitions, deterministic evaluation). The counter advances on every training forward of the
+    module that returns (also for the other methods, which ignore it); a forward that raises
+    leaves it as it was.
 
     slopes: one per head, default ``plsh.alibi_slopes(heads)``.
     """
@@ -227,13 +245,21 @@ class AlibiAttention(_torch.nn.Module):
             raise ValueError(f"method must be one of {self.METHODS} (got {method!r})")
         if sampling not in self.SAMPLINGS:
             raise ValueError(f"sampling must be one of {self.SAMPLINGS} (got {sampling!r})")
+        heads, samples = _integer("heads", heads), _integer("samples", samples)
+        block_size, seed = _integer("block_size", block_size), _integer("seed", seed)
         if heads < 1:
             raise ValueError(f"heads must be at least 1 (got {heads})")
-        self.heads = int(heads)
+        if samples < 1:
+            raise ValueError(f"samples must be at least 1 (got {samples})")
+        if block_size < 1:
+            raise ValueError(f"block_size must be at least 1 (got {block_size})")
+        if not 0 <= seed < _SEED_LIMIT:
+            raise ValueError(f"seed must lie in [0, 2**64 - 1] (got {seed})")
+        self.heads = heads
         self.method = method
-        self.samples = int(samples)
-        self.block_size = int(block_size)
-        self.seed = int(seed)
+        self.samples = samples
+        self.block_size = block_size
+        self.seed = seed
         self.causal = bool(causal)
         self.sampling = sampling
         if slopes is None:
@@ -251,20 +277,22 @@ class AlibiAttention(_torch.nn.Module):
     def current_seed(self):
         """The seed the next forward uses."""
         if self.training:
-            return self.seed + int(self.training_forwards)
+            return (self.seed + int(self.training_forwards)) % _SEED_LIMIT
         return self.seed
 
     def forward(self, q, k, v):
         if q.shape[-2] != self.heads:
             raise ValueError(f"q has {q.shape[-2]} heads (shape[-2]), the module {self.heads}")
         seed = self.current_seed()
+        if self.method == "plsh":
+            out = plsh_attention(q, k, v, self.slopes, causal=self.causal, samples=self.samples,
+                                 seed=seed, sampling=self.sampling)
+        elif self.method == "exact":
+            out = exact_alibi_attention(q, k, v, self.slopes, causal=self.causal)
+        elif self.method == "none":
+            out = exact_alibi_attention(q, k, v, [0.0] * self.heads, causal=self.causal)
+        else:
+            out = fixed_block_attention(q, k, v, self.block_size, causal=self.causal)
         if self.training:
             self.training_forwards += 1
-        if self.method == "plsh":
-            return plsh_attention(q, k, v, self.slopes, causal=self.causal, samples=self.samples,
-                                  seed=seed, sampling=self.sampling)
-        if self.method == "exact":
-            return exact_alibi_attention(q, k, v, self.slopes, causal=self.causal)
-        if self.method == "none":
-            return exact_alibi_attention(q, k, v, [0.0] * self.heads, causal=self.causal)
-        return fixed_block_attention(q, k, v, self.block_size, causal=self.causal)
+        return out

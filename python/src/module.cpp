@@ -18,6 +18,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -304,12 +305,52 @@ struct Arrays {
       if (has_storage(array, storage)) return storage;
     }
     const std::string dtype = dtype_string(array);
+    if (!py::cast<bool>(array.dtype().attr("isnative"))) {
+      throw py::type_error(std::string(name) + " has dtype " + dtype +
+                           ", in the other byte order than this machine's; plsh reads native "
+                           "byte order (convert with " + name + ".astype(" + name +
+                           ".dtype.newbyteorder(\"=\")))");
+    }
     throw py::type_error(std::string(name) + " has dtype " + dtype +
                          "; plsh takes float32, float64, float16, or bfloat16 as uint16 bit "
                          "patterns with bfloat16=True" +
                          (dtype == "uint16" ? " (pass bfloat16=True if these are bfloat16)" : ""));
   }
 };
+
+// ---------------------------------------------------------------------------------------------
+// Integer arguments
+// ---------------------------------------------------------------------------------------------
+
+// An integer argument as Int: a Python int or an object with __index__ (a NumPy integer), within
+// the range of Int. A float or another type is a TypeError (never truncated), an integer out of
+// range a ValueError naming the argument and the range; the functions called check the
+// argument's own bounds.
+template <class Int>
+Int integer(const py::handle& value, const char* name) {
+  if (!PyIndex_Check(value.ptr())) {
+    throw py::type_error(std::string(name) + " must be an integer (got " +
+                         py::str(py::type::of(value).attr("__name__")).cast<std::string>() + ")");
+  }
+  const auto number = py::reinterpret_steal<py::int_>(PyNumber_Index(value.ptr()));
+  if (!number) throw py::error_already_set();
+  const py::int_ low(std::numeric_limits<Int>::min());
+  const py::int_ high(std::numeric_limits<Int>::max());
+  if (number < low || number > high) {
+    const auto text = [](const py::int_& value) {
+      return py::str(static_cast<const py::object&>(value)).cast<std::string>();
+    };
+    throw py::value_error(std::string(name) + " must be an integer in [" + text(low) + ", " +
+                          text(high) + "] (got " + text(number) + ")");
+  }
+  return number.cast<Int>();
+}
+
+Index index(const py::handle& value, const char* name) { return integer<Index>(value, name); }
+
+std::uint64_t seed_of(const py::handle& value, const char* name = "seed") {
+  return integer<std::uint64_t>(value, name);
+}
 
 // ---------------------------------------------------------------------------------------------
 // Options
@@ -324,12 +365,13 @@ std::vector<double> slopes_or_default(const std::optional<std::vector<double>>& 
 
 // AttentionOptions or PlshOptions with the attention options set (the rest default).
 template <class Options = plsh::AttentionOptions>
-Options options_of(bool causal, double scale, Index query_position, Index key_position) {
+Options options_of(bool causal, double scale, const py::object& query_position,
+                   const py::object& key_position) {
   Options options;
   options.causal = causal;
   options.scale = scale;
-  options.query_position = query_position;
-  options.key_position = key_position;
+  options.query_position = index(query_position, "query_position");
+  options.key_position = index(key_position, "key_position");
   return options;
 }
 
@@ -347,12 +389,12 @@ plsh::Sampling sampling_of(const std::string& sampling) {
 }
 
 // PlshOptions with the attention options and the draws (samples, seed, sampling) set.
-plsh::PlshOptions plsh_options_of(bool causal, double scale, Index query_position,
-                                  Index key_position, Index samples, std::uint64_t seed,
-                                  const std::string& sampling) {
+plsh::PlshOptions plsh_options_of(bool causal, double scale, const py::object& query_position,
+                                  const py::object& key_position, const py::object& samples,
+                                  const py::object& seed, const std::string& sampling) {
   auto options = options_of<plsh::PlshOptions>(causal, scale, query_position, key_position);
-  options.samples = samples;
-  options.seed = seed;
+  options.samples = index(samples, "samples");
+  options.seed = seed_of(seed);
   options.sampling = sampling_of(sampling);
   return options;
 }
@@ -412,8 +454,9 @@ using ScalarOf = std::remove_const_t<std::remove_reference_t<decltype(*std::decl
 
 py::array exact_alibi_attention(const py::object& q, const py::object& k, const py::object& v,
                                 const std::optional<std::vector<double>>& slopes, bool causal,
-                                double scale, Index query_position, Index key_position,
-                                const py::object& out, bool bfloat16) {
+                                double scale, const py::object& query_position,
+                                const py::object& key_position, const py::object& out,
+                                bool bfloat16) {
   const auto options = options_of(causal, scale, query_position, key_position);
   return forward(q, k, v, out, bfloat16,
                  [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov) {
@@ -426,7 +469,8 @@ py::array exact_alibi_attention(const py::object& q, const py::object& k, const 
 py::array windowed_alibi_attention(const py::object& q, const py::object& k, const py::object& v,
                                    const std::optional<std::vector<double>>& slopes,
                                    double tolerance, bool causal, double scale,
-                                   Index query_position, Index key_position, const py::object& out,
+                                   const py::object& query_position,
+                                   const py::object& key_position, const py::object& out,
                                    bool bfloat16) {
   const auto options = options_of(causal, scale, query_position, key_position);
   return forward(q, k, v, out, bfloat16,
@@ -439,9 +483,10 @@ py::array windowed_alibi_attention(const py::object& q, const py::object& k, con
 
 py::array plsh_attention(const py::object& q, const py::object& k, const py::object& v,
                          const std::optional<std::vector<double>>& slopes, bool causal,
-                         double scale, Index query_position, Index key_position, Index samples,
-                         std::uint64_t seed, const std::string& sampling, const std::string& kernel,
-                         const py::object& out, bool bfloat16) {
+                         double scale, const py::object& query_position,
+                         const py::object& key_position, const py::object& samples,
+                         const py::object& seed, const std::string& sampling,
+                         const std::string& kernel, const py::object& out, bool bfloat16) {
   auto options =
       plsh_options_of(causal, scale, query_position, key_position, samples, seed, sampling);
   options.kernel = kernel_of(kernel);
@@ -453,21 +498,23 @@ py::array plsh_attention(const py::object& q, const py::object& k, const py::obj
 }
 
 py::array fixed_block_attention(const py::object& q, const py::object& k, const py::object& v,
-                                Index block_size, bool causal, double scale, Index query_position,
-                                Index key_position, const py::object& out, bool bfloat16) {
+                                const py::object& block_size, bool causal, double scale,
+                                const py::object& query_position, const py::object& key_position,
+                                const py::object& out, bool bfloat16) {
   const auto options = options_of(causal, scale, query_position, key_position);
+  const Index size = index(block_size, "block_size");
   return forward(q, k, v, out, bfloat16,
                  [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov) {
                    using Scalar = ScalarOf<decltype(ov)>;
-                   plsh::fixed_block_attention<Scalar>(qv, kv, vv, ov, block_size, options);
+                   plsh::fixed_block_attention<Scalar>(qv, kv, vv, ov, size, options);
                  });
 }
 
 py::tuple exact_alibi_attention_backward(
     const py::object& q, const py::object& k, const py::object& v, const py::object& out,
     const py::object& dout, const std::optional<std::vector<double>>& slopes, bool causal,
-    double scale, Index query_position, Index key_position, const py::object& dq,
-    const py::object& dk, const py::object& dv, bool bfloat16) {
+    double scale, const py::object& query_position, const py::object& key_position,
+    const py::object& dq, const py::object& dk, const py::object& dv, bool bfloat16) {
   const auto options = options_of(causal, scale, query_position, key_position);
   return backward(q, k, v, out, dout, dq, dk, dv, bfloat16,
                   [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov,
@@ -482,8 +529,9 @@ py::tuple exact_alibi_attention_backward(
 py::tuple plsh_attention_backward(const py::object& q, const py::object& k, const py::object& v,
                                   const py::object& out, const py::object& dout,
                                   const std::optional<std::vector<double>>& slopes, bool causal,
-                                  double scale, Index query_position, Index key_position,
-                                  Index samples, std::uint64_t seed, const std::string& sampling,
+                                  double scale, const py::object& query_position,
+                                  const py::object& key_position, const py::object& samples,
+                                  const py::object& seed, const std::string& sampling,
                                   const py::object& dq, const py::object& dk, const py::object& dv,
                                   bool bfloat16) {
   const auto options =
@@ -500,17 +548,20 @@ py::tuple plsh_attention_backward(const py::object& q, const py::object& k, cons
 
 py::tuple fixed_block_attention_backward(const py::object& q, const py::object& k,
                                          const py::object& v, const py::object& out,
-                                         const py::object& dout, Index block_size, bool causal,
-                                         double scale, Index query_position, Index key_position,
-                                         const py::object& dq, const py::object& dk,
-                                         const py::object& dv, bool bfloat16) {
+                                         const py::object& dout, const py::object& block_size,
+                                         bool causal, double scale,
+                                         const py::object& query_position,
+                                         const py::object& key_position, const py::object& dq,
+                                         const py::object& dk, const py::object& dv,
+                                         bool bfloat16) {
   const auto options = options_of(causal, scale, query_position, key_position);
+  const Index size = index(block_size, "block_size");
   return backward(q, k, v, out, dout, dq, dk, dv, bfloat16,
                   [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov,
                       const auto& dov, const auto& dqv, const auto& dkv, const auto& dvv) {
                     using Scalar = ScalarOf<decltype(dqv)>;
                     plsh::fixed_block_attention_backward<Scalar>(qv, kv, vv, ov, dov, dqv, dkv, dvv,
-                                                                 block_size, options);
+                                                                 size, options);
                   });
 }
 
@@ -631,13 +682,21 @@ class KvCacheOf : public KvCacheBase {
   mutable std::mutex mutex_;
 };
 
-std::unique_ptr<KvCacheBase> make_kv_cache(Index heads, Index kv_heads, Index dim, Index value_dim,
+std::unique_ptr<KvCacheBase> make_kv_cache(const py::object& heads_arg,
+                                           const py::object& kv_heads_arg,
+                                           const py::object& dim_arg,
+                                           const py::object& value_dim_arg,
                                            const std::optional<std::vector<double>>& slopes,
-                                           Index samples, std::uint64_t seed,
+                                           const py::object& samples, const py::object& seed,
                                            const std::string& sampling, double scale,
-                                           Index key_position, const std::string& kernel,
-                                           const py::object& dtype) {
-  auto options = plsh_options_of(true, scale, 0, key_position, samples, seed, sampling);
+                                           const py::object& key_position,
+                                           const std::string& kernel, const py::object& dtype) {
+  const Index heads = index(heads_arg, "heads");
+  const Index kv_heads = index(kv_heads_arg, "kv_heads");
+  const Index dim = index(dim_arg, "dim");
+  const Index value_dim = index(value_dim_arg, "value_dim");
+  auto options =
+      plsh_options_of(true, scale, py::int_(0), key_position, samples, seed, sampling);
   options.kernel = kernel_of(kernel);
   const std::vector<double> slope_list = slopes_or_default(slopes, heads);
   const auto make = [&](auto scalar) -> std::unique_ptr<KvCacheBase> {
@@ -691,26 +750,48 @@ PYBIND11_MODULE(_plsh, m) {
       m, "RandomBinning",
       "Random grids whose bins co-locate two positions x, y with probability exp(-slope |x - y|); "
       "draw t is a pure function of (slope, seed, t).")
-      .def(py::init<double, std::uint64_t>(), "slope"_a, "seed"_a = 0)
-      .def("__call__", &plsh::RandomBinning::operator(), "index"_a, "Draw number `index`.")
-      .def("draw", &plsh::RandomBinning::draw, "count"_a, "first"_a = 0,
-           "Draws first, first + 1, ..., first + count - 1.")
+      .def(py::init([](double slope, const py::object& seed) {
+             return plsh::RandomBinning(slope, seed_of(seed));
+           }),
+           "slope"_a, "seed"_a = 0)
+      .def(
+          "__call__",
+          [](const plsh::RandomBinning& binning, const py::object& draw) {
+            return binning(seed_of(draw, "index"));
+          },
+          "index"_a, "Draw number `index`.")
+      .def(
+          "draw",
+          [](const plsh::RandomBinning& binning, const py::object& count, const py::object& first) {
+            return binning.draw(index(count, "count"), seed_of(first, "first"));
+          },
+          "count"_a, "first"_a = 0, "Draws first, first + 1, ..., first + count - 1.")
       .def_property_readonly("slope", &plsh::RandomBinning::slope)
       .def_property_readonly("seed", &plsh::RandomBinning::seed);
 
-  m.def("head_seed", &plsh::head_seed, "seed"_a, "head"_a,
+  m.def(
+      "head_seed",
+      [](const py::object& seed, const py::object& head) {
+        return plsh::head_seed(seed_of(seed), index(head, "head"));
+      },
+      "seed"_a, "head"_a,
         "The seed of head `head` in a kernel run with `seed`: head h, draw t uses "
         "RandomBinning(slopes[h], head_seed(seed, h))(t).");
-  m.def("draw_head_grids", &plsh::draw_head_grids, "slopes"_a, "samples"_a, "seed"_a,
+  m.def(
+      "draw_head_grids",
+      [](const std::vector<double>& slopes, const py::object& samples, const py::object& seed) {
+        return plsh::draw_head_grids(slopes, index(samples, "samples"), seed_of(seed));
+      },
+      "slopes"_a, "samples"_a, "seed"_a,
         "The grids the Positional LSH kernels use with independent draws: [head][draw]; "
         "grids[h][t] is RandomBinning(slopes[h], head_seed(seed, h))(t).");
   m.def(
       "kernel_grids",
-      [](const std::vector<double>& slopes, Index samples, std::uint64_t seed,
+      [](const std::vector<double>& slopes, const py::object& samples, const py::object& seed,
          const std::string& sampling) {
         // kernel_grids reads only samples, seed and sampling.
-        return plsh::kernel_grids(slopes,
-                                  plsh_options_of(true, 0.0, 0, 0, samples, seed, sampling));
+        return plsh::kernel_grids(slopes, plsh_options_of(true, 0.0, py::int_(0), py::int_(0),
+                                                          samples, seed, sampling));
       },
       "slopes"_a, "samples"_a, "seed"_a = 0, py::kw_only(), "sampling"_a = "independent",
       "The grids plsh_attention, plsh_attention_backward and KvCache use with these samples, "
@@ -728,9 +809,10 @@ PYBIND11_MODULE(_plsh, m) {
       });
   m.def(
       "mask_error",
-      [](Index n, double slope, const std::vector<plsh::Grid>& grids) {
+      [](const py::object& n, double slope, const std::vector<plsh::Grid>& grids) {
+        const Index size = index(n, "n");
         py::gil_scoped_release release;
-        return plsh::mask_error(n, slope, grids);
+        return plsh::mask_error(size, slope, grids);
       },
       "n"_a, "slope"_a, "grids"_a,
       "Spectral and max-abs norms of mean_mask(n, grids) - laplacian_kernel(n, slope) (dense, "

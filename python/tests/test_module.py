@@ -359,6 +359,98 @@ def test_zero_tokens_and_heads_one():
     np.testing.assert_allclose(plsh.exact_alibi_attention(q, k, v), v)
 
 
+BACKWARDS = {"exact": (plsh.exact_alibi_attention_backward, ()),
+             "plsh": (plsh.plsh_attention_backward, ()),
+             "fixed": (plsh.fixed_block_attention_backward, (8,))}
+
+
+@pytest.mark.parametrize("name", FORWARDS)
+def test_batches_of_zero_token_elements_give_empty_outputs(name):
+    q, k, v = (np.zeros((2, 0, 4, 8), np.float32),) * 3
+    assert call_forward(name, q, k, v).shape == (2, 0, 4, 8)
+    assert call_forward(name, q, k, v, out=np.empty((2, 0, 4, 8), np.float32)).shape == (2, 0, 4, 8)
+
+
+@pytest.mark.parametrize("method", BACKWARDS)
+def test_backward_of_zero_token_batches_gives_empty_gradients(method):
+    function, extra = BACKWARDS[method]
+    q, k, v, out, dout = (np.zeros((2, 0, 4, 8), np.float32),) * 5
+    gradients = function(q, k, v, out, dout, *extra)
+    assert [g.shape for g in gradients] == [(2, 0, 4, 8)] * 3
+
+
+def empty_batch_cases():
+    """(description, call, message) for calls on a batch of 0 elements that break a rule."""
+    q, k, v = random_inputs((0, 5, 4, 8), kv_heads=2, value_dim=6, dtype=np.float32)
+    odd_q = np.zeros((0, 5, 3, 8), np.float32)
+    narrow_k = np.zeros((0, 5, 2, 7), np.float32)
+    out = np.zeros((0, 5, 4, 6), np.float32)
+    nan = float("nan")
+    return [
+        ("heads", lambda: plsh.exact_alibi_attention(odd_q, k, v), "multiple of k.heads"),
+        ("dims", lambda: plsh.exact_alibi_attention(q, narrow_k, v), "k.dim must equal q.dim"),
+        ("slopes", lambda: plsh.windowed_alibi_attention(q, k, v, [0.5, nan, 0.1, 0.2]),
+         r"slopes\[1\] must be finite"),
+        ("samples", lambda: plsh.plsh_attention(q, k, v, samples=0), "options.samples"),
+        ("scale", lambda: plsh.fixed_block_attention(q, k, v, 4, scale=nan),
+         "options.scale must be finite"),
+        ("position", lambda: plsh.plsh_attention(q, k, v, query_position=-100),
+         "options.query_position"),
+        ("backward position", lambda: plsh.exact_alibi_attention_backward(
+            q, k, v, out, out, query_position=-100), "options.query_position"),
+        ("out aliasing q", lambda: plsh.exact_alibi_attention(q, k, k, out=q), "out overlaps q"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(empty_batch_cases())))
+def test_an_empty_batch_is_checked_like_a_batch_of_one(case):
+    description, call, message = empty_batch_cases()[case]
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+@pytest.mark.parametrize("argument, value", [
+    ("seed", -1), ("seed", 2 ** 64), ("samples", 2 ** 64), ("query_position", 2 ** 63),
+    ("key_position", -2 ** 63 - 1)])
+def test_integers_out_of_range_name_the_argument_and_the_range(argument, value, inputs):
+    q, k, v = inputs
+    with pytest.raises(ValueError, match=rf"^{argument} must be an integer in \[-?\d+, \d+\] "
+                                         rf"\(got {value}\)$"):
+        plsh.plsh_attention(q, k, v, **{argument: value})
+    with pytest.raises(ValueError, match=rf"^{argument} must be an integer in"):
+        plsh.plsh_attention_backward(q, k, v, q, q, **{argument: value})
+
+
+def test_integer_arguments_of_every_function_are_range_checked(inputs):
+    q, k, v = inputs
+    with pytest.raises(ValueError, match="^block_size must be an integer in"):
+        plsh.fixed_block_attention(q, k, v, 2 ** 64)
+    with pytest.raises(ValueError, match="^block_size must be an integer in"):
+        plsh.fixed_block_attention_backward(q, k, v, q, q, 2 ** 64)
+    with pytest.raises(ValueError, match="^seed must be an integer in"):
+        plsh.KvCache(4, 2, 8, 8, seed=-1)
+    with pytest.raises(ValueError, match="^heads must be an integer in"):
+        plsh.KvCache(2 ** 63, 2, 8, 8)
+    with pytest.raises(ValueError, match="^seed must be an integer in"):
+        plsh.RandomBinning(0.5, seed=-1)
+    with pytest.raises(ValueError, match="^index must be an integer in"):
+        plsh.RandomBinning(0.5)(-1)
+    with pytest.raises(ValueError, match="^samples must be an integer in"):
+        plsh.kernel_grids([0.5], 2 ** 64)
+    with pytest.raises(TypeError, match="^seed must be an integer \\(got float\\)$"):
+        plsh.plsh_attention(q, k, v, seed=1.7)
+    # NumPy integers are integers; the largest seed is accepted.
+    assert np.array_equal(plsh.plsh_attention(q, k, v, seed=np.uint64(2 ** 64 - 1)),
+                          plsh.plsh_attention(q, k, v, seed=2 ** 64 - 1))
+
+
+def test_non_native_byte_order_is_named(inputs):
+    q, k, v = inputs
+    swapped = q.astype(q.dtype.newbyteorder(">" if np.little_endian else "<"))
+    with pytest.raises(TypeError, match="byte order"):
+        plsh.exact_alibi_attention(swapped, k, v)
+
+
 # ---------------------------------------------------------------------------------------------
 # Errors
 # ---------------------------------------------------------------------------------------------
@@ -481,8 +573,6 @@ def test_option_errors_are_value_errors_with_the_cpp_message(inputs):
         plsh.fixed_block_attention(q, k, v, 0)
     with pytest.raises(ValueError, match=r"tolerance must lie in \[0, 1\]"):
         plsh.windowed_alibi_attention(q, k, v, tolerance=2.0)
-    with pytest.raises(TypeError):  # a negative seed is not a uint64
-        plsh.plsh_attention(q, k, v, seed=-1)
 
 
 # ---------------------------------------------------------------------------------------------

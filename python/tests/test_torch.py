@@ -232,6 +232,56 @@ def test_errors():
         pt.plsh_attention(q, k, v, sampling="stratified")
 
 
+@pytest.mark.parametrize("method", ["exact", "plsh", "fixed"])
+def test_batches_of_zero_tokens_give_empty_outputs_and_gradients(method):
+    q, k, v = (torch.randn(2, 0, 4, 8, requires_grad=True) for _ in range(3))
+    if method == "fixed":
+        out = pt.fixed_block_attention(q, k, v, 4)
+    else:
+        out = getattr(pt, "exact_alibi_attention" if method == "exact" else "plsh_attention")(q, k, v)
+    assert out.shape == (2, 0, 4, 8)
+    out.sum().backward()
+    assert [t.grad.shape for t in (q, k, v)] == [(2, 0, 4, 8)] * 3
+
+
+def test_integer_arguments_are_not_truncated():
+    q, k, v = random_tensors(requires_grad=False)
+    with pytest.raises(TypeError, match=r"^seed must be an integer \(got float\)$"):
+        pt.plsh_attention(q, k, v, seed=1.7)
+    with pytest.raises(TypeError, match=r"^samples must be an integer \(got float\)$"):
+        pt.plsh_attention(q, k, v, samples=20.0)
+    with pytest.raises(TypeError, match=r"^block_size must be an integer \(got str\)$"):
+        pt.fixed_block_attention(q, k, v, "8")
+    with pytest.raises(ValueError, match=r"^seed must be an integer in \[0, 18446744073709551615\]"):
+        pt.plsh_attention(q, k, v, seed=-1)
+
+
+def test_alibi_attention_module_checks_its_arguments_when_built():
+    with pytest.raises(ValueError, match=r"^seed must lie in \[0, 2\*\*64 - 1\] \(got -1\)$"):
+        pt.AlibiAttention(4, seed=-1)
+    with pytest.raises(ValueError, match=r"^seed must lie in"):
+        pt.AlibiAttention(4, seed=2 ** 64)
+    with pytest.raises(TypeError, match=r"^seed must be an integer \(got float\)$"):
+        pt.AlibiAttention(4, seed=1.7)
+    with pytest.raises(ValueError, match=r"^samples must be at least 1 \(got 0\)$"):
+        pt.AlibiAttention(4, samples=0)
+    with pytest.raises(ValueError, match=r"^block_size must be at least 1 \(got 0\)$"):
+        pt.AlibiAttention(4, method="fixed", block_size=0)
+
+
+def test_alibi_attention_module_seed_wraps_and_counts_only_forwards_that_return():
+    q, k, v = random_tensors(seed=14, requires_grad=False)
+    module = pt.AlibiAttention(4, method="plsh", samples=3, seed=2 ** 64 - 1)
+    module.train()
+    assert torch.equal(module(q, k, v), pt.plsh_attention(q, k, v, samples=3, seed=2 ** 64 - 1))
+    assert module.current_seed() == 0
+    assert torch.equal(module(q, k, v), pt.plsh_attention(q, k, v, samples=3, seed=0))
+    assert int(module.training_forwards) == 2
+    with pytest.raises(ValueError, match=r"k.dim must equal q.dim"):
+        module(q, k[..., :5], v)
+    assert int(module.training_forwards) == 2
+
+
 def test_slopes_as_a_tensor():
     q, k, v = random_tensors(seed=10, requires_grad=False)
     slopes = [0.3, 0.2, 0.1, 0.05]

@@ -6,9 +6,9 @@
 // heads (H_kv divides H); d and d_v in 1..8; s in 1..8; one slope per head from 0 to 1e300; a block
 // size from 0 to INT64_MAX; causal or not; a default or explicit scale; query and key positions
 // that are small, negative, near kMaxPosition = 2^53, or near INT64_MAX; packed, head-major or
-// padded layouts; data from the bytes; and up to three non-finite entries (NaN, +Inf, -Inf, one
-// element or a whole row) in q, k or v. One family per input keeps an execution under a
-// millisecond or so.
+// padded layouts; data from the bytes; up to three non-finite entries (NaN, +Inf, -Inf, one
+// element or a whole row) in q, k or v; and a batch size B of 0, 1 or 2 for the batched
+// overloads. One family per input keeps an execution under a millisecond or so.
 //
 // Checks, for the family's kernels (plsh_attention Fused and Passes and its backward;
 // exact_alibi_attention and its backward; windowed_alibi_attention; fixed_block_attention and its
@@ -29,7 +29,11 @@
 // - the backward kernels equal the dense reference backward when every input is finite; with
 //   non-finite inputs, dq of rows that see no non-finite entry and dk, dv of keys seen only by such
 //   rows equal the reference on the zeroed inputs; dk and dv of keys no query sees are exactly 0;
-// - padding of the output views is untouched.
+// - padding of the output views is untouched;
+// - with B = 0 the batched kernels accept exactly the inputs the unbatched ones accept and write
+//   nothing; with B = 2 (the element twice, through a batch stride of 0, and a zero-token batch
+//   when n_q = 0) they accept the same inputs and each element of every output equals the
+//   unbatched result bit for bit.
 //
 // A failed check prints the configuration and aborts (libFuzzer keeps the input as a crash file).
 // With PLSH_FUZZ_VERBOSE set, every input prints its configuration (for replaying one file).
@@ -41,6 +45,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <sstream>
@@ -92,6 +97,7 @@ struct Config {
   Layout layout = Layout::Packed;
   std::vector<Poison> poisons;
   std::uint64_t fill_seed = 0;
+  Index batch = 1;  // of the batched overloads' check (check_batches); 1: not run
 };
 
 std::string describe(const Config& c) {
@@ -103,7 +109,8 @@ std::string describe(const Config& c) {
     << " seed=" << c.options.seed << (c.options.causal ? " causal" : " bidirectional")
     << " scale=" << c.options.scale << " query_position=" << c.options.query_position
     << " key_position=" << c.options.key_position << " tolerance=" << c.window_tolerance
-    << " block_size=" << c.block_size << " layout=" << c.layout << " slopes=";
+    << " block_size=" << c.block_size << " layout=" << c.layout << " batch=" << c.batch
+    << " slopes=";
   for (const double slope : c.slopes) s << slope << ' ';
   for (const Poison& p : c.poisons) {
     s << "\n  "
@@ -209,6 +216,7 @@ Config decode(FuzzedDataProvider& data) {
     if (tokens > 0) c.poisons.push_back(poison);
   }
   c.fill_seed = data.ConsumeIntegral<std::uint8_t>();
+  c.batch = data.ConsumeIntegralInRange<Index>(0, 2);
   return c;
 }
 
@@ -611,6 +619,129 @@ void run_backward(const char* name, const Config& c, const Inputs<Scalar>& in,
   check_gradients(name, c, in.q, in.k, in.v, in.dout, x, got, want, all_finite);
 }
 
+/// The family's forward kernel on views of one element (HeadsView) or of a batch
+/// (BatchedHeadsView).
+template <class Scalar, class In, class Out>
+void family_forward(const Config& c, const In& q, const In& k, const In& v, const Out& out) {
+  switch (c.family) {
+    case Family::Plsh:
+      return plsh::plsh_attention<Scalar>(q, k, v, out, c.slopes, c.options);
+    case Family::ExactAlibi:
+      return plsh::exact_alibi_attention<Scalar>(q, k, v, out, c.slopes, c.options);
+    case Family::WindowedAlibi:
+      return plsh::windowed_alibi_attention<Scalar>(q, k, v, out, c.slopes, c.window_tolerance,
+                                                    c.options);
+    case Family::FixedBlock:
+      return plsh::fixed_block_attention<Scalar>(q, k, v, out, c.block_size, c.options);
+  }
+}
+
+/// The family's backward kernel as family_forward; false for a family without one.
+template <class Scalar, class In, class Out>
+bool family_backward(const Config& c, const In& q, const In& k, const In& v, const In& out,
+                     const In& dout, const Out& dq, const Out& dk, const Out& dv) {
+  switch (c.family) {
+    case Family::Plsh:
+      plsh::plsh_attention_backward<Scalar>(q, k, v, out, dout, dq, dk, dv, c.slopes, c.options);
+      return true;
+    case Family::ExactAlibi:
+      plsh::exact_alibi_attention_backward<Scalar>(q, k, v, out, dout, dq, dk, dv, c.slopes,
+                                                   c.options);
+      return true;
+    case Family::FixedBlock:
+      plsh::fixed_block_attention_backward<Scalar>(q, k, v, out, dout, dq, dk, dv, c.block_size,
+                                                   c.options);
+      return true;
+    case Family::WindowedAlibi:
+      return false;
+  }
+  return false;
+}
+
+/// `count` copies of one element: an input view with batch stride 0.
+template <class Scalar>
+plsh::BatchedHeadsView<const Scalar> repeated(const Buffer<Scalar>& buffer, Index count) {
+  return plsh::BatchedHeadsView<const Scalar>(count, buffer.in(), 0);
+}
+
+/// An output of `count` elements shaped like `like`, and its batched view.
+template <class Scalar>
+struct BatchOutput {
+  Buffer<Scalar> buffer;
+  plsh::BatchedHeadsView<Scalar> view;
+
+  BatchOutput(const Buffer<Scalar>& like, Index count, Layout layout)
+      : buffer(like.view.tokens * count, like.view.heads, like.view.dim, layout),
+        view(count, buffer.view.slice(0, like.view.tokens),
+             like.view.tokens * buffer.view.token_stride) {}
+
+  /// Fails unless element b equals `element` bit for bit, or both are NaN (the sign and payload
+  /// of a NaN made by an invalid operation depend on the instruction that made it).
+  void require_element(Index b, Buffer<Scalar>& element, const char* name) {
+    const Index tokens = element.view.tokens;
+    for (Index t = 0; t < tokens; ++t)
+      for (Index h = 0; h < element.view.heads; ++h)
+        for (Index e = 0; e < element.view.dim; ++e) {
+          const Scalar got = buffer.at(b * tokens + t, h, e), want = element.at(t, h, e);
+          if (std::memcmp(&got, &want, sizeof(Scalar)) != 0 &&
+              !(std::isnan(got) && std::isnan(want))) {
+            fail(where(name, t, h, e) + " of batch element " + std::to_string(b) +
+                 values(got, want, 0) + " (want: one element's)");
+          }
+        }
+  }
+};
+
+/// The batched overloads against the unbatched kernels, with the batch size of the input:
+/// B = 0 accepts what one element accepts and writes nothing; B = 2 accepts the same and repeats
+/// the element's result bit for bit, in the forward and the backward.
+template <class Scalar>
+void check_batches(const Config& c, const Buffer<Scalar>& q, const Buffer<Scalar>& k,
+                   const Buffer<Scalar>& v, const Buffer<Scalar>& dout) {
+  if (c.batch == 1) return;
+  Buffer<Scalar> out(c.n_q, c.heads, c.value_dim, c.layout);
+  const bool accepted =
+      accepts([&] { family_forward<Scalar>(c, q.in(), k.in(), v.in(), out.view); });
+  BatchOutput<Scalar> batched(out, c.batch, c.layout);
+  const std::vector<Scalar> before = batched.buffer.storage;
+  const bool batch_accepted = accepts([&] {
+    family_forward<Scalar>(c, repeated(q, c.batch), repeated(k, c.batch), repeated(v, c.batch),
+                           batched.view);
+  });
+  if (batch_accepted != accepted) {
+    fail("the batched forward of B = " + std::to_string(c.batch) +
+         (accepted ? " rejects what one element accepts: " + last_rejection
+                   : " accepts what one element rejects"));
+  }
+  if (!accepted) return;
+  for (Index b = 0; b < c.batch; ++b) batched.require_element(b, out, "batched forward");
+  if (c.batch == 0 && batched.buffer.storage != before) fail("an empty batch wrote its output");
+  Buffer<Scalar> dq(c.n_q, c.heads, c.dim, c.layout), dk(c.n_k, c.kv_heads, c.dim, c.layout),
+      dv(c.n_k, c.kv_heads, c.value_dim, c.layout);
+  bool has_backward = false;
+  if (!accepts([&] {
+        has_backward = family_backward<Scalar>(c, q.in(), k.in(), v.in(), out.in(), dout.in(),
+                                               dq.view, dk.view, dv.view);
+      })) {
+    fail("the backward rejects what its forward accepted: " + last_rejection);
+  }
+  if (!has_backward) return;
+  BatchOutput<Scalar> dq_batch(dq, c.batch, c.layout), dk_batch(dk, c.batch, c.layout),
+      dv_batch(dv, c.batch, c.layout);
+  if (!accepts([&] {
+        family_backward<Scalar>(c, repeated(q, c.batch), repeated(k, c.batch), repeated(v, c.batch),
+                                repeated(out, c.batch), repeated(dout, c.batch), dq_batch.view,
+                                dk_batch.view, dv_batch.view);
+      })) {
+    fail("the batched backward rejects what one element accepts: " + last_rejection);
+  }
+  for (Index b = 0; b < c.batch; ++b) {
+    dq_batch.require_element(b, dq, "batched dq");
+    dk_batch.require_element(b, dk, "batched dk");
+    dv_batch.require_element(b, dv, "batched dv");
+  }
+}
+
 template <class Scalar>
 void run(const Config& c, FuzzedDataProvider& data) {
   Inputs<Scalar> in{Buffer<Scalar>(c.n_q, c.heads, c.dim, c.layout),
@@ -625,6 +756,7 @@ void run(const Config& c, FuzzedDataProvider& data) {
     apply_poison(p.tensor == 0 ? in.q : p.tensor == 1 ? in.k : in.v, p);
   const Inputs<Scalar> clean{zeroed(in.q), zeroed(in.k), zeroed(in.v), in.dout};
   const bool all_finite = c.poisons.empty();
+  check_batches(c, in.q, in.k, in.v, in.dout);
 
   const auto output = [&] { return Buffer<Scalar>(c.n_q, c.heads, c.value_dim, c.layout); };
   // Every position and every end `position + tokens` in [0, kMaxPosition] (overflow-free test).

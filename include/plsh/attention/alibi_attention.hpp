@@ -77,7 +77,7 @@ void batched_exact_alibi_attention(const BatchedHeadsView<const Scalar>& q,
                                    const std::vector<double>& slopes,
                                    const AttentionOptions& options) {
   const char* function = "exact_alibi_attention";
-  validate_attention(function, q[0], k[0], v[0], out[0], options);
+  validate_attention(function, q[0], k[0], v[0], out[0], options, memory_of(q));
   validate_slopes(function, slopes, q.heads);
   linear_bias_attention(q, k, v, out, options, [&](Index h) {
     return LinearBias{slopes[static_cast<std::size_t>(h)], kNoWindow};
@@ -93,7 +93,7 @@ void batched_windowed_alibi_attention(const BatchedHeadsView<const Scalar>& q,
                                       const std::vector<double>& slopes, double tolerance,
                                       const AttentionOptions& options) {
   const char* function = "windowed_alibi_attention";
-  validate_attention(function, q[0], k[0], v[0], out[0], options);
+  validate_attention(function, q[0], k[0], v[0], out[0], options, memory_of(q));
   validate_slopes(function, slopes, q.heads);
   require(tolerance >= 0 && tolerance <= 1, function, "tolerance must lie in [0, 1]");
   linear_bias_attention(q, k, v, out, options, [&](Index h) {

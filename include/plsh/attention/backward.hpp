@@ -406,7 +406,8 @@ void batched_exact_alibi_attention_backward(
     const BatchedHeadsView<Scalar>& dk, const BatchedHeadsView<Scalar>& dv,
     const std::vector<double>& slopes, const AttentionOptions& options) {
   const char* function = "exact_alibi_attention_backward";
-  validate_backward(function, q[0], k[0], v[0], out[0], dout[0], dq[0], dk[0], dv[0], options);
+  validate_backward(function, q[0], k[0], v[0], out[0], dout[0], dq[0], dk[0], dv[0], options,
+                    memory_of(q));
   validate_slopes(function, slopes, q.heads);
   AttentionOptions resolved = options;
   resolved.scale = resolved_scale(options, q.dim);
@@ -443,7 +444,8 @@ void batched_plsh_attention_backward(
     const BatchedHeadsView<Scalar>& dk, const BatchedHeadsView<Scalar>& dv,
     const std::vector<double>& slopes, const PlshOptions& options) {
   const char* function = "plsh_attention_backward";
-  validate_backward(function, q[0], k[0], v[0], out[0], dout[0], dq[0], dk[0], dv[0], options);
+  validate_backward(function, q[0], k[0], v[0], out[0], dout[0], dq[0], dk[0], dv[0], options,
+                    memory_of(q));
   validate_slopes(function, slopes, q.heads);
   const auto grids = kernel_grids(slopes, options, function);
   block_counts_backward(q, k, v, out, dout, dq, dk, dv, slopes, grids, options);
@@ -459,7 +461,8 @@ void batched_fixed_block_attention_backward(
     const BatchedHeadsView<Scalar>& dk, const BatchedHeadsView<Scalar>& dv, Index block_size,
     const AttentionOptions& options) {
   const char* function = "fixed_block_attention_backward";
-  validate_backward(function, q[0], k[0], v[0], out[0], dout[0], dq[0], dk[0], dv[0], options);
+  validate_backward(function, q[0], k[0], v[0], out[0], dout[0], dq[0], dk[0], dv[0], options,
+                    memory_of(q));
   require(block_size >= 1, function, "block_size must be at least 1");
   const std::vector<std::vector<Grid>> grids(
       static_cast<std::size_t>(q.heads),

@@ -968,7 +968,7 @@ void batched_plsh_attention(const BatchedHeadsView<const Scalar>& q,
                             const BatchedHeadsView<Scalar>& out, const std::vector<double>& slopes,
                             const PlshOptions& options, RegularKernel&&... kernel) {
   static_assert(sizeof...(RegularKernel) <= 1, "at most one regular kernel");
-  validate_plsh("plsh_attention", q[0], k[0], v[0], out[0], slopes, options);
+  validate_plsh("plsh_attention", q[0], k[0], v[0], out[0], slopes, options, memory_of(q));
   const auto grids = kernel_grids(slopes, options, "plsh_attention");
   if constexpr (sizeof...(RegularKernel) == 1) {
     pass_attention(q, k, v, out, grids, options, kernel...);
@@ -988,7 +988,7 @@ void batched_fixed_block_attention(const BatchedHeadsView<const Scalar>& q,
                                    const BatchedHeadsView<Scalar>& out, Index block_size,
                                    const AttentionOptions& options) {
   const char* function = "fixed_block_attention";
-  validate_attention(function, q[0], k[0], v[0], out[0], options);
+  validate_attention(function, q[0], k[0], v[0], out[0], options, memory_of(q));
   require(block_size >= 1, function, "block_size must be at least 1");
   const std::vector<std::vector<Grid>> grids(
       static_cast<std::size_t>(q.heads),

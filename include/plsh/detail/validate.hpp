@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "../batched_heads_view.hpp"
 #include "../limits.hpp"
 #include "../options.hpp"
 #include "../sampler.hpp"
@@ -94,17 +95,33 @@ bool rows_disjoint(const HeadsView<Scalar>& view) {
   return true;
 }
 
+/// How the memory checks read the views of a call. `Extents`: the views describe memory that
+/// exists, every element their strides reach. `Starts`: the views are the element of an empty
+/// batch, checked for its shapes like a batch of one, but no element exists and no memory is
+/// touched; two views then overlap only when they start at the same address (an output passed
+/// as an input), and an output's strides are not checked.
+enum class Memory { Extents, Starts };
+
+/// How the memory of a batch is checked: `Starts` when it has no element.
+template <class Scalar>
+Memory memory_of(const BatchedHeadsView<Scalar>& view) {
+  return view.batch > 0 ? Memory::Extents : Memory::Starts;
+}
+
 /// Distinct (token, head) rows of an output view must not share elements.
 template <class Scalar>
-void require_injective(const HeadsView<Scalar>& view, const char* function, const char* name) {
-  require(rows_disjoint(view), function, name, " strides make rows overlap");
+void require_injective(const HeadsView<Scalar>& view, const char* function, const char* name,
+                       Memory memory = Memory::Extents) {
+  require(memory == Memory::Starts || rows_disjoint(view), function, name,
+          " strides make rows overlap");
 }
 
 /// Whether two views accepted by require_view share memory.
 template <class A, class B>
-bool views_overlap(const HeadsView<A>& a, const HeadsView<B>& b) {
+bool views_overlap(const HeadsView<A>& a, const HeadsView<B>& b, Memory memory = Memory::Extents) {
   const auto begin_a = reinterpret_cast<std::uintptr_t>(a.data);
   const auto begin_b = reinterpret_cast<std::uintptr_t>(b.data);
+  if (memory == Memory::Starts) return begin_a == begin_b;
   const auto end_a = begin_a + static_cast<std::uintptr_t>(view_extent(a)) * sizeof(A);
   const auto end_b = begin_b + static_cast<std::uintptr_t>(view_extent(b)) * sizeof(B);
   return begin_a < end_b && begin_b < end_a;
@@ -179,19 +196,20 @@ constexpr void require_storage_type() {
 }
 
 /// The checks shared by every attention entry point: a storage type (at compile time),
-/// validate_inputs, validate_output_shape, out not overlapping itself or an input,
-/// validate_options.
+/// validate_inputs, validate_output_shape, out not overlapping itself or an input (as `memory`
+/// says), validate_options.
 template <class Scalar>
 void validate_attention(const char* function, const HeadsView<const Scalar>& q,
                         const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
-                        const HeadsView<Scalar>& out, const AttentionOptions& options) {
+                        const HeadsView<Scalar>& out, const AttentionOptions& options,
+                        Memory memory = Memory::Extents) {
   require_storage_type<Scalar>();
   validate_inputs(function, q, k, v);
   validate_output_shape(function, out, q, v);
-  require_injective(out, function, "out");
-  require(!views_overlap(out, q), function, "out overlaps q");
-  require(!views_overlap(out, k), function, "out overlaps k");
-  require(!views_overlap(out, v), function, "out overlaps v");
+  require_injective(out, function, "out", memory);
+  require(!views_overlap(out, q, memory), function, "out overlaps q");
+  require(!views_overlap(out, k, memory), function, "out overlaps k");
+  require(!views_overlap(out, v, memory), function, "out overlaps v");
   validate_options<Scalar>(function, options, q.tokens, k.tokens, q.dim);
 }
 
@@ -213,8 +231,8 @@ template <class Scalar>
 void validate_plsh(const char* function, const HeadsView<const Scalar>& q,
                    const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
                    const HeadsView<Scalar>& out, const std::vector<double>& slopes,
-                   const PlshOptions& options) {
-  validate_attention(function, q, k, v, out, options);
+                   const PlshOptions& options, Memory memory = Memory::Extents) {
+  validate_attention(function, q, k, v, out, options, memory);
   validate_slopes(function, slopes, q.heads);
   require_samples(options.samples, function, "options.samples");
 }
@@ -236,13 +254,14 @@ void require_same_shape(const char* function, const HeadsView<A>& view, const ch
 
 /// Checks of the backward entry points: a storage type (at compile time); q, k, v, out as the
 /// forward; dout like out, dq like q, dk like k, dv like v; no gradient view overlapping itself,
-/// an input or another gradient.
+/// an input or another gradient (as `memory` says).
 template <class Scalar>
 void validate_backward(const char* function, const HeadsView<const Scalar>& q,
                        const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
                        const HeadsView<const Scalar>& out, const HeadsView<const Scalar>& dout,
                        const HeadsView<Scalar>& dq, const HeadsView<Scalar>& dk,
-                       const HeadsView<Scalar>& dv, const AttentionOptions& options) {
+                       const HeadsView<Scalar>& dv, const AttentionOptions& options,
+                       Memory memory = Memory::Extents) {
   require_storage_type<Scalar>();
   validate_inputs(function, q, k, v);
   validate_output_shape(function, out, q, v);
@@ -259,14 +278,14 @@ void validate_backward(const char* function, const HeadsView<const Scalar>& q,
   const HeadsView<const Scalar> inputs[] = {q, k, v, out, dout};
   const char* input_names[] = {"q", "k", "v", "out", "dout"};
   for (int g = 0; g < 3; ++g) {
-    require_injective(gradients[g], function, gradient_names[g]);
+    require_injective(gradients[g], function, gradient_names[g], memory);
     for (int i = 0; i < 5; ++i) {
-      if (views_overlap(gradients[g], inputs[i])) {
+      if (views_overlap(gradients[g], inputs[i], memory)) {
         fail(function, std::string(gradient_names[g]) + " overlaps " + input_names[i]);
       }
     }
     for (int other = 0; other < g; ++other) {
-      if (views_overlap(gradients[g], gradients[other])) {
+      if (views_overlap(gradients[g], gradients[other], memory)) {
         fail(function, std::string(gradient_names[g]) + " overlaps " + gradient_names[other]);
       }
     }
@@ -280,9 +299,10 @@ void validate_backward(const char* function, const HeadsView<const Scalar>& q,
                        const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
                        const HeadsView<const Scalar>& out, const HeadsView<const Scalar>& dout,
                        const HeadsView<Scalar>& dq, const HeadsView<Scalar>& dk,
-                       const HeadsView<Scalar>& dv, const PlshOptions& options) {
+                       const HeadsView<Scalar>& dv, const PlshOptions& options,
+                       Memory memory = Memory::Extents) {
   validate_backward(function, q, k, v, out, dout, dq, dk, dv,
-                    static_cast<const AttentionOptions&>(options));
+                    static_cast<const AttentionOptions&>(options), memory);
   require_samples(options.samples, function, "options.samples");
 }
 
