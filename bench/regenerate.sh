@@ -1,36 +1,102 @@
 #!/usr/bin/env bash
-# Regenerates the benchmark figures of README.md: builds plsh_bench and plsh_accuracy in Release
-# (-O3 -march=native), runs them single-threaded and writes into docs/bench/ (or the folder given
-# as the first argument):
-#   bench.json      plsh_bench, every family (Google Benchmark JSON)
-#   accuracy.json   plsh_accuracy --n=4096, and accuracy.md, its table
-#   time_vs_n.png, error_vs_time.png   bench/plot.py (needs matplotlib: python3-matplotlib)
-# The whole suite takes about 8 minutes on one core (the long-sequence families, up to n = 2^20,
-# about 2 of them; they need about 9 GiB of memory). Environment: PLSH_JOBS (build jobs, default
-# 2), PLSH_BENCH_ARGS (extra plsh_bench arguments, e.g. --benchmark_repetitions=3).
+# Regenerates the benchmark data of the documentation, then its tables and plots.
+#
+#   bench/regenerate.sh [part]...     (no part: kernels plots report)
+#
+#   kernels  plsh_bench, the kernel families (gemm, regular, exact, windowed, passes, fused,
+#            fixed_blocks, fused_threads) -> docs/bench/bench.json; plsh_accuracy --n=4096 ->
+#            docs/bench/accuracy.json and accuracy.md. About 8 minutes on one core.
+#   long     plsh_bench, the long families (n = 2^16, 2^18, 2^20) and exact/65536 ->
+#            docs/bench/scaling.json. Several minutes; about 9 GiB of memory.
+#   decode   plsh_bench, the decoding families (decode_plsh, decode_exact, team_step) ->
+#            docs/bench/decode.json. A few minutes.
+#   mpi      mpi_bench (build/mpi, PLSH_MPI=ON): the bytes each rank receives on 2 and 4 ranks ->
+#            docs/bench/mpi-bytes-2.txt, mpi-bytes-4.txt. Seconds once built; needs mpirun.
+#   plots    bench/plot.py over the JSON above -> docs/bench/time_vs_n.png, error_vs_time.png
+#            (processor time; needs python3-matplotlib).
+#   report   bench/report.py: the tables of README.md and docs/*.md, from the files above.
+#
+# Benchmarks run with OMP_NUM_THREADS=1 (fused_threads sets its own). Environment: PLSH_JOBS
+# (build jobs, default 2), PLSH_BENCH_ARGS (extra plsh_bench arguments, e.g.
+# --benchmark_repetitions=3), PLSH_PYTHON (default /usr/bin/python3, whose matplotlib Debian
+# installs).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # shellcheck source=scripts/deps.sh
 source scripts/deps.sh
-plsh_ensure_deps
 
-out="${1:-docs/bench}"
+parts=("$@")
+if ((${#parts[@]} == 0)); then
+  parts=(kernels plots report)
+fi
+for part in "${parts[@]}"; do
+  case "${part}" in
+    kernels | long | decode | mpi | plots | report) ;;
+    *)
+      echo "usage: bench/regenerate.sh [kernels|long|decode|mpi|plots|report]..." >&2
+      exit 2
+      ;;
+  esac
+done
+
+out=docs/bench
 build_dir=build/release
-cmake -S . -B "${build_dir}" -DCMAKE_BUILD_TYPE=Release -DPLSH_BUILD_BENCHMARKS=ON
-cmake --build "${build_dir}" --target plsh_bench plsh_accuracy -j "${PLSH_JOBS:-2}"
+jobs=${PLSH_JOBS:-2}
+python=${PLSH_PYTHON:-/usr/bin/python3}
 mkdir -p "${out}"
 
-# shellcheck disable=SC2086 # PLSH_BENCH_ARGS is a list of arguments
-OMP_NUM_THREADS=1 "${build_dir}/bench/plsh_bench" --benchmark_out="${out}/bench.json" \
-  --benchmark_out_format=json ${PLSH_BENCH_ARGS:-}
-OMP_NUM_THREADS=1 "${build_dir}/bench/plsh_accuracy" --n=4096 --json="${out}/accuracy.json" |
-  tee "${out}/accuracy.md"
+build_bench() {
+  plsh_ensure_deps
+  cmake -S . -B "${build_dir}" -DCMAKE_BUILD_TYPE=Release -DPLSH_BUILD_BENCHMARKS=ON
+  cmake --build "${build_dir}" --target "$@" -j "${jobs}"
+}
 
-# Debian's matplotlib belongs to the system interpreter, which may not be the first python3.
-python=python3
-if ! "${python}" -c 'import matplotlib' 2>/dev/null && [[ -x /usr/bin/python3 ]]; then
-  python=/usr/bin/python3
-fi
-"${python}" bench/plot.py --bench "${out}/bench.json" --accuracy "${out}/accuracy.json" \
-  --out-dir "${out}"
+# plsh_bench with a filter, single-threaded, JSON into the given file.
+run_bench() {
+  local filter=$1 file=$2
+  # shellcheck disable=SC2086 # PLSH_BENCH_ARGS is a list of arguments
+  OMP_NUM_THREADS=1 "${build_dir}/bench/plsh_bench" --benchmark_filter="${filter}" \
+    --benchmark_out="${file}" --benchmark_out_format=json ${PLSH_BENCH_ARGS:-}
+}
+
+for part in "${parts[@]}"; do
+  echo "== bench/regenerate.sh: ${part}"
+  case "${part}" in
+    kernels)
+      build_bench plsh_bench plsh_accuracy
+      run_bench '^(gemm|gemm_tile|regular|exact|windowed|passes|fused|fixed_blocks|fused_threads)/' \
+        "${out}/bench.json"
+      OMP_NUM_THREADS=1 "${build_dir}/bench/plsh_accuracy" --n=4096 --json="${out}/accuracy.json" |
+        tee "${out}/accuracy.md"
+      ;;
+    long)
+      build_bench plsh_bench
+      run_bench '^(long_fused|long_windowed)/|^exact/65536/' "${out}/scaling.json"
+      ;;
+    decode)
+      build_bench plsh_bench
+      run_bench '^(decode_plsh|decode_exact|team_step)/' "${out}/decode.json"
+      ;;
+    mpi)
+      plsh_ensure_deps libopenmpi-dev openmpi-bin
+      mpi_build=build/mpi
+      cmake -S . -B "${mpi_build}" -DCMAKE_BUILD_TYPE=Release -DPLSH_MPI=ON \
+        -DPLSH_BUILD_BENCHMARKS=ON
+      cmake --build "${mpi_build}" --target mpi_bench -j "${jobs}"
+      # Open MPI refuses to start as root without these two variables.
+      for ranks in 2 4; do
+        OMP_NUM_THREADS=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+          mpirun --oversubscribe -np "${ranks}" "${mpi_build}/bench/mpi/mpi_bench" bytes 16 20 |
+          tee "${out}/mpi-bytes-${ranks}.txt"
+      done
+      ;;
+    plots)
+      "${python}" bench/plot.py --bench "${out}/bench.json" --bench "${out}/scaling.json" \
+        --accuracy "${out}/accuracy.json" --clock cpu --out-dir "${out}"
+      ;;
+    report)
+      "${python}" bench/report.py
+      ;;
+  esac
+done

@@ -1,0 +1,527 @@
+#!/usr/bin/env python3
+"""Markdown tables of the documentation, rendered from the benchmarks' output.
+
+Every table of README.md and docs/ that holds measured figures sits between two markers,
+
+    <!-- report: NAME -->
+    ... (generated: do not edit by hand)
+    <!-- /report -->
+
+and this script rewrites what lies between them from the files in docs/ (below). Run it from
+anywhere after new data is written (bench/regenerate.sh runs it at the end of every part):
+
+    /usr/bin/python3 bench/report.py           rewrite the tables in place
+    /usr/bin/python3 bench/report.py --check   exit 1 if a table differs from its data
+
+Sources (a missing source leaves a line saying which command writes it):
+    docs/bench/bench.json          plsh_bench, every family (bench/regenerate.sh kernels)
+    docs/bench/scaling.json        plsh_bench, the long families up to 2^20 (bench/regenerate.sh long)
+    docs/bench/accuracy.json       plsh_accuracy --n=4096 (bench/regenerate.sh kernels)
+    docs/bench/decode.json         plsh_bench, the decoding families (bench/regenerate.sh decode);
+                                   docs/bench/bench.json's decode_* entries when it is missing
+    docs/bench/mpi-bytes-<P>.txt   mpirun -np P mpi_bench bytes 16 20 (bench/regenerate.sh mpi)
+    docs/accuracy/exponents.md     docs/accuracy/plot.py (docs/accuracy/regenerate.sh)
+    docs/training/results.md       examples/python/compare.py
+    docs/training/torch_bench-*.txt  bench/torch_bench.py, one file per run
+
+Standard library only.
+"""
+
+import argparse
+import glob
+import json
+import os
+import re
+import statistics
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGES = ["README.md", "docs/performance.md", "docs/decoding.md", "docs/half-precision.md",
+         "docs/accuracy.md", "docs/training/README.md", "docs/mpi.md"]
+MARKER = re.compile(r"(<!-- report: ([\w-]+) -->\n)(.*?)(<!-- /report -->)", re.DOTALL)
+UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+class Missing(Exception):
+    """A source file that is not there: the table says which command writes it."""
+
+
+def path(relative):
+    return os.path.join(ROOT, relative)
+
+
+def read_json(relative, command):
+    if not os.path.exists(path(relative)):
+        raise Missing(f"`{relative}` is missing: `{command}` writes it.")
+    with open(path(relative)) as f:
+        return json.load(f)
+
+
+def short_name(run_name):
+    """gemm/1024/real_time -> gemm/1024; long_fused/65536/20/float/iterations:1/real_time ->
+    long_fused/65536/20/float."""
+    parts = [p for p in run_name.split("/")
+             if p != "real_time" and not p.startswith("iterations:")
+             and not p.startswith("repeats:")]
+    return "/".join(parts)
+
+
+class Runs:
+    """Google Benchmark JSON: one entry per benchmark, the median over repetitions (the median
+    aggregate when written). With several files, a later file's benchmark replaces an earlier
+    one's; within a file a later run of the same name replaces an earlier one."""
+
+    def __init__(self, files, command):
+        self.entries = {}
+        self.context = {}
+        for relative in files:
+            data = read_json(relative, command)
+            self.context = data.get("context", {})
+            iterations, medians = {}, {}
+            for b in data.get("benchmarks", []):
+                name = short_name(b.get("run_name", b["name"]))
+                if b.get("run_type") == "aggregate":
+                    if b.get("aggregate_name") == "median":
+                        medians[name] = b
+                else:
+                    iterations.setdefault(name, []).append(b)
+            for name, runs in iterations.items():
+                self.entries[name] = medians.get(name) or self.median(runs)
+
+    @staticmethod
+    def median(runs):
+        if len(runs) == 1:
+            return runs[0]
+        entry = dict(runs[-1])
+        for key in ("real_time", "cpu_time"):
+            entry[key] = statistics.median(r[key] for r in runs)
+        return entry
+
+    def get(self, name):
+        return self.entries.get(name)
+
+    def seconds(self, name, clock="real_time"):
+        entry = self.entries.get(name)
+        if entry is None:
+            return None
+        return entry[clock] * UNIT_SECONDS[entry.get("time_unit", "ns")]
+
+    def names(self, prefix):
+        return sorted((n for n in self.entries if n.startswith(prefix)),
+                      key=lambda n: [int(p) if p.isdigit() else p for p in n.split("/")])
+
+
+def describe_context(context, relative):
+    date = context.get("date", "?")[:10]
+    load = context.get("load_avg") or []
+    load_text = f", load average {load[0]:.1f}" if load else ""
+    return f"`{relative}` ({date}, {context.get('num_cpus', '?')} cores{load_text})"
+
+
+def fmt(value, digits=3):
+    """Three significant digits, no exponent for ordinary magnitudes."""
+    if value is None:
+        return "—"
+    if value == 0:
+        return "0"
+    if abs(value) >= 10 ** digits:
+        return f"{value:,.0f}"
+    if abs(value) < 1e-3:
+        return f"{value:.2e}"
+    text = f"{value:.{digits}g}"
+    return text
+
+
+def ms(seconds):
+    return fmt(None if seconds is None else seconds * 1e3)
+
+
+def table(header, rows, align=None):
+    align = align or ["---"] + ["---:"] * (len(header) - 1)
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels: plsh_bench and plsh_accuracy
+
+KERNEL_COMMAND = "bash bench/regenerate.sh kernels"
+
+
+def accuracy_methods():
+    data = read_json("docs/bench/accuracy.json", KERNEL_COMMAND)
+    return data, {(m["method"], m["parameter"]): m for m in data["methods"]}
+
+
+def which_kernel():
+    """README: which kernel for what."""
+    runs = Runs(["docs/bench/bench.json"], KERNEL_COMMAND)
+    data, methods = accuracy_methods()
+    n = 16384
+    exact = runs.seconds(f"exact/{n}")
+    rows = [
+        ("exact ALiBi", "`exact_alibi_attention`", f"exact/{n}", ("exact", ""),
+         "the reference; short sequences; anything that must be exact"),
+        ("windowed ALiBi, tolerance 1e-6", "`windowed_alibi_attention`", f"windowed/{n}",
+         ("windowed", "tolerance=1e-06"),
+         "serving a trained ALiBi model on ordinary logits (see the caveat below)"),
+        ("Positional LSH, fused, s = 20", "`plsh_attention`", f"fused/{n}/20", ("fused", "s=20"),
+         "training with Positional LSH (the paper's estimator); the longest contexts; decoding "
+         "with a bounded cache (`KvCache`); MPI with a halo that does not grow with n"),
+        ("Positional LSH, passes, s = 20", "`plsh_attention`, `Kernel::Passes`",
+         f"passes/{n}/20", ("passes", "s=20"),
+         "the paper's form: every block through a regular attention kernel of your own"),
+        ("fixed blocks, b = 64", "`fixed_block_attention`", f"fixed_blocks/{n}",
+         ("fixed_blocks", "b=64"), "the paper's baseline; not ALiBi"),
+    ]
+    body = []
+    for label, call, bench_name, accuracy_key, use in rows:
+        seconds = runs.seconds(bench_name)
+        speedup = f"{exact / seconds:.1f}×" if seconds and exact else "—"
+        error = methods.get(accuracy_key, {}).get("relative_error")
+        body.append((label, call, ms(seconds), speedup, fmt(error, 2), use))
+    header = ["kernel", "call", f"ms, n = {n}", "faster than exact", "error, n = 4096",
+              "use it for"]
+    caption = (f"Time per call on 1 thread from {describe_context(runs.context, 'docs/bench/bench.json')}; "
+               f"error: relative Frobenius error against exact ALiBi in double, "
+               f"`docs/bench/accuracy.json` (q, k uniform in [−{data['query_key_range']:g}, "
+               f"{data['query_key_range']:g}]).")
+    return table(header, body, ["---", "---", "---:", "---:", "---:", "---"]) + "\n\n" + caption
+
+
+def time_per_call():
+    runs = Runs(["docs/bench/bench.json"], KERNEL_COMMAND)
+    sizes = [1024, 4096, 16384, 65536]
+    rows = [("gemm (Eigen yardstick)", "gemm/{n}"), ("exact", "exact/{n}"),
+            ("windowed, tolerance 1e-6", "windowed/{n}"), ("passes, s = 20", "passes/{n}/20"),
+            ("fused, s = 5", "fused/{n}/5"), ("fused, s = 20", "fused/{n}/20"),
+            ("fused, s = 100", "fused/{n}/100"), ("fixed blocks, b = 64", "fixed_blocks/{n}")]
+    body = []
+    for label, pattern in rows:
+        times = [ms(runs.seconds(pattern.format(n=n))) for n in sizes]
+        entry = runs.get(pattern.format(n=16384)) or {}
+        body.append([label] + times + [fmt(entry.get("scores_per_query")),
+                                       fmt(entry.get("gflops"))])
+    header = ["method"] + [f"n = {n}" for n in sizes] + ["scores per query (16384)",
+                                                        "GFLOP/s (16384)"]
+    fused = runs.seconds("fused/16384/20")
+    windowed = runs.seconds("windowed/16384")
+    exact = runs.seconds("exact/16384")
+    ratios = ""
+    if fused and windowed and exact:
+        ratios = (f" At n = 16384 the fused kernel (s = 20) is {windowed / fused:.1f}× faster "
+                  f"than windowed and {exact / fused:.1f}× faster than exact.")
+    return (table(header, body) + "\n\nWall time per call, ms, 1 thread, from "
+            + describe_context(runs.context, "docs/bench/bench.json") + "." + ratios)
+
+
+def threads():
+    runs = Runs(["docs/bench/bench.json"], KERNEL_COMMAND)
+    one = runs.seconds("fused_threads/16384/20/1")
+    two = runs.seconds("fused_threads/16384/20/2")
+    if one is None or two is None:
+        return "No `fused_threads` entries (an OpenMP build writes them)."
+    return table(["fused, n = 16384, s = 20", "1 thread", "2 threads", "speed-up"],
+                 [("wall time, ms", ms(one), ms(two), f"{one / two:.2f}×")]) + (
+        "\n\nFrom " + describe_context(runs.context, "docs/bench/bench.json") + ".")
+
+
+def accuracy_time():
+    data, _ = accuracy_methods()
+    exact = next(m for m in data["methods"] if m["method"] == "exact")
+    names = {"fused_lhs": "fused, Latin hypercube", "fixed_blocks": "fixed blocks"}
+    body = []
+    for m in data["methods"]:
+        body.append((names.get(m["method"], m["method"]), m["parameter"].replace("=", " = "),
+                     fmt(m["relative_error"], 2), ms(m["median_cpu_seconds"]),
+                     ms(m["median_seconds"]),
+                     f"{exact['median_cpu_seconds'] / m['median_cpu_seconds']:.2f}"))
+    header = ["method", "parameter", "relative error", "processor time (ms)", "wall time (ms)",
+              "faster than exact (processor time)"]
+    loaded = exact["median_seconds"] > 1.5 * exact["median_cpu_seconds"]
+    note = (" The machine was shared during this run (wall time well above processor time), so "
+            "the speed-ups use processor time." if loaded else "")
+    return (table(header, body, ["---", "---", "---:", "---:", "---:", "---:"])
+            + f"\n\n`docs/bench/accuracy.json`: n = {data['n']}, {data['heads']} heads, d = "
+            f"{data['dim']}, {'causal' if data['causal'] else 'bidirectional'}, {data['scalar']}, "
+            f"{data['threads']} thread(s), q and k uniform in [−{data['query_key_range']:g}, "
+            f"{data['query_key_range']:g}]; error: relative Frobenius norm against exact ALiBi in "
+            f"double; times: median of {data['timed_runs']} runs." + note)
+
+
+def sampler_study():
+    data, _ = accuracy_methods()
+    study = data.get("sampler_study")
+    if not study:
+        return "No sampler study in `docs/bench/accuracy.json`."
+    body = []
+    samplers = ["independent", "latin_hypercube", "shifted_kronecker"]
+    for row in study["rows"]:
+        slope = "all" if row["slope"] == 0 else f"1/{round(1 / row['slope'])}"
+        base = row["independent"]["mean"]
+        cells = [row["error"].replace("_", " "), slope, row["samples"]]
+        for sampler in samplers:
+            stats = row[sampler]
+            cells.append(f"{fmt(stats['mean'])} ± {fmt(stats['sd'], 2)}")
+        for sampler in samplers[1:]:
+            cells.append(f"{100 * (row[sampler]['mean'] / base - 1):+.1f}%")
+        body.append(cells)
+    header = ["error", "slope", "s", "independent", "Latin hypercube", "shifted Kronecker",
+              "Latin hypercube vs independent", "Kronecker vs independent"]
+    return (table(header, body, ["---", "---", "---:"] + ["---:"] * 5)
+            + f"\n\nMean ± standard deviation over seeds 0..{study['seeds'] - 1}: the mask errors "
+            f"of one head (`mask_error`, dense, n = {study['mask_n']}), and the attention output's "
+            f"relative Frobenius error (fused, float, n = {data['n']}, all {data['heads']} heads). "
+            "From `docs/bench/accuracy.json`.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Long sequences and half precision: the long_* families
+
+LONG_COMMAND = "bash bench/regenerate.sh long"
+
+
+def long_sequences():
+    runs = Runs(["docs/bench/scaling.json"], LONG_COMMAND)
+    sizes = sorted({int(n.split("/")[1]) for n in runs.names("long_")})
+    body = []
+    base = runs.seconds(f"long_fused/{sizes[0]}/20/float", "cpu_time") if sizes else None
+    for n in sizes:
+        fused = runs.get(f"long_fused/{n}/20/float") or {}
+        bf16 = runs.get(f"long_fused/{n}/20/bfloat16") or {}
+        fused_cpu = runs.seconds(f"long_fused/{n}/20/float", "cpu_time")
+
+        def ratio(a, b):
+            return f"{a / b:.3f}" if a and b else "—"
+
+        body.append((f"2^{n.bit_length() - 1} = {n}",
+                     fmt(fused_cpu),
+                     fmt(runs.seconds(f"long_fused/{n}/20/bfloat16", "cpu_time")),
+                     fmt(runs.seconds(f"long_windowed/{n}/float", "cpu_time")),
+                     f"{fused_cpu / base:.1f}×" if fused_cpu and base else "—",
+                     ratio(fused.get("peak_rss_bytes"), fused.get("tensor_bytes")),
+                     # A run that measures the error holds the float reference as well.
+                     "—" if "relative_error" in bf16
+                     else ratio(bf16.get("peak_rss_bytes"), fused.get("peak_rss_bytes"))))
+    header = ["n", "fused float (s)", "fused bfloat16 (s)", "windowed float (s)",
+              f"fused float / n = {sizes[0] if sizes else '?'}", "fused float: peak / tensors",
+              "bfloat16 peak / float peak"]
+    return (table(header, body) + "\n\nProcessor time of one call (s = 20, 1 thread), peak "
+            "resident memory of the process during the call against the bytes of q, k, v and out; "
+            "from " + describe_context(runs.context, "docs/bench/scaling.json") + ".")
+
+
+def half_precision():
+    runs = Runs(["docs/bench/scaling.json"], LONG_COMMAND)
+    body = []
+    for name in runs.names("long_fused/"):
+        entry = runs.get(name)
+        _, n, _, storage = name.split("/")
+        if "relative_error" not in entry:
+            continue
+        float_cpu = runs.seconds(f"long_fused/{n}/20/float", "cpu_time")
+        cpu = runs.seconds(name, "cpu_time")
+        body.append((storage, n, fmt(entry["relative_error"], 2), fmt(cpu),
+                     f"{float_cpu / cpu:.2f}×" if float_cpu else "—"))
+    header = ["storage", "n", "relative error", "processor time (s)", "float time / this time"]
+    return (table(header, body, ["---", "---:", "---:", "---:", "---:"])
+            + "\n\nThe fused kernel (s = 20, 1 thread) on q, k, v uniform in [−1, 1] rounded to the "
+            "storage type; error: ‖out − out_float‖_F / ‖out_float‖_F, out_float the fused kernel "
+            "on the float inputs. From " + describe_context(runs.context, "docs/bench/scaling.json")
+            + ".")
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding
+
+DECODE_COMMAND = "bash bench/regenerate.sh decode"
+
+
+def decoding():
+    if os.path.exists(path("docs/bench/decode.json")):
+        source = "docs/bench/decode.json"
+    else:
+        source = "docs/bench/bench.json"
+    runs = Runs([source], DECODE_COMMAND)
+    body = []
+    for name in runs.names("decode_plsh/") + runs.names("decode_exact/"):
+        entry = runs.get(name)
+        parts = name.split("/")
+        kernel = "Positional LSH (`KvCache`)" if parts[0] == "decode_plsh" else "exact, full cache"
+        storage = parts[2] if len(parts) > 2 else "float"
+        thread_count = parts[3] if len(parts) > 3 else "—"
+        resident = entry.get("resident")
+        cache = entry.get("cache_bytes")
+        body.append((kernel, parts[1], storage, thread_count,
+                     fmt(runs.seconds(name) * 1e6),
+                     f"{resident:,.0f}" if resident is not None else "—",
+                     f"{cache / 2**20:.1f} MiB" if cache is not None else "—"))
+    if not body:
+        raise Missing(f"no decode_* entries in `{source}`: `{DECODE_COMMAND}` writes them.")
+    header = ["kernel", "context", "storage", "threads", "µs per token", "resident tokens",
+              "cache bytes"]
+    text = table(header, body, ["---", "---:", "---", "---:", "---:", "---:", "---:"])
+    team = [(name, fmt(runs.seconds(name) * 1e6)) for name in runs.names("team_step/")]
+    if team:
+        text += "\n\n" + table(["`team_step` (arithmetic only, no data between cores)", "µs"],
+                               team)
+    return text + "\n\nOne `decode` of one token per iteration (8 heads, d = 64, s = 20); from " \
+        + describe_context(runs.context, source) + "."
+
+
+# ---------------------------------------------------------------------------------------------
+# MPI
+
+MPI_COMMAND = "bash bench/regenerate.sh mpi"
+
+
+def mpi_bytes():
+    files = sorted(glob.glob(path("docs/bench/mpi-bytes-*.txt")),
+                   key=lambda f: int(re.search(r"(\d+)\.txt$", f).group(1)))
+    if not files:
+        raise Missing(f"`docs/bench/mpi-bytes-<ranks>.txt` is missing: `{MPI_COMMAND}` writes it.")
+    by_n = {}
+    ranks_list = []
+    for f in files:
+        ranks = int(re.search(r"(\d+)\.txt$", f).group(1))
+        ranks_list.append(ranks)
+        with open(f) as handle:
+            for line in handle:
+                fields = line.split()
+                if not fields or not fields[0].isdigit():
+                    continue
+                n = int(fields[0])
+                by_n.setdefault(n, {})[ranks] = [float(x) for x in fields[1:8]]
+
+    def size(b):
+        for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+            if b >= scale:
+                return f"{b / scale:.2f} {unit}"
+        return f"{b:.0f} B"
+
+    header = ["n"]
+    for ranks in ranks_list:
+        header += [f"Positional LSH, {ranks} ranks", f"windowed, {ranks} ranks",
+                   f"ring exact, {ranks} ranks"]
+    header.append(f"ring / Positional LSH, {ranks_list[-1]} ranks")
+    body = []
+    for n in sorted(by_n):
+        row = [f"2^{n.bit_length() - 1}"]
+        for ranks in ranks_list:
+            values = by_n[n].get(ranks)
+            row += ([size(values[0]), size(values[2]), size(values[4])] if values
+                    else ["—"] * 3)
+        last = by_n[n].get(ranks_list[-1])
+        row.append(f"{last[6]:.0f}×" if last else "—")
+        body.append(row)
+    return (table(header, body) + "\n\nKey and value bytes received per rank, the largest over "
+            "the ranks (8 standard heads, d = 64, float, causal, s = 20, windowed tolerance 1e-6); "
+            "from " + ", ".join(f"`docs/bench/{os.path.basename(f)}`" for f in files) + ".")
+
+
+# ---------------------------------------------------------------------------------------------
+# Accuracy at scale and training: tables that other scripts write as markdown
+
+def exponents():
+    relative = "docs/accuracy/exponents.md"
+    if not os.path.exists(path(relative)):
+        raise Missing(f"`{relative}` is missing: `bash docs/accuracy/regenerate.sh plot` writes it.")
+    with open(path(relative)) as f:
+        return f.read().strip()
+
+
+def training_means():
+    relative = "docs/training/results.md"
+    if not os.path.exists(path(relative)):
+        raise Missing(f"`{relative}` is missing: `examples/python/compare.py` writes it.")
+    with open(path(relative)) as f:
+        text = f.read()
+    match = re.search(r"^## Mean over seeds.*?\n\n((?:\|.*\n)+)", text, re.MULTILINE)
+    if not match:
+        raise Missing(f"`{relative}` has no table of means over seeds.")
+    return match.group(1).strip() + ("\n\nValidation loss in nats per byte, mean over seeds ± half "
+                                     "their spread (perplexity per byte in brackets); from "
+                                     f"`{relative}`.")
+
+
+def torch_speed():
+    files = sorted(glob.glob(path("docs/training/torch_bench-*.txt")))
+    if not files:
+        raise Missing("`docs/training/torch_bench-*.txt` is missing: `bench/torch_bench.py` "
+                      "prints it.")
+    line = re.compile(r"^\s*(\d+)\s+(.+?)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x\s*$")
+    results = {}
+    for f in files:
+        with open(f) as handle:
+            for text in handle:
+                match = line.match(text)
+                if match:
+                    n, kernel = int(match.group(1)), match.group(2)
+                    results.setdefault((n, kernel), []).append(
+                        (float(match.group(6)), float(match.group(7))))
+    order = {"dense torch": 0, "plsh exact": 1, "plsh fused s=20": 2}
+    body = []
+    for (n, kernel), values in sorted(results.items(), key=lambda kv: (kv[0][0],
+                                                                      order.get(kv[0][1], 9))):
+        totals = sorted(v[0] for v in values)
+        speedups = sorted(v[1] for v in values)
+        spread = (lambda v: fmt(v[0]) if v[0] == v[-1] else f"{fmt(v[0])}–{fmt(v[-1])}")
+        body.append((n, kernel, len(values), spread(totals),
+                     spread(speedups) + "×"))
+    return (table(["n", "kernel", "runs", "forward + backward (s)", "faster than dense torch"],
+                  body, ["---:", "---", "---:", "---:", "---:"])
+            + "\n\nFloat32, batch 4, 8 heads, d = 64, causal, 2 threads; range over the runs in "
+            + ", ".join(f"`docs/training/{os.path.basename(f)}`" for f in files)
+            + " (the first lines of each file say how it was run).")
+
+
+TABLES = {
+    "which-kernel": which_kernel,
+    "time-per-call": time_per_call,
+    "threads": threads,
+    "accuracy-time": accuracy_time,
+    "sampler-study": sampler_study,
+    "long-sequences": long_sequences,
+    "half-precision": half_precision,
+    "decoding": decoding,
+    "mpi-bytes": mpi_bytes,
+    "exponents": exponents,
+    "training-means": training_means,
+    "torch-speed": torch_speed,
+}
+
+
+def render(name):
+    if name not in TABLES:
+        sys.exit(f"report.py: unknown table '{name}' (known: {', '.join(sorted(TABLES))})")
+    try:
+        return TABLES[name]()
+    except Missing as missing:
+        return f"No data: {missing}"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 if a table differs from its data, change nothing")
+    args = parser.parse_args()
+    stale = []
+    for page in PAGES:
+        if not os.path.exists(path(page)):
+            continue
+        with open(path(page)) as f:
+            text = f.read()
+        new = MARKER.sub(lambda m: m.group(1) + render(m.group(2)) + "\n" + m.group(4), text)
+        if new != text:
+            stale.append(page)
+            if not args.check:
+                with open(path(page), "w") as f:
+                    f.write(new)
+    verb = "differ from their data" if args.check else "rewritten"
+    print(f"report.py: {len(stale)} page(s) {verb}" + (": " + ", ".join(stale) if stale else ""))
+    return 1 if args.check and stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
