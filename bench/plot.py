@@ -41,6 +41,7 @@ STYLE = {
     "fused": dict(color="tab:green", marker="D"),
     "fused_bfloat16": dict(color="tab:olive", marker="d", linestyle="-."),
     "fixed_blocks": dict(color="tab:purple", marker="P"),
+    "fused_lhs": dict(color="tab:cyan", marker="D", linestyle="--"),
 }
 TIME_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 
@@ -179,21 +180,23 @@ def plot_time_vs_n(pyplot, results, samples, clock, path):
     print(f"wrote {path}")
 
 
-def plot_error_vs_time(pyplot, accuracy, path):
+def plot_error_vs_time(pyplot, accuracy, clock, path):
     figure, axes = pyplot.subplots(figsize=(7, 5))
     methods = accuracy["methods"]
-    for family in FAMILIES:
+    # plsh_accuracy's median processor time is "median_cpu_seconds"; older files lack it.
+    key = "median_cpu_seconds" if clock == "cpu" else "median_seconds"
+    for family in FAMILIES + ["fused_lhs"]:
         rows = [row for row in methods if row["method"] == family]
         if not rows:
             continue
-        times = [1e3 * row["median_seconds"] for row in rows]
+        times = [1e3 * row.get(key, row["median_seconds"]) for row in rows]
         errors = [row["relative_error"] for row in rows]
         axes.loglog(times, errors, label=family, **STYLE[family])
         for time, error, row in zip(times, errors, rows):
             if row["parameter"]:
                 axes.annotate(row["parameter"], (time, error), textcoords="offset points",
                               xytext=(4, 4), fontsize="x-small")
-    axes.set_xlabel("time per call, ms (median wall time)")
+    axes.set_xlabel(f"time per call, ms (median {'processor' if clock == 'cpu' else 'wall'} time)")
     axes.set_ylabel("relative Frobenius error vs exact ALiBi (double)")
     axes.set_title(f"n = {accuracy['n']}, {accuracy['heads']} heads, d = {accuracy['dim']}, "
                    f"{accuracy['threads']} thread(s)")
@@ -229,7 +232,8 @@ def main():
     if arguments.accuracy:
         with open(arguments.accuracy) as file:
             accuracy = json.load(file)
-        plot_error_vs_time(pyplot, accuracy, os.path.join(arguments.out_dir, "error_vs_time.png"))
+        plot_error_vs_time(pyplot, accuracy, arguments.clock,
+                           os.path.join(arguments.out_dir, "error_vs_time.png"))
 
 
 if __name__ == "__main__":

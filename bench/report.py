@@ -128,8 +128,7 @@ def fmt(value, digits=3):
         return f"{value:,.0f}"
     if abs(value) < 1e-3:
         return f"{value:.2e}"
-    text = f"{value:.{digits}g}"
-    return text
+    return f"{value:#.{digits}g}".rstrip(".")
 
 
 def ms(seconds):

@@ -11,7 +11,8 @@
 #            script's default 2000 steps) unless build/accuracy/alibi-s1.pt exists, dumps its q, k
 #            on the first 2048 bytes of the validation text (examples/python/qk_dump.py), then
 #            error_decay --attention
-# plot:      docs/accuracy/plot.py (matplotlib: python3-matplotlib)
+# plot:      docs/accuracy/plot.py (matplotlib: python3-matplotlib), then bench/report.py (the
+#            tables of docs/accuracy.md)
 #
 # Environment: PLSH_JOBS (build jobs, default 2), PLSH_PYTHON (default /usr/bin/python3).
 set -euo pipefail
@@ -73,3 +74,5 @@ case "${what}" in
     ;;
 esac
 "${python}" "${out}/plot.py" "${out}"
+# The tables of docs/accuracy.md (the exponents above among them).
+"${python}" bench/report.py
