@@ -226,13 +226,16 @@ int write_attention_figure(const char* qk_path, const char* path) {
         if (h == 0 && s == 10) {
           // The matrix-free norms (forward and backward kernels) at one point per layer.
           const auto check_start = std::chrono::steady_clock::now();
-          const plsh::AttentionError matrix_free =
+          const plsh::AttentionErrorNorms matrix_free =
               plsh::attention_error<double>(q_view, k_view, slope, grids, {}, figure_lanczos());
-          out << ", \"matrix_free\": {\"spectral\": " << matrix_free.spectral
+          out << ", \"matrix_free\": {\"spectral\": " << matrix_free.spectral.value
+              << ", \"converged\": " << (matrix_free.spectral.converged ? "true" : "false")
               << ", \"max\": " << matrix_free.max << ", \"frobenius\": " << matrix_free.frobenius
               << ", \"seconds\": " << seconds_since(check_start) << "}";
-          std::printf("  matrix-free: spectral %.10e (dense %.10e), max %.4e\n",
-                      matrix_free.spectral, spectral.value, matrix_free.max);
+          std::printf("  matrix-free: spectral %.10e (%s; dense %.10e), max %.4e\n",
+                      matrix_free.spectral.value,
+                      matrix_free.spectral.converged ? "converged" : "NOT converged",
+                      spectral.value, matrix_free.max);
         }
         out << "}";
       }

@@ -157,13 +157,13 @@ TEST_CASE("attention_error equals the dense norms", "[attention_error]") {
            << " n_q=" << c.n_q << " n_k=" << c.n_k << " slope=" << slope);
       const plsh::AttentionError dense = plsh::dense_attention_error<double>(
           problem.q.view, problem.k.view, slope, grids, options);
-      bool converged = false;
-      const plsh::AttentionError measured = plsh::attention_error<double>(
-          problem.q.view, problem.k.view, slope, grids, options, {}, &converged);
-      REQUIRE(converged);
+      const plsh::AttentionErrorNorms measured =
+          plsh::attention_error<double>(problem.q.view, problem.k.view, slope, grids, options);
+      REQUIRE(measured.spectral.converged);
+      CHECK(measured.spectral.finite);
       // The squared norm to the Lanczos tolerance 1e-10: the norm to about 5e-11, plus the
       // rounding of the kernels' products, ~1e-15 relative to the entries.
-      CHECK(measured.spectral == Approx(dense.spectral).epsilon(1e-9).margin(1e-12));
+      CHECK(measured.spectral.value == Approx(dense.spectral).epsilon(1e-9).margin(1e-12));
       CHECK(measured.max == dense.max);
       CHECK(measured.frobenius == Approx(dense.frobenius).epsilon(1e-14));
     }
@@ -177,12 +177,42 @@ TEST_CASE("attention_error with float inputs and a trained-model shape", "[atten
   copy.q.view.head(0) = problem.q.view.head(0).cast<double>();
   copy.k.view.head(0) = problem.k.view.head(0).cast<double>();
   const std::vector<Grid> grids = plsh::RandomBinning(1.0 / 32, 9).draw(30);
-  const plsh::AttentionError from_float =
+  const plsh::AttentionErrorNorms from_float =
       plsh::attention_error<float>(problem.q.view, problem.k.view, 1.0 / 32, grids);
   const plsh::AttentionError dense =
       plsh::dense_attention_error<double>(copy.q.view, copy.k.view, 1.0 / 32, grids);
-  CHECK(from_float.spectral == Approx(dense.spectral).epsilon(1e-9));
+  REQUIRE(from_float.spectral.converged);
+  CHECK(from_float.spectral.value == Approx(dense.spectral).epsilon(1e-9));
   CHECK(from_float.max == Approx(dense.max).epsilon(1e-14));
+}
+
+TEST_CASE("attention_error reports a Lanczos solver that did not converge", "[attention_error]") {
+  // One restart of a basis of 2 cannot reach 1e-14: the value is then a Rayleigh quotient, a lower
+  // bound of the norm, and the status says so (the value used to come back as a double beside an
+  // optional flag, documented as 0).
+  const Problem<double> problem = head_problem(150, 150, 41);
+  const double slope = 1.0 / 16;
+  const std::vector<Grid> grids = plsh::RandomBinning(slope, 41).draw(5);
+  plsh::LanczosOptions lanczos;
+  lanczos.basis_size = 2;
+  lanczos.max_restarts = 1;
+  lanczos.tolerance = 1e-14;
+  const plsh::AttentionErrorNorms measured =
+      plsh::attention_error<double>(problem.q.view, problem.k.view, slope, grids, {}, lanczos);
+  const plsh::AttentionError dense =
+      plsh::dense_attention_error<double>(problem.q.view, problem.k.view, slope, grids);
+  INFO("Ritz value " << measured.spectral.value << ", norm " << dense.spectral);
+  REQUIRE_FALSE(measured.spectral.converged);
+  CHECK(measured.spectral.finite);
+  CHECK(measured.spectral.products >= 1);
+  CHECK(measured.spectral.value > 0);
+  CHECK(measured.spectral.value <= dense.spectral * (1 + 1e-12));
+  CHECK(measured.max == dense.max);
+  CHECK(measured.frobenius == Approx(dense.frobenius).epsilon(1e-14));
+  const plsh::SpectralNorm alone = plsh::attention_spectral_error<double>(
+      problem.q.view, problem.k.view, slope, grids, {}, lanczos);
+  CHECK_FALSE(alone.converged);
+  CHECK(alone.value == measured.spectral.value);
 }
 
 #else
@@ -224,4 +254,113 @@ TEST_CASE("the attention error functions reject bad input", "[attention_error]")
                       Catch::Contains("AttentionErrorOperator") && Catch::Contains("one head"));
   const plsh::HeadsView<double> null_view{nullptr, 10, 1, 8};
   REQUIRE_THROWS_AS(plsh::AttentionErrorOperator(null_view, k, 0.1, grids), std::invalid_argument);
+}
+
+TEST_CASE("the attention error functions check sizes before they allocate", "[attention_error]") {
+  // Views with token_stride 0 repeat one row: valid inputs whose dense matrices or double copies
+  // cannot be sized. Each threw std::bad_alloc from Eigen before its checks; now the checks run
+  // before any allocation.
+  const std::vector<double> row(1024, 0.25);
+  const std::vector<Grid> grids{plsh::fixed_grid(4)};
+  // 2^31 tokens: the n_q x n_k matrix has 2^62 entries, 2^65 bytes.
+  const plsh::HeadsView<const double> wide{row.data(), Index(1) << 31, 1, 8, 0, 8};
+  REQUIRE_THROWS_WITH(
+      plsh::alibi_attention_matrix<double>(wide, wide, 0.1),
+      Catch::Contains("alibi_attention_matrix") && Catch::Contains("q.tokens x k.tokens"));
+  REQUIRE_THROWS_WITH(
+      plsh::plsh_attention_matrix<double>(wide, wide, grids),
+      Catch::Contains("plsh_attention_matrix") && Catch::Contains("q.tokens x k.tokens"));
+  REQUIRE_THROWS_WITH(
+      plsh::dense_attention_error<double>(wide, wide, 0.1, grids),
+      Catch::Contains("dense_attention_error") && Catch::Contains("q.tokens x k.tokens"));
+  // 2^52 tokens of 1024 entries: the copies of q and k to double have 2^62 entries.
+  const plsh::HeadsView<const double> deep{row.data(), Index(1) << 52, 1, 1024, 0, 1024};
+  REQUIRE_THROWS_WITH(plsh::attention_entry_error<double>(deep, deep, 0.1, grids),
+                      Catch::Contains("attention_entry_error") && Catch::Contains("tokens x dim"));
+  REQUIRE_THROWS_WITH(plsh::AttentionErrorOperator(deep, deep, 0.1, grids),
+                      Catch::Contains("AttentionErrorOperator") && Catch::Contains("tokens x dim"));
+#ifdef PLSH_HAS_SPECTRA
+  REQUIRE_THROWS_WITH(
+      plsh::attention_spectral_error<double>(deep, deep, 0.1, grids),
+      Catch::Contains("attention_spectral_error") && Catch::Contains("tokens x dim"));
+  REQUIRE_THROWS_WITH(plsh::attention_error<double>(deep, deep, 0.1, grids),
+                      Catch::Contains("attention_error") && Catch::Contains("tokens x dim"));
+  // The Lanczos buffers of the 2^31 x 2^31 error, and invalid options, before the operator copies
+  // q and k (256 GiB here).
+  plsh::LanczosOptions lanczos;
+  lanczos.basis_size = Index(1) << 31;
+  REQUIRE_THROWS_WITH(plsh::attention_spectral_error<double>(wide, wide, 0.1, grids, {}, lanczos),
+                      Catch::Contains("attention_spectral_error") && Catch::Contains("basis"));
+  lanczos = plsh::LanczosOptions{};
+  lanczos.dense_below = Index(1) << 40;
+  REQUIRE_THROWS_WITH(plsh::attention_error<double>(wide, wide, 0.1, grids, {}, lanczos),
+                      Catch::Contains("attention_error") && Catch::Contains("dense_below"));
+  lanczos = plsh::LanczosOptions{};
+  lanczos.tolerance = -1;
+  REQUIRE_THROWS_WITH(plsh::attention_error<double>(wide, wide, 0.1, grids, {}, lanczos),
+                      Catch::Contains("attention_error") && Catch::Contains("tolerance"));
+#endif
+}
+
+TEST_CASE("a NaN in q or k gives NaN norms, not an exception", "[attention_error]") {
+  // The contract of attention_error.hpp: a NaN that a visible score uses makes rows of both
+  // attention matrices NaN (online_softmax.hpp); every norm is then NaN and the spectral status
+  // says so. A NaN that no visible score uses changes nothing.
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double slope = 1.0 / 8;
+  const std::vector<Grid> grids = plsh::RandomBinning(slope, 5).draw(10);
+  for (const bool in_query : {true, false}) {
+    INFO((in_query ? "NaN in q" : "NaN in k"));
+    Problem<double> problem = head_problem(40, 40, 23);
+    (in_query ? problem.q : problem.k).view.data[17 * 8 + 3] = nan;
+    const plsh::AttentionError dense =
+        plsh::dense_attention_error<double>(problem.q.view, problem.k.view, slope, grids);
+    CHECK(std::isnan(dense.spectral));
+    CHECK(std::isnan(dense.max));
+    CHECK(std::isnan(dense.frobenius));
+    const plsh::AttentionError rows =
+        plsh::attention_entry_error<double>(problem.q.view, problem.k.view, slope, grids);
+    CHECK(std::isnan(rows.max));
+    CHECK(std::isnan(rows.frobenius));
+#ifdef PLSH_HAS_SPECTRA
+    plsh::SpectralNorm spectral;
+    REQUIRE_NOTHROW(spectral = plsh::attention_spectral_error<double>(
+                        problem.q.view, problem.k.view, slope, grids));
+    CHECK(std::isnan(spectral.value));
+    CHECK_FALSE(spectral.converged);
+    CHECK_FALSE(spectral.finite);
+    plsh::AttentionErrorNorms norms;
+    REQUIRE_NOTHROW(
+        norms = plsh::attention_error<double>(problem.q.view, problem.k.view, slope, grids));
+    CHECK(std::isnan(norms.spectral.value));
+    CHECK_FALSE(norms.spectral.converged);
+    CHECK_FALSE(norms.spectral.finite);
+    CHECK(std::isnan(norms.max));
+    CHECK(std::isnan(norms.frobenius));
+#endif
+  }
+  {
+    // Causal, keys 40..49 after the last query: a NaN in key 45 is never seen.
+    INFO("NaN in a key no query sees");
+    const Problem<double> clean = head_problem(40, 50, 29);
+    Problem<double> problem = clean;
+    problem.k.view.data[45 * 8 + 1] = nan;
+    plsh::AttentionOptions options;
+    options.causal = true;
+    const plsh::AttentionError expected =
+        plsh::dense_attention_error<double>(clean.q.view, clean.k.view, slope, grids, options);
+    const plsh::AttentionError dense =
+        plsh::dense_attention_error<double>(problem.q.view, problem.k.view, slope, grids, options);
+    CHECK(dense.max == expected.max);
+    CHECK(dense.frobenius == expected.frobenius);
+    CHECK(dense.spectral == Approx(expected.spectral).epsilon(1e-14));
+#ifdef PLSH_HAS_SPECTRA
+    const plsh::AttentionErrorNorms norms =
+        plsh::attention_error<double>(problem.q.view, problem.k.view, slope, grids, options);
+    REQUIRE(norms.spectral.converged);
+    CHECK(norms.spectral.finite);
+    CHECK(norms.spectral.value == Approx(expected.spectral).epsilon(1e-9));
+    CHECK(norms.max == expected.max);
+#endif
+  }
 }

@@ -197,7 +197,7 @@ TEST_CASE("the spectral norms reject invalid options", "[error_norms]") {
   plsh::LanczosOptions options;
   options.basis_size = 1;
   REQUIRE_THROWS_WITH(plsh::mask_spectral_error(100, 0.1, grids, 0, options),
-                      Catch::Contains("symmetric_spectral_norm") && Catch::Contains("basis_size"));
+                      Catch::Contains("mask_spectral_error") && Catch::Contains("basis_size"));
   options = plsh::LanczosOptions{};
   options.max_restarts = 0;
   REQUIRE_THROWS_AS(plsh::mask_spectral_error(100, 0.1, grids, 0, options), std::invalid_argument);
@@ -206,7 +206,102 @@ TEST_CASE("the spectral norms reject invalid options", "[error_norms]") {
   REQUIRE_THROWS_WITH(plsh::mask_spectral_error(100, 0.1, grids, 0, options),
                       Catch::Contains("tolerance"));
   REQUIRE_THROWS_WITH(plsh::mask_spectral_error(0, 0.1, grids),
-                      Catch::Contains("MaskErrorOperator") && Catch::Contains("n must"));
+                      Catch::Contains("mask_spectral_error") && Catch::Contains("n must"));
+  options = plsh::LanczosOptions{};
+  options.basis_size = 1;
+  REQUIRE_THROWS_WITH(plsh::symmetric_spectral_norm(Diagonal{10}, options),
+                      Catch::Contains("symmetric_spectral_norm") && Catch::Contains("basis_size"));
+}
+
+TEST_CASE("mask_spectral_error checks its arguments before it allocates", "[error_norms]") {
+  // n, then the options, then the sizes of the solver's buffers are checked before the operator
+  // sizes its O(n) vectors: a negative n reached Eigen's resize (an assertion failure without
+  // NDEBUG) and n = 2^40 threw std::bad_alloc. One block per draw for the large n, so that nothing
+  // here can take long.
+  const std::vector<Grid> grids{plsh::fixed_grid(std::numeric_limits<double>::infinity())};
+  for (const Index n : {Index(-5), Index(0), Index(1) << 40, plsh::kMaxPosition + 1}) {
+    INFO("n=" << n);
+    REQUIRE_THROWS_AS(plsh::MaskErrorOperator(n, 0.1, grids), std::invalid_argument);
+    REQUIRE_THROWS_AS(plsh::mask_spectral_error(n, 0.1, grids), std::invalid_argument);
+  }
+  REQUIRE_THROWS_WITH(plsh::mask_spectral_error(-5, 0.1, grids),
+                      Catch::Contains("mask_spectral_error") && Catch::Contains("n must"));
+  REQUIRE_THROWS_WITH(plsh::MaskErrorOperator(Index(1) << 40, 0.1, grids),
+                      Catch::Contains("MaskErrorOperator") && Catch::Contains("2^32"));
+  REQUIRE_THROWS_WITH(plsh::mask_spectral_error(Index(1) << 40, 0.1, grids),
+                      Catch::Contains("mask_spectral_error") && Catch::Contains("2^32"));
+
+  // The largest n the operator takes, with options whose buffers cannot be sized: a dense
+  // n x n matrix, a basis of n x n doubles (2^67 bytes each), and invalid options, all reported
+  // before the operator's 32 GiB of products are allocated.
+  const Index n = (Index(1) << 32) - 1;
+  plsh::LanczosOptions options;
+  options.dense_below = plsh::kMaxPosition;
+  REQUIRE_THROWS_WITH(plsh::mask_spectral_error(n, 0.1, grids, 0, options),
+                      Catch::Contains("mask_spectral_error") && Catch::Contains("dense_below"));
+  options = plsh::LanczosOptions{};
+  options.basis_size = n;
+  REQUIRE_THROWS_WITH(plsh::mask_spectral_error(n, 0.1, grids, 0, options),
+                      Catch::Contains("mask_spectral_error") && Catch::Contains("basis"));
+  options = plsh::LanczosOptions{};
+  options.max_restarts = 0;
+  REQUIRE_THROWS_WITH(plsh::mask_spectral_error(n, 0.1, grids, 0, options),
+                      Catch::Contains("mask_spectral_error") && Catch::Contains("max_restarts"));
+}
+
+namespace {
+
+/// y = x with one entry replaced by `value` (NaN or an infinity): every product is non-finite.
+struct NonFinite {
+  using Scalar = double;
+  Index n;
+  double value;
+  Index rows() const { return n; }
+  Index cols() const { return n; }
+  void perform_op(const double* x, double* y) const {
+    for (Index i = 0; i < n; ++i) y[i] = x[i];
+    y[n / 2] = value;
+  }
+};
+
+/// An operator of no rows, with the interface of largest_singular_value.
+struct Empty {
+  Index rows() const { return 0; }
+  Index cols() const { return 0; }
+  void product(const double*, double*) const {}
+  void transpose_product(const double*, double*) const {}
+};
+
+}  // namespace
+
+TEST_CASE("a non-finite product gives a NaN norm and a status, not an exception", "[error_norms]") {
+  // The dense path (n below dense_below) and the Lanczos path: the solver stops at the first
+  // product with a NaN or an infinity, and no exception of Spectra's escapes.
+  for (const Index n : {5, 100}) {
+    for (const double value : {kNaN, std::numeric_limits<double>::infinity()}) {
+      INFO("n=" << n << " value=" << value);
+      plsh::SpectralNorm norm;
+      REQUIRE_NOTHROW(norm = plsh::symmetric_spectral_norm(NonFinite{n, value}));
+      CHECK(std::isnan(norm.value));
+      CHECK_FALSE(norm.converged);
+      CHECK_FALSE(norm.finite);
+      CHECK(norm.products >= 1);
+    }
+  }
+  // A finite operator reports finite.
+  const plsh::SpectralNorm finite = plsh::symmetric_spectral_norm(Diagonal{40});
+  CHECK(finite.finite);
+  CHECK(finite.converged);
+}
+
+TEST_CASE("largest_singular_value checks its options before anything else", "[error_norms]") {
+  plsh::LanczosOptions options;
+  options.basis_size = 0;
+  REQUIRE_THROWS_WITH(plsh::largest_singular_value(Empty{}, options),
+                      Catch::Contains("largest_singular_value") && Catch::Contains("basis_size"));
+  const plsh::SpectralNorm empty = plsh::largest_singular_value(Empty{});
+  CHECK(empty.value == 0);
+  CHECK(empty.converged);
 }
 
 #else

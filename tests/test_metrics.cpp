@@ -191,4 +191,11 @@ TEST_CASE("mask_error rejects invalid arguments", "[metrics]") {
     REQUIRE_THROWS_AS(plsh::mask_error(8, 0.5, {Grid{-1.0, 0.0}}), std::invalid_argument);
     REQUIRE_THROWS_AS(plsh::mask_error(8, 0.5, {Grid{2.0, kNaN}}), std::invalid_argument);
   }
+  {
+    // Checked before anything is allocated (it threw std::bad_alloc from Eigen's resize).
+    INFO("n whose dense n x n matrix of doubles cannot be sized");
+    REQUIRE_THROWS_WITH(plsh::mask_error(Index(1) << 40, 0.5, grids),
+                        Catch::Contains("mask_error") && Catch::Contains("n x n"));
+    REQUIRE_THROWS_AS(plsh::mask_error(plsh::kMaxPosition, 0.5, grids), std::invalid_argument);
+  }
 }

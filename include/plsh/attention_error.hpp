@@ -22,14 +22,27 @@
 ///   Positional LSH kernel and its backward, fed the given grids, for \f$A_{\text{plsh}}\f$.
 ///   The reference is exact ALiBi at every n: O(n_q n_k d) per product, nothing n x n stored.
 ///
+/// Non-finite inputs give NaN norms, never an exception: a score that a query sees and that is
+/// NaN or \f$+\infty\f$ (from a NaN or an infinity in q or k, or an overflowing
+/// \f$q_i \cdot k_j\f$) makes the query's row of both matrices NaN, as in the kernels
+/// (online_softmax.hpp); a NaN entry of E makes every norm NaN, and attention_error and
+/// attention_spectral_error then report `spectral.finite == false`. A non-finite entry of q or k
+/// that no visible score uses changes nothing.
+///
+/// Sizes are checked before anything is allocated (detail::doubles_fit): q and k are copied to
+/// double, tokens x dim each; the dense functions hold n_q x n_k doubles; the spectral norms a
+/// Lanczos basis of min(n_q, n_k) x basis_size doubles (detail::require_lanczos_size).
+///
 /// Tested in tests/test_attention_error.cpp: the dense matrices against the reference kernels
 /// (reference::alibi_attention, reference::mask_attention) times random values, the kernel
-/// products against the dense matrices, the matrix-free norms against the dense ones.
+/// products against the dense matrices, the matrix-free norms against the dense ones, NaN inputs,
+/// an unconverged solver, sizes that cannot be allocated.
 
 #include <Eigen/Core>
 #include <Eigen/SVD>
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -48,7 +61,8 @@
 
 namespace plsh {
 
-/// Norms of \f$E = A_{\text{plsh}} - A_{\text{alibi}}\f$ for one head.
+/// Norms of \f$E = A_{\text{plsh}} - A_{\text{alibi}}\f$ for one head, exact (dense or row by
+/// row). NaN when E has a NaN entry.
 struct AttentionError {
   double spectral = 0;   ///< \f$\|E\|_2\f$, the largest singular value.
   double max = 0;        ///< \f$\max_{ij}|E_{ij}|\f$.
@@ -57,7 +71,8 @@ struct AttentionError {
 
 namespace detail {
 
-/// One head of queries and keys: `q.heads == k.heads == 1`, matching dims, valid options.
+/// One head of queries and keys: `q.heads == k.heads == 1`, matching dims, valid options, and
+/// copies of q and k to double (tokens x dim each) that can be sized.
 template <class Scalar>
 void validate_head_pair(const char* function, const HeadsView<const Scalar>& q,
                         const HeadsView<const Scalar>& k, const AttentionOptions& options) {
@@ -66,6 +81,21 @@ void validate_head_pair(const char* function, const HeadsView<const Scalar>& q,
   require(q.heads == 1 && k.heads == 1, function, "q and k must hold one head each");
   require(k.dim == q.dim, function, "k.dim must equal q.dim");
   validate_options<Scalar>(function, options, q.tokens, k.tokens, q.dim);
+  require(doubles_fit(q.tokens, q.dim) && doubles_fit(k.tokens, k.dim), function,
+          "q and k are copied to double, and a copy of tokens x dim doubles cannot be sized");
+}
+
+/// The dense n_q x n_k matrices of one head can be sized.
+template <class Scalar>
+void require_dense_head_pair(const char* function, const HeadsView<const Scalar>& q,
+                             const HeadsView<const Scalar>& k) {
+  require(doubles_fit(q.tokens, k.tokens), function,
+          "a dense q.tokens x k.tokens matrix of doubles cannot be sized");
+}
+
+/// \f$\max(a, b)\f$ that is NaN when either is (std::max drops a NaN second argument).
+inline double max_or_nan(double a, double b) {
+  return std::isnan(a) || std::isnan(b) ? std::numeric_limits<double>::quiet_NaN() : std::max(a, b);
 }
 
 /// \f$\log(c_{ij}/s)\f$ as a function `(h, p_i, p_j)` of the reference softmax, for keys at
@@ -170,7 +200,7 @@ void validate_attention_error(const char* function, const HeadsView<const Scalar
 /// softmax of reference::alibi_attention. O(n_q n_k d) time.
 /// \param q `[n_q][1][d]`, \param k `[n_k][1][d]`, \param slope \f$m \ge 0\f$.
 /// \throws std::invalid_argument for views of more than one head, dims that differ, a bad slope
-/// or options.
+/// or options, or an n_q x n_k matrix that cannot be sized; before anything is allocated.
 template <class Scalar>
 Eigen::MatrixXd alibi_attention_matrix(HeadsView<const detail::NonDeduced<Scalar>> q,
                                        HeadsView<const detail::NonDeduced<Scalar>> k, double slope,
@@ -178,6 +208,7 @@ Eigen::MatrixXd alibi_attention_matrix(HeadsView<const detail::NonDeduced<Scalar
   const char* function = "alibi_attention_matrix";
   detail::validate_head_pair(function, q, k, options);
   detail::require_slope(slope, function);
+  detail::require_dense_head_pair(function, q, k);
   Eigen::MatrixXd matrix(q.tokens, k.tokens);
   detail::for_each_attention_row(
       q, k, slope, {}, options, true, false,
@@ -200,6 +231,7 @@ Eigen::MatrixXd plsh_attention_matrix(HeadsView<const detail::NonDeduced<Scalar>
   const char* function = "plsh_attention_matrix";
   detail::validate_head_pair(function, q, k, options);
   detail::require_grids(grids, function);
+  detail::require_dense_head_pair(function, q, k);
   Eigen::MatrixXd matrix(q.tokens, k.tokens);
   detail::for_each_attention_row(q, k, 0.0, grids, options, false, true,
                                  [&](Index i, const Eigen::VectorXd&, const Eigen::VectorXd& plsh) {
@@ -210,7 +242,8 @@ Eigen::MatrixXd plsh_attention_matrix(HeadsView<const detail::NonDeduced<Scalar>
 
 /// All three norms of \f$A_{\text{plsh}} - A_{\text{alibi}}\f$ from the dense matrices, the
 /// spectral norm by a singular value decomposition (Eigen::BDCSVD): O(n_q n_k) memory and
-/// \f$O(n^3)\f$ time, the reference of the matrix-free norms.
+/// \f$O(n^3)\f$ time, the reference of the matrix-free norms. All three are NaN when E has a NaN
+/// entry (no decomposition is attempted).
 /// \throws std::invalid_argument as plsh_attention_matrix, and for a bad slope.
 template <class Scalar>
 AttentionError dense_attention_error(HeadsView<const detail::NonDeduced<Scalar>> q,
@@ -219,6 +252,7 @@ AttentionError dense_attention_error(HeadsView<const detail::NonDeduced<Scalar>>
                                      const AttentionOptions& options = {}) {
   const char* function = "dense_attention_error";
   detail::validate_attention_error(function, q, k, slope, grids, options);
+  detail::require_dense_head_pair(function, q, k);
   Eigen::MatrixXd error(q.tokens, k.tokens);
   detail::for_each_attention_row(
       q, k, slope, grids, options, true, true,
@@ -227,6 +261,10 @@ AttentionError dense_attention_error(HeadsView<const detail::NonDeduced<Scalar>>
       });
   AttentionError result;
   if (error.size() == 0) return result;
+  if (error.hasNaN()) {
+    const double nan = std::numeric_limits<double>::quiet_NaN();
+    return AttentionError{nan, nan, nan};
+  }
   const Eigen::BDCSVD<Eigen::MatrixXd> svd(error);
   result.spectral = svd.singularValues().size() > 0 ? svd.singularValues()[0] : 0.0;
   result.max = error.cwiseAbs().maxCoeff();
@@ -235,9 +273,10 @@ AttentionError dense_attention_error(HeadsView<const detail::NonDeduced<Scalar>>
 }
 
 /// The max and Frobenius norms of \f$A_{\text{plsh}} - A_{\text{alibi}}\f$ exactly, row by row:
-/// O(n_k) memory, O(n_q (n_k d + s)) time. `spectral` is left 0 (see attention_error).
-/// \throws std::invalid_argument as dense_attention_error (the message names
-/// attention_entry_error).
+/// O(n_k) memory, O(n_q (n_k d + s)) time; both NaN when E has a NaN entry. `spectral` is left 0
+/// (see attention_error).
+/// \throws std::invalid_argument as dense_attention_error, without its n_q x n_k bound (the
+/// message names attention_entry_error); before anything is allocated.
 template <class Scalar>
 AttentionError attention_entry_error(HeadsView<const detail::NonDeduced<Scalar>> q,
                                      HeadsView<const detail::NonDeduced<Scalar>> k, double slope,
@@ -250,7 +289,9 @@ AttentionError attention_entry_error(HeadsView<const detail::NonDeduced<Scalar>>
   detail::for_each_attention_row(
       q, k, slope, grids, options, true, true,
       [&](Index, const Eigen::VectorXd& alibi, const Eigen::VectorXd& plsh) {
-        result.max = std::max(result.max, (plsh - alibi).cwiseAbs().maxCoeff());
+        if (plsh.size() == 0) return;  // no keys
+        result.max = detail::max_or_nan(
+            result.max, (plsh - alibi).cwiseAbs().template maxCoeff<Eigen::PropagateNaN>());
         squares += (plsh - alibi).squaredNorm();
       });
   result.frobenius = std::sqrt(squares);
@@ -265,8 +306,8 @@ AttentionError attention_entry_error(HeadsView<const detail::NonDeduced<Scalar>>
 /// Positional LSH kernel with `grids`.
 class AttentionErrorOperator {
  public:
-  /// \throws std::invalid_argument as dense_attention_error (the message names
-  /// AttentionErrorOperator).
+  /// \throws std::invalid_argument as attention_entry_error (the message names
+  /// AttentionErrorOperator); before anything is allocated.
   /// \param q `[n_q][1][d]`, \param k `[n_k][1][d]` (float or double, const or not).
   template <class View>
   AttentionErrorOperator(HeadsView<View> q, HeadsView<View> k, double slope,
@@ -342,33 +383,76 @@ class AttentionErrorOperator {
 
 #ifdef PLSH_HAS_SPECTRA
 
+/// Norms of \f$E = A_{\text{plsh}} - A_{\text{alibi}}\f$ from attention_error: the max and
+/// Frobenius norms exact, the spectral norm with the status of the Lanczos solver that found it.
+struct AttentionErrorNorms {
+  /// \f$\|E\|_2\f$: `spectral.value` is the norm only when `spectral.converged`; otherwise a
+  /// lower bound (a Rayleigh quotient), or NaN with `spectral.finite == false` when E or a kernel
+  /// product has a NaN entry.
+  SpectralNorm spectral;
+  double max = 0;        ///< \f$\max_{ij}|E_{ij}|\f$, NaN when E has a NaN entry.
+  double frobenius = 0;  ///< \f$\|E\|_F\f$, NaN when E has a NaN entry.
+};
+
+namespace detail {
+
+/// The checks of the matrix-free spectral norms: validate_attention_error, the Lanczos options,
+/// and the solver's buffers for the smaller side of E (require_lanczos_size).
+template <class Scalar>
+void validate_attention_spectral_error(const char* function, const HeadsView<const Scalar>& q,
+                                       const HeadsView<const Scalar>& k, double slope,
+                                       const std::vector<Grid>& grids,
+                                       const AttentionOptions& options,
+                                       const LanczosOptions& lanczos) {
+  validate_attention_error(function, q, k, slope, grids, options);
+  require_lanczos(lanczos, function);
+  require_lanczos_size(std::min(q.tokens, k.tokens), lanczos, function);
+}
+
+}  // namespace detail
+
 /// \f$\|A_{\text{plsh}} - A_{\text{alibi}}\|_2\f$ of one head without forming either matrix:
 /// largest_singular_value over AttentionErrorOperator (Lanczos on \f$E^\top E\f$ or
 /// \f$EE^\top\f$, whichever is smaller). Each Lanczos step costs two forward and two backward
-/// passes; exact ALiBi makes them O(n_q n_k d) each.
-/// \throws std::invalid_argument as dense_attention_error, and for invalid Lanczos options.
+/// passes; exact ALiBi makes them O(n_q n_k d) each. The value is the norm only when `converged`;
+/// a kernel product with a NaN or infinite entry stops the solver with `finite == false` and a
+/// NaN value.
+/// \throws std::invalid_argument as dense_attention_error (without its n_q x n_k bound), for
+/// invalid Lanczos options, and for a Lanczos basis or dense matrix that cannot be sized; before
+/// anything is allocated.
 template <class Scalar>
 SpectralNorm attention_spectral_error(HeadsView<const detail::NonDeduced<Scalar>> q,
                                       HeadsView<const detail::NonDeduced<Scalar>> k, double slope,
                                       const std::vector<Grid>& grids,
                                       const AttentionOptions& options = {},
                                       const LanczosOptions& lanczos = {}) {
+  detail::validate_attention_spectral_error("attention_spectral_error", q, k, slope, grids, options,
+                                            lanczos);
   return largest_singular_value(AttentionErrorOperator(q, k, slope, grids, options), lanczos);
 }
 
-/// All three norms without an n x n matrix: attention_spectral_error and attention_entry_error.
-/// `converged` (may be null) receives whether the Lanczos solver converged; `spectral` is 0 when
-/// it did not.
+/// All three norms without an n x n matrix: attention_entry_error, then attention_spectral_error.
+/// Read `spectral.value` as the norm only when `spectral.converged`. When E has a NaN entry (a NaN
+/// input that a visible score uses), `max` and `frobenius` are NaN and the solver is not run:
+/// `spectral` is `{NaN, converged = false, products = 0, finite = false}`.
+/// \throws std::invalid_argument as attention_spectral_error (the message names attention_error).
 template <class Scalar>
-AttentionError attention_error(HeadsView<const detail::NonDeduced<Scalar>> q,
-                               HeadsView<const detail::NonDeduced<Scalar>> k, double slope,
-                               const std::vector<Grid>& grids, const AttentionOptions& options = {},
-                               const LanczosOptions& lanczos = {}, bool* converged = nullptr) {
-  AttentionError result = attention_entry_error<Scalar>(q, k, slope, grids, options);
-  const SpectralNorm spectral =
-      attention_spectral_error<Scalar>(q, k, slope, grids, options, lanczos);
-  result.spectral = spectral.value;
-  if (converged != nullptr) *converged = spectral.converged;
+AttentionErrorNorms attention_error(HeadsView<const detail::NonDeduced<Scalar>> q,
+                                    HeadsView<const detail::NonDeduced<Scalar>> k, double slope,
+                                    const std::vector<Grid>& grids,
+                                    const AttentionOptions& options = {},
+                                    const LanczosOptions& lanczos = {}) {
+  detail::validate_attention_spectral_error("attention_error", q, k, slope, grids, options,
+                                            lanczos);
+  const AttentionError entries = attention_entry_error<Scalar>(q, k, slope, grids, options);
+  AttentionErrorNorms result;
+  result.max = entries.max;
+  result.frobenius = entries.frobenius;
+  if (std::isnan(entries.max) || std::isnan(entries.frobenius)) {
+    result.spectral = SpectralNorm{std::numeric_limits<double>::quiet_NaN(), false, 0, false};
+  } else {
+    result.spectral = attention_spectral_error<Scalar>(q, k, slope, grids, options, lanczos);
+  }
   return result;
 }
 

@@ -17,7 +17,14 @@
 /// - \f$\|E\|_2\f$, the largest \f$|\lambda|\f$ of the symmetric E, by Spectra's Lanczos solver
 ///   (SymEigsSolver) over products \f$Ex\f$. Spectra is optional: the spectral norms are compiled
 ///   when its header `<Spectra/SymEigsSolver.h>` is found and `PLSH_NO_SPECTRA` is not defined;
-///   `PLSH_HAS_SPECTRA` is then defined to 1.
+///   `PLSH_HAS_SPECTRA` is then defined to 1. The solver's outcome is a status (SpectralNorm):
+///   whether it converged, and whether every product was finite (a NaN or an infinity stops it
+///   and gives a NaN norm, never an exception).
+///
+/// Every public function checks its arguments, sizes included, before it allocates: n lies in
+/// [1, kMaxPosition] (so an O(n) vector of doubles, 8(n + 1) bytes, is representable in Index and
+/// std::size_t), and a buffer not bounded by that, the solver's dense matrix or Lanczos basis, by
+/// detail::doubles_fit; std::invalid_argument otherwise.
 ///
 /// Tested in tests/test_error_norms.cpp against the dense mask_error (metrics.hpp) and dense
 /// masks of partitions of offset positions (partition.hpp), for n <= 2000.
@@ -28,6 +35,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "detail/check.hpp"
@@ -47,7 +55,8 @@
 namespace plsh {
 namespace detail {
 
-/// Positions `[first, first + n)` with `n >= 1`, inside [-kMaxPosition, kMaxPosition].
+/// Positions `[first, first + n)` with `n >= 1`, inside [-kMaxPosition, kMaxPosition]. The bound
+/// on n also bounds the O(n) vectors of the products: 8(n + 1) bytes, at most \f$2^{56} + 8\f$.
 inline void require_positions(Index n, Index first, const char* function) {
   require(n >= 1 && n <= kMaxPosition, function, "n must lie in [1, kMaxPosition]");
   require(first >= -kMaxPosition && first <= kMaxPosition - n, function,
@@ -143,24 +152,36 @@ inline void mean_mask_product(const std::vector<Grid>& grids, Index first,
   });
 }
 
+namespace detail {
+
+/// The arguments of MaskErrorOperator: require_positions, a valid slope and grids, and n below
+/// \f$2^{32}\f$ (block ends are kept in 32 bits).
+inline void validate_mask_error_operator(Index n, double slope, const std::vector<Grid>& grids,
+                                         Index first, const char* function) {
+  require_positions(n, first, function);
+  require_slope(slope, function);
+  require_grids(grids, function);
+  require(n <= static_cast<Index>(std::numeric_limits<std::uint32_t>::max()), function,
+          "n must be below 2^32 (block ends are kept in 32 bits)");
+}
+
+}  // namespace detail
+
 /// The symmetric operator \f$E = \hat K - K\f$ on positions `[first, first + n)`, with the
 /// interface of a Spectra matrix operation (`Scalar`, `rows()`, `cols()`, `perform_op`).
 /// The constructor finds every block of every draw once (grid_block) and keeps their ends, 4 bytes
-/// per block (about \f$4 n m s\f$ bytes for slope m and s draws when \f$m \le 1\f$); one product
-/// then costs O(n + blocks), at most O(n s).
+/// per block (about \f$4 n m s\f$ bytes for slope m and s draws when \f$m \le 1\f$), and one
+/// vector of n doubles; one product then costs O(n + blocks), at most O(n s).
 class MaskErrorOperator {
  public:
   using Scalar = double;
 
-  /// \throws std::invalid_argument as mask_max_error.
+  /// \throws std::invalid_argument as mask_max_error, and for n of \f$2^{32}\f$ or more; before
+  /// anything is allocated.
   MaskErrorOperator(Index n, double slope, const std::vector<Grid>& grids, Index first = 0)
-      : n_(n), slope_(slope), draws_(static_cast<Index>(grids.size())), kernel_product_(n) {
-    const char* function = "MaskErrorOperator";
-    detail::require_positions(n, first, function);
-    detail::require_slope(slope, function);
-    detail::require_grids(grids, function);
-    detail::require(n <= static_cast<Index>(std::numeric_limits<std::uint32_t>::max()), function,
-                    "n must be below 2^32");
+      : n_(n), slope_(slope), draws_(static_cast<Index>(grids.size())) {
+    detail::validate_mask_error_operator(n, slope, grids, first, "MaskErrorOperator");
+    kernel_product_.resize(n);
     for (const Grid& grid : grids) {
       detail::for_each_block(grid, first, first + n, [&](const Block& block) {
         ends_.push_back(static_cast<std::uint32_t>(block.end - first));
@@ -265,12 +286,16 @@ struct LanczosOptions {
 };
 
 /// A spectral norm and how the solver reached it (a status, not an exception, as in Spectra).
+/// `value` is the norm only when `converged` is true.
 struct SpectralNorm {
   /// The norm when converged; otherwise the largest Ritz value in magnitude after the last
-  /// restart, a lower bound of the norm (a Rayleigh quotient).
+  /// restart, a lower bound of the norm (a Rayleigh quotient); NaN when `finite` is false.
   double value = 0;
   bool converged = false;  ///< whether the Lanczos solver met its tolerance.
   Index products = 0;      ///< operator products used.
+  /// False when an operator product had a NaN or an infinite entry (a non-finite input, or
+  /// overflow): the solver stopped there, `value` is NaN and `converged` false.
+  bool finite = true;
 };
 
 namespace detail {
@@ -291,21 +316,53 @@ inline void require_lanczos(const LanczosOptions& options, const char* function)
   require(options.tolerance > 0, function, "options.tolerance must be positive");
 }
 
-}  // namespace detail
+/// The largest buffer of symmetric_spectral_norm for an operator of n >= 0 rows must fit
+/// (doubles_fit): the dense n x n matrix below `options.dense_below` rows (and below 3), the
+/// Lanczos basis of n x min(basis_size, n) doubles otherwise.
+inline void require_lanczos_size(Index n, const LanczosOptions& options, const char* function) {
+  if (n < std::max<Index>(options.dense_below, 3)) {
+    require(doubles_fit(n, n), function,
+            "an operator of fewer than options.dense_below rows is formed densely, and this n x n "
+            "matrix of doubles cannot be sized: lower options.dense_below");
+  } else {
+    require(doubles_fit(n, std::min(options.basis_size, n)), function,
+            "the Lanczos basis, n x options.basis_size doubles, cannot be sized: lower "
+            "options.basis_size");
+  }
+}
 
-/// The largest \f$|\lambda|\f$ of a symmetric operator with Spectra's interface (`Scalar` =
-/// double, `rows()`, `perform_op(const double*, double*) const`): Lanczos with
-/// `SortRule::LargestMagn`, one eigenvalue. Below `options.dense_below` rows the operator is
-/// applied to the unit vectors and the dense matrix solved exactly (Spectra needs n > 2). The
-/// operator is taken by value (Spectra keeps a reference to a mutable one).
-/// \throws std::invalid_argument for an operator with no rows or invalid options.
+/// Thrown by CheckedProducts on a product with a non-finite entry, to stop the solver at once;
+/// caught by symmetric_spectral_norm, never seen by a caller.
+struct NonFiniteProduct {};
+
+/// A symmetric operator (Spectra's interface) whose products are counted and checked: a product
+/// with a NaN or an infinite entry throws NonFiniteProduct. Spectra would go on with it and throw
+/// a std::runtime_error from its tridiagonal eigensolver.
 template <class SymmetricOperator>
-SpectralNorm symmetric_spectral_norm(SymmetricOperator op, const LanczosOptions& options = {}) {
-  const char* function = "symmetric_spectral_norm";
-  detail::require_lanczos(options, function);
+class CheckedProducts {
+ public:
+  using Scalar = double;
+  explicit CheckedProducts(SymmetricOperator op) : op_(std::move(op)) {}
+  Index rows() const { return op_.rows(); }
+  Index cols() const { return op_.cols(); }
+  Index products() const { return products_; }
+  void perform_op(const double* x_in, double* y_out) const {
+    op_.perform_op(x_in, y_out);
+    ++products_;
+    if (!Eigen::Map<const Eigen::VectorXd>(y_out, rows()).allFinite()) throw NonFiniteProduct{};
+  }
+
+ private:
+  SymmetricOperator op_;
+  mutable Index products_ = 0;
+};
+
+/// The largest |eigenvalue| of `op` (rows() >= 1, options checked): dense below
+/// `options.dense_below` rows, Lanczos otherwise. Throws NonFiniteProduct from `op`.
+template <class SymmetricOperator>
+SpectralNorm spectral_norm_of_checked(CheckedProducts<SymmetricOperator>& op,
+                                      const LanczosOptions& options) {
   const Index n = op.rows();
-  detail::require(n >= 1 && op.cols() == n, function, "the operator must be square and non-empty");
-  SpectralNorm result;
   if (n < std::max<Index>(options.dense_below, 3)) {
     Eigen::MatrixXd dense(n, n);
     Eigen::VectorXd unit = Eigen::VectorXd::Zero(n);
@@ -315,16 +372,45 @@ SpectralNorm symmetric_spectral_norm(SymmetricOperator op, const LanczosOptions&
       unit[j] = 0;
     }
     const Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd> solver(dense, Eigen::EigenvaluesOnly);
-    return SpectralNorm{solver.eigenvalues().cwiseAbs().maxCoeff(), true, n};
+    return SpectralNorm{solver.eigenvalues().cwiseAbs().maxCoeff(), true, op.products(), true};
   }
   const Index basis = std::min(options.basis_size, n);
-  detail::RitzSolver<SymmetricOperator> solver(op, 1, basis);
+  RitzSolver<CheckedProducts<SymmetricOperator>> solver(op, 1, basis);
   solver.init();
   solver.compute(Spectra::SortRule::LargestMagn, options.max_restarts, options.tolerance);
+  SpectralNorm result;
   result.converged = solver.info() == Spectra::CompInfo::Successful;
-  result.products = solver.num_operations();
+  result.products = op.products();
   result.value = std::abs(result.converged ? solver.eigenvalues()[0] : solver.largest_ritz_value());
   return result;
+}
+
+}  // namespace detail
+
+/// The largest \f$|\lambda|\f$ of a symmetric operator with Spectra's interface (`Scalar` =
+/// double, `rows()`, `perform_op(const double*, double*) const`): Lanczos with
+/// `SortRule::LargestMagn`, one eigenvalue. Below `options.dense_below` rows the operator is
+/// applied to the unit vectors and the dense matrix solved exactly (Spectra needs n > 2). The
+/// operator is taken by value (Spectra keeps a reference to a mutable one).
+///
+/// Every product is checked (O(n) each): the first with a NaN or an infinite entry stops the
+/// solver, and the result is `{NaN, converged = false, products, finite = false}`. No exception
+/// of Spectra's escapes for non-finite data.
+/// \throws std::invalid_argument for invalid options, an operator with no rows or not square, or
+/// a dense matrix or Lanczos basis that cannot be sized (detail::require_lanczos_size).
+template <class SymmetricOperator>
+SpectralNorm symmetric_spectral_norm(SymmetricOperator op, const LanczosOptions& options = {}) {
+  const char* function = "symmetric_spectral_norm";
+  detail::require_lanczos(options, function);
+  const Index n = op.rows();
+  detail::require(n >= 1 && op.cols() == n, function, "the operator must be square and non-empty");
+  detail::require_lanczos_size(n, options, function);
+  detail::CheckedProducts<SymmetricOperator> checked(std::move(op));
+  try {
+    return detail::spectral_norm_of_checked(checked, options);
+  } catch (const detail::NonFiniteProduct&) {
+    return SpectralNorm{std::numeric_limits<double>::quiet_NaN(), false, checked.products(), false};
+  }
 }
 
 namespace detail {
@@ -362,10 +448,18 @@ class GramOperator {
 /// root of the largest eigenvalue of \f$E^\top E\f$ (when cols() <= rows()) or \f$EE^\top\f$, by
 /// symmetric_spectral_norm. `products` counts Gram products (two operator products each). The
 /// squared singular value is found to the Lanczos tolerance, so the value to about half of it
-/// relatively.
+/// relatively. An operator with no rows or no columns has norm 0. A non-finite product gives
+/// `finite = false` and a NaN value, as in symmetric_spectral_norm.
+/// \throws std::invalid_argument for invalid options, negative sizes, or a dense matrix or
+/// Lanczos basis of min(rows(), cols()) rows that cannot be sized; before anything is allocated.
 template <class Operator>
 SpectralNorm largest_singular_value(const Operator& op, const LanczosOptions& options = {}) {
-  if (op.rows() == 0 || op.cols() == 0) return SpectralNorm{0, true, 0};
+  const char* function = "largest_singular_value";
+  detail::require_lanczos(options, function);
+  detail::require(op.rows() >= 0 && op.cols() >= 0, function,
+                  "the operator's sizes must be non-negative");
+  detail::require_lanczos_size(std::min(op.rows(), op.cols()), options, function);
+  if (op.rows() == 0 || op.cols() == 0) return SpectralNorm{0, true, 0, true};
   SpectralNorm result =
       symmetric_spectral_norm(detail::GramOperator<Operator>(op, op.cols() <= op.rows()), options);
   result.value = std::sqrt(result.value);
@@ -375,12 +469,18 @@ SpectralNorm largest_singular_value(const Operator& op, const LanczosOptions& op
 /// \f$\|\hat K - K\|_2\f$ on positions `[first, first + n)` by Lanczos over MaskErrorOperator:
 /// O(n s) per product, O(n x basis_size) memory. Equals mask_error(n, slope, grids).spectral for
 /// first = 0 to the Lanczos tolerance.
-/// \throws std::invalid_argument as mask_max_error, and for invalid options.
+/// \throws std::invalid_argument as MaskErrorOperator, for invalid options, and for a dense
+/// matrix or Lanczos basis that cannot be sized (the message names mask_spectral_error); all
+/// before anything is allocated.
 /// \tparam Tag unused: the solver is compiled only where mask_spectral_error is called
 /// (detail::Deferred).
 template <class Tag = void>
 SpectralNorm mask_spectral_error(Index n, double slope, const std::vector<Grid>& grids,
                                  Index first = 0, const LanczosOptions& options = {}) {
+  const char* function = "mask_spectral_error";
+  detail::validate_mask_error_operator(n, slope, grids, first, function);
+  detail::require_lanczos(options, function);
+  detail::require_lanczos_size(n, options, function);
   return symmetric_spectral_norm(detail::Deferred<MaskErrorOperator, Tag>(n, slope, grids, first),
                                  options);
 }
