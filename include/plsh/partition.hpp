@@ -13,6 +13,7 @@
 
 #include "detail/check.hpp"
 #include "limits.hpp"
+#include "options.hpp"
 #include "sampler.hpp"
 
 namespace plsh {
@@ -163,6 +164,21 @@ inline Block block_starting_at(const Grid& grid, Index position, Index last) {
     }
   }
   return grid_block(grid, position, position, last);
+}
+
+/// Positions covered by queries or keys: every partition is cut to this range. Cutting does not
+/// change which queries and keys share a block, so any covering range gives the same result.
+struct PositionRange {
+  Index first;
+  Index last;
+};
+
+/// The range of positions a call of queries `q` and keys `k` covers.
+template <class View>
+PositionRange position_range(const View& q, const View& k, const AttentionOptions& options) {
+  return PositionRange{
+      std::min(options.query_position, options.key_position),
+      std::max(options.query_position + q.tokens, options.key_position + k.tokens)};
 }
 
 }  // namespace detail

@@ -103,14 +103,6 @@ inline void require_sampling(Sampling sampling, const char* function,
   });
 }
 
-/// A number of draws per head of the multi-head kernels: 1 to kMaxSamples.
-inline void require_samples(Index samples, const char* function, const char* name = "samples") {
-  require(samples >= 1 && samples <= kMaxSamples, function, [&] {
-    return std::string(name) + " must lie in [1, kMaxSamples = " + std::to_string(kMaxSamples) +
-           "] (got " + std::to_string(samples) + ")";
-  });
-}
-
 }  // namespace detail
 
 /// Draws grids whose bins co-locate two points \f$x, y\f$ with probability

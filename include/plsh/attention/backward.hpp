@@ -58,8 +58,8 @@
 #include "../partition.hpp"
 #include "../sampler.hpp"
 #include "../tensor.hpp"
+#include "block_counts.hpp"
 #include "options.hpp"
-#include "plsh_attention.hpp"
 #include "regular.hpp"
 
 namespace plsh {

@@ -42,13 +42,9 @@
 #include <type_traits>
 #include <vector>
 
+#include "../detail/simd.hpp"
 #include "../detail/storage.hpp"
 #include "../tensor.hpp"
-
-#if defined(__AVX512F__)
-#define PLSH_FUSED_AVX512 1
-#include <immintrin.h>
-#endif
 
 namespace plsh {
 namespace detail {

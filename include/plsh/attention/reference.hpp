@@ -30,7 +30,6 @@
 #include "../sampler.hpp"
 #include "../tensor.hpp"
 #include "options.hpp"
-#include "plsh_attention.hpp"
 
 namespace plsh {
 namespace reference {

@@ -2,9 +2,10 @@
 #define PLSH_DETAIL_CHECK_HPP
 
 /// \file check.hpp
-/// Argument checks. A check that passes builds no string and allocates nothing: messages are
-/// literals, or pieces joined by `fail` only when the check fails, or built by a callable that
-/// runs only then.
+/// Argument checks of single values (a slope, a number of draws against limits.hpp); the checks
+/// of views and options are in validate.hpp. A check that passes builds no string and allocates
+/// nothing: messages are literals, or pieces joined by `fail` only when the check fails, or built
+/// by a callable that runs only then.
 
 #include <cmath>
 #include <cstdint>
@@ -13,6 +14,8 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+
+#include "../limits.hpp"
 
 namespace plsh {
 namespace detail {
@@ -52,6 +55,14 @@ inline void require_slope(double slope, const char* function, const char* name =
   if (std::isfinite(slope) && slope >= 0) return;
   fail(function, std::string(name) + (index >= 0 ? "[" + std::to_string(index) + "]" : "") +
                      " must be finite and non-negative (got " + std::to_string(slope) + ")");
+}
+
+/// A number of draws per head of the multi-head kernels: 1 to kMaxSamples.
+inline void require_samples(Index samples, const char* function, const char* name = "samples") {
+  require(samples >= 1 && samples <= kMaxSamples, function, [&] {
+    return std::string(name) + " must lie in [1, kMaxSamples = " + std::to_string(kMaxSamples) +
+           "] (got " + std::to_string(samples) + ")";
+  });
 }
 
 /// `a + b`, or false when it overflows `std::int64_t`.

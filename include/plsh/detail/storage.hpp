@@ -16,11 +16,8 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__F16C__)
-#include <immintrin.h>
-#endif
-
 #include "../tensor.hpp"
+#include "simd.hpp"
 
 namespace plsh {
 namespace detail {
@@ -87,7 +84,7 @@ void convert_from_compute(const Compute<Storage>* from, Index count, Storage* to
     }
   } else {
     Index i = 0;
-#if defined(__AVX512F__) && defined(__F16C__)
+#if defined(PLSH_CONVERT_AVX512_F16C)
     if constexpr (std::is_same<Storage, Eigen::half>::value) {
       for (; i + 16 <= count; i += 16) {
         const __m512 values = _mm512_loadu_ps(from + i);
@@ -148,6 +145,13 @@ ConstHeadMap<Compute<Storage>> compute_rows(const ConstHeadMap<Storage>& rows, I
   return compute_rows(ConstHeadMap<Storage>(rows.data() + begin * rows.outerStride(), count,
                                             rows.cols(), Eigen::OuterStride<>(rows.outerStride())),
                       scratch);
+}
+
+/// Rows `[begin, begin + count)` of a head map, as a map of the same type.
+template <class Map>
+Map map_rows(Map map, Index begin, Index count) {
+  return Map(map.data() + begin * map.outerStride(), count, map.cols(),
+             Eigen::OuterStride<>(map.outerStride()));
 }
 
 /// Output rows written in the compute type: `rows()` is the output map itself when `Storage` is

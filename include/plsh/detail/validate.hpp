@@ -5,7 +5,8 @@
 /// The argument checks of every attention entry point, in one place. Each throws
 /// std::invalid_argument naming the function the user called, and none builds a string or
 /// allocates when it passes (tests/test_bounds.cpp counts). Includes nothing above
-/// plsh/options.hpp.
+/// plsh/options.hpp: a number of draws is checked by check.hpp (require_samples), grids by
+/// partition.hpp (require_grids).
 
 #include <Eigen/Core>
 #include <algorithm>
@@ -17,7 +18,6 @@
 #include "../batched_heads_view.hpp"
 #include "../limits.hpp"
 #include "../options.hpp"
-#include "../sampler.hpp"
 #include "../tensor.hpp"
 #include "check.hpp"
 #include "storage.hpp"
