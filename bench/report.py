@@ -431,17 +431,21 @@ def exponents():
 
 
 def training_means():
-    relative = "docs/training/results.md"
-    if not os.path.exists(path(relative)):
-        raise Missing(f"`{relative}` is missing: `examples/python/compare.py` writes it.")
-    with open(path(relative)) as f:
-        text = f.read()
-    match = re.search(r"^## Mean over seeds.*?\n\n((?:\|.*\n)+)", text, re.MULTILINE)
-    if not match:
-        raise Missing(f"`{relative}` has no table of means over seeds.")
-    return match.group(1).strip() + ("\n\nValidation loss in nats per byte, mean over seeds ± half "
-                                     "their spread (perplexity per byte in brackets); from "
-                                     f"`{relative}`.")
+    """The summary table that examples/python/compare.py writes: the first table of study.md when
+    that file exists, else the means over seeds of results.md."""
+    sources = [("docs/training/study.md", r"^((?:\|.*\n)+)"),
+               ("docs/training/results.md", r"^## Mean over seeds.*?\n\n((?:\|.*\n)+)")]
+    for relative, pattern in sources:
+        if not os.path.exists(path(relative)):
+            continue
+        with open(path(relative)) as f:
+            text = f.read()
+        match = re.search(pattern, text, re.MULTILINE)
+        if match:
+            return match.group(1).strip() + (f"\n\nFrom `{relative}`, which `examples/python/compare.py` "
+                                   "writes (it says what each column holds).")
+    raise Missing("`docs/training/results.md` has no summary table: `examples/python/compare.py` "
+                  "writes it.")
 
 
 def torch_speed():
