@@ -6,8 +6,10 @@ same data order, same optimiser). Variants:
 
   none   plsh.torch.exact_alibi_attention with slopes 0 (plain causal attention, no bias)
   alibi  plsh.torch.exact_alibi_attention with the standard ALiBi slopes (Press et al.)
-  plsh   plsh.torch.plsh_attention, s = 20 partitions, through plsh.torch.AlibiAttention:
-         fresh partitions at every training step, fixed ones (the module's seed) in eval mode
+  plsh   plsh.torch.plsh_attention, s = --samples partitions (default 20) drawn as --sampling says,
+         through plsh.torch.AlibiAttention: fresh partitions at every training step, fixed ones
+         (the module's seed) in eval mode; with --samples-final, s grows geometrically from
+         --samples at the first step to --samples-final at the last (evaluation uses the final s)
   fixed  causal attention within fixed blocks of 64 tokens (plsh.torch.fixed_block_attention
          when the module provides it, otherwise the pure PyTorch block attention below; the
          result file records which one ran)
@@ -147,7 +149,7 @@ class Attention(nn.Module):
     back to exact ALiBi).
     """
 
-    def __init__(self, heads, method, layer, run_seed, backend, samples, block_size):
+    def __init__(self, heads, method, layer, run_seed, backend, samples, block_size, sampling):
         super().__init__()
         self.heads, self.method, self.backend = heads, method, backend
         self.samples, self.block_size = samples, block_size
@@ -161,7 +163,8 @@ class Attention(nn.Module):
             # Seeds of different layers are far apart: training forward t of layer l uses
             # seed base + t, and these ranges never overlap.
             base = (run_seed * 64 + layer) * 10_000_000
-            self.plsh_module = pt.AlibiAttention(heads, method="plsh", samples=samples, seed=base)
+            self.plsh_module = pt.AlibiAttention(heads, method="plsh", samples=samples, seed=base,
+                                                 sampling=sampling)
             if fixed_block_has_backward(pt):
                 self.fixed_impl = "plsh"
         else:
@@ -216,7 +219,8 @@ class ByteLM(nn.Module):
         torch.manual_seed(seed)  # identical initialisation for every variant of a seed
         self.embed = nn.Embedding(256, args.d_model)
         attentions = [
-            Attention(args.heads, args.variant, layer, seed, args.backend, args.samples, args.block_size)
+            Attention(args.heads, args.variant, layer, seed, args.backend, args.samples,
+                      args.block_size, args.sampling)
             for layer in range(args.layers)
         ]
         self.blocks = nn.ModuleList(Block(args.d_model, args.heads, a) for a in attentions)
@@ -236,6 +240,11 @@ class ByteLM(nn.Module):
     def set_method(self, method):
         for a in self.attentions():
             a.method = method
+
+    def set_samples(self, samples):
+        for a in self.attentions():
+            if a.backend == "plsh":
+                a.plsh_module.samples = samples
 
     def forward(self, x):
         h = self.embed(x)
@@ -269,6 +278,15 @@ def learning_rate(step, args):
     return args.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
+def samples_at(step, args):
+    """Positional LSH draws s at a training step: --samples, or with --samples-final a geometric
+    growth from --samples at step 0 to --samples-final at the last step."""
+    if not args.samples_final:
+        return args.samples
+    progress = step / max(1, args.steps - 1)
+    return round(args.samples * (args.samples_final / args.samples) ** progress)
+
+
 def run(args):
     torch.set_num_threads(args.threads)
     text = load_bible(args.data_cache)
@@ -298,6 +316,7 @@ def run(args):
         t0, c0 = time.time(), time.process_time()
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, args)
+        model.set_samples(samples_at(step, args))
         logits = model(window[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, 256), window[:, 1:].reshape(-1))
         optimizer.zero_grad(set_to_none=True)
@@ -395,6 +414,10 @@ def parser():
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--samples", type=int, default=20, help="Positional LSH partitions s")
+    p.add_argument("--sampling", choices=("independent", "latin_hypercube"), default="independent",
+                   help="how the Positional LSH partitions of a head are drawn")
+    p.add_argument("--samples-final", type=int, default=0,
+                   help="if set, s grows geometrically from --samples to this over the training")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--log-every", type=int, default=100)
