@@ -85,8 +85,8 @@ class Runs:
                         medians[name] = b
                 else:
                     iterations.setdefault(name, []).append(b)
-            for name, runs in iterations.items():
-                self.entries[name] = medians.get(name) or self.median(runs)
+            for name in list(iterations) + [n for n in medians if n not in iterations]:
+                self.entries[name] = medians.get(name) or self.median(iterations[name])
 
     @staticmethod
     def median(runs):
@@ -108,7 +108,8 @@ class Runs:
 
     def names(self, prefix):
         return sorted((n for n in self.entries if n.startswith(prefix)),
-                      key=lambda n: [int(p) if p.isdigit() else p for p in n.split("/")])
+                      key=lambda n: [(0, int(p), "") if p.isdigit() else (1, 0, p)
+                                     for p in n.split("/")])
 
 
 def describe_context(context, relative):
