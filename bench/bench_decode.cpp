@@ -8,10 +8,11 @@
 ///   or bf16 = Eigen::bfloat16) run with `threads` OpenMP threads, prefilled with `context`
 ///   tokens in chunks of 1024 outside the timed loop; per iteration one
 ///   `KvCache::decode` of 1 token (the step a decoder calls: its append, then the attend of its
-///   query by the single-query path of kv_cache.hpp, checks made once). The cache evicts what no
-///   later query can reach, so the time per token should not grow with the context (goal:
-///   65536 within 1.2x of 4096). Counters `resident`: tokens stored at the end of the run;
-///   `cache_bytes`: KvCache::bytes() then (key and value buffers).
+///   query by the single-query path of decode/decode_step.hpp, checks made once; with 2 threads
+///   on both threads or on the calling thread alone, whichever decode/decode_mode.hpp measures
+///   faster). The cache evicts what no later query can reach, so the time per token should not
+///   grow with the context (goal: 65536 within 1.2x of 4096). Counters `resident`: tokens stored at
+///   the end of the run; `cache_bytes`: KvCache::bytes() then (key and value buffers).
 /// - `decode_exact/context`: exact ALiBi decoding with a full cache: plsh::exact_alibi_attention
 ///   of one query at position `context` against all `context` keys, float, with
 ///   omp_get_max_threads() threads. Counter `resident` = context.

@@ -1,6 +1,6 @@
 // Tests of detail::ThreadTeam (detail/thread_team.hpp): every part runs once per step, on its own
-// thread, the helpers' parts are timed, exceptions reach the caller, a busy team declines, and
-// sleeping helpers wake up.
+// thread, exceptions reach the caller, a busy team declines, sleeping helpers wake up, and a
+// forked child declines.
 
 #include <catch2/catch.hpp>
 
@@ -57,38 +57,6 @@ TEST_CASE("ThreadTeam runs every part once per step, part 0 on the calling threa
     // Part p runs in the steps with more than p parts.
     CHECK(runs[static_cast<std::size_t>(part)] == kSteps / kMostParts * (kMostParts - part));
   }
-}
-
-TEST_CASE("ThreadTeam times each helper's part from its start to its end", "[thread_team]") {
-  // part_start(p) is read after run began and before part p's body began, part_end(p) after the
-  // body returned and before run returned: between those clock reads, for every step (a stale or
-  // unset time lies before run began).
-  using Clock = std::chrono::steady_clock;
-  ThreadTeam& team = ThreadTeam::shared();
-  constexpr int kParts = 3;
-  int outside = 0;
-  for (int step = 0; step < 500; ++step) {
-    std::vector<Clock::time_point> body_start(kParts);
-    std::vector<Clock::time_point> body_end(kParts);
-    const Clock::time_point called = Clock::now();
-    const bool ran = team.run(kParts, [&](int part) {
-      body_start[static_cast<std::size_t>(part)] = Clock::now();
-      // Parts of different lengths, so that the helpers end at different times.
-      const auto until = Clock::now() + std::chrono::microseconds(part * (step % 3));
-      while (Clock::now() < until) {
-      }
-      body_end[static_cast<std::size_t>(part)] = Clock::now();
-    });
-    const Clock::time_point returned = Clock::now();
-    REQUIRE(ran);
-    for (int part = 1; part < kParts; ++part) {
-      const Clock::time_point start = team.part_start(part);
-      const Clock::time_point end = team.part_end(part);
-      if (start < called || start > body_start[static_cast<std::size_t>(part)]) ++outside;
-      if (end < body_end[static_cast<std::size_t>(part)] || end > returned) ++outside;
-    }
-  }
-  CHECK(outside == 0);
 }
 
 TEST_CASE("ThreadTeam passes the first exception (in part order) on after every part is done",

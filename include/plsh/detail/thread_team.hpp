@@ -3,17 +3,15 @@
 
 // ThreadTeam: helper threads for parallel steps of a few microseconds (one decoding step).
 //
-// An OpenMP parallel region ends in barriers whose last thread always makes a futex system call
-// (libgomp), even when the other threads are spinning: two calls per region, each 1-1.2 us on a
-// virtual machine with page-table isolation, against a decoding step of 7-12 us. Here the
-// calling thread hands a step to helpers that spin on a counter and report through one, so a
-// step on warm helpers makes no system call. A helper that has waited kSpin without work sleeps on
-// a condition variable (the next step then wakes it with one call), as libgomp's threads do after
-// their spin count.
+// An OpenMP parallel region ends in barriers whose last thread makes a futex system call
+// (libgomp) even when the other threads are spinning, which costs a noticeable part of a
+// decoding step of some microseconds. Here the calling thread hands a step to helpers that spin
+// on a counter and report through one, so a step on warm helpers makes no system call. A helper
+// that has waited kSpin without work sleeps on a condition variable (the next step then wakes it
+// with one call), as libgomp's threads do after their spin count.
 //
-// Tested in tests/test_thread_team.cpp (every part once, on distinct threads; the helpers' end
-// times; exceptions; a busy team; sleeping helpers; a forked child) and through KvCache's tests at
-// 1, 2 and 3 threads.
+// Tested in tests/test_thread_team.cpp (every part once, on distinct threads; exceptions; a busy
+// team; sleeping helpers; a forked child) and through KvCache's tests at 1, 2 and 3 threads.
 
 #include <atomic>
 #include <chrono>
@@ -38,33 +36,6 @@
 namespace plsh {
 namespace detail {
 
-/// Asks the processor to bring the cache line of `address` closer (a hint; nothing where the
-/// compiler has no such builtin).
-inline void prefetch(const void* address) {
-#if defined(__GNUC__) || defined(__clang__)
-  __builtin_prefetch(address);
-#else
-  static_cast<void>(address);
-#endif
-}
-
-/// prefetch, asking also for the right to write the line.
-inline void prefetch_for_write(const void* address) {
-#if defined(__GNUC__) || defined(__clang__)
-  __builtin_prefetch(address, 1);
-#else
-  static_cast<void>(address);
-#endif
-}
-
-/// Asks for every cache line of the `bytes` bytes from `address` (prefetch), all at once.
-inline void prefetch_bytes(const void* address, std::size_t bytes) {
-  constexpr std::size_t line = 64;
-  const char* begin = static_cast<const char*>(address);
-  for (std::size_t offset = 0; offset < bytes; offset += line) prefetch(begin + offset);
-  prefetch(begin + bytes - 1);
-}
-
 /// A spin-wait hint to the processor.
 inline void spin_pause() {
 #if defined(__x86_64__) || defined(_M_X64) || defined(__i386__) || defined(_M_IX86)
@@ -74,10 +45,9 @@ inline void spin_pause() {
 
 /// Helper threads that run the parts of short steps: `run(parts, body)` calls `body(part)` for
 /// part in [0, parts), part 0 on the calling thread and part i on helper i, and returns once
-/// every part is done; `part_start(i)` and `part_end(i)` then tell when helper i started and
-/// finished. One process-wide team (`shared()`), used by one caller at a time: `run` returns false
-/// without running anything when another thread is inside it, or in the child of a fork (whose
-/// copy of the team has no threads); the caller then takes another way.
+/// every part is done. One process-wide team (`shared()`), used by one caller at a time: `run`
+/// returns false without running anything when another thread is inside it, or in the child of a
+/// fork (whose copy of the team has no threads); the caller then takes another way.
 class ThreadTeam {
  public:
   /// How long a helper spins for the next step before it sleeps.
@@ -145,26 +115,12 @@ class ThreadTeam {
     return true;
   }
 
-  /// When part `part` (1 <= part < parts) of the last step that `run` completed ended, read by
-  /// its helper's clock. Only for the thread that called `run`, before it calls it again.
-  std::chrono::steady_clock::time_point part_end(int part) const {
-    return helpers_[static_cast<std::size_t>(part - 1)]->finished;
-  }
-
-  /// When part `part` of the last step that `run` completed started on its helper (as part_end).
-  std::chrono::steady_clock::time_point part_start(int part) const {
-    return helpers_[static_cast<std::size_t>(part - 1)]->started;
-  }
-
  private:
-  // One cache line, written by its helper during a step (started when its part starts, the rest
-  // at its end) and read by the calling thread at the end: done, failure, started and finished
-  // reach it together.
+  // One cache line, written by its helper at the end of a step and read by the calling thread:
+  // done and failure reach it together.
   struct alignas(64) Helper {
     std::atomic<std::uint64_t> done{0};
     std::exception_ptr failure;
-    std::chrono::steady_clock::time_point started;
-    std::chrono::steady_clock::time_point finished;
     std::thread thread;
   };
 
@@ -222,10 +178,6 @@ class ThreadTeam {
         generation = step_.generation.load(std::memory_order_acquire);
       }
       seen = generation;
-      // The line of done, asked for now, while the calling thread runs its part: at the end of
-      // the step it is written at once, not after the calling thread's copy is invalidated.
-      prefetch_for_write(&self);
-      self.started = std::chrono::steady_clock::now();
       if (index + 1 < step_.parts) {
         try {
           step_.invoke(step_.body, index + 1);
@@ -233,7 +185,6 @@ class ThreadTeam {
           self.failure = std::current_exception();
         }
       }
-      self.finished = std::chrono::steady_clock::now();
       self.done.store(generation, std::memory_order_release);
     }
   }
