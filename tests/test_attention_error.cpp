@@ -17,6 +17,7 @@
 
 #include "attention_fixture.hpp"
 #include "fill.hpp"
+#include "skip.hpp"
 
 namespace {
 
@@ -146,7 +147,7 @@ TEST_CASE("attention_entry_error equals the dense max and Frobenius norms", "[at
 
 #ifdef PLSH_HAS_SPECTRA
 
-TEST_CASE("attention_error equals the dense norms", "[attention_error]") {
+TEST_CASE("attention_error equals the dense norms", "[attention_error][spectra]") {
   std::uint64_t seed = 300;
   plsh_test::for_each_offset_case(plsh_test::offset_cases(), [&](const plsh_test::OffsetCase& c,
                                                                  plsh::AttentionOptions options) {
@@ -170,7 +171,8 @@ TEST_CASE("attention_error equals the dense norms", "[attention_error]") {
   });
 }
 
-TEST_CASE("attention_error with float inputs and a trained-model shape", "[attention_error]") {
+TEST_CASE("attention_error with float inputs and a trained-model shape",
+          "[attention_error][spectra]") {
   // Float q and k are converted to double once; the norms equal those of the double copies.
   Problem<float> problem(Shape{300, 300, 1, 1, 12, 1}, 7);
   Problem<double> copy(Shape{300, 300, 1, 1, 12, 1}, 7);
@@ -186,7 +188,8 @@ TEST_CASE("attention_error with float inputs and a trained-model shape", "[atten
   CHECK(from_float.max == Approx(dense.max).epsilon(1e-14));
 }
 
-TEST_CASE("attention_error reports a Lanczos solver that did not converge", "[attention_error]") {
+TEST_CASE("attention_error reports a Lanczos solver that did not converge",
+          "[attention_error][spectra]") {
   // One restart of a basis of 2 cannot reach 1e-14: the value is then a Rayleigh quotient, a lower
   // bound of the norm, and the status says so (the value used to come back as a double beside an
   // optional flag, documented as 0).
@@ -213,15 +216,6 @@ TEST_CASE("attention_error reports a Lanczos solver that did not converge", "[at
       problem.q.view, problem.k.view, slope, grids, {}, lanczos);
   CHECK_FALSE(alone.converged);
   CHECK(alone.value == measured.spectral.value);
-}
-
-#else
-
-TEST_CASE("the matrix-free attention spectral norm needs Spectra", "[attention_error]") {
-  WARN(
-      "plsh: Spectra not found (Debian: libspectra-dev): the matrix-free attention spectral norm "
-      "tests are skipped");
-  SUCCEED();
 }
 
 #endif  // PLSH_HAS_SPECTRA
@@ -279,27 +273,6 @@ TEST_CASE("the attention error functions check sizes before they allocate", "[at
                       Catch::Contains("attention_entry_error") && Catch::Contains("tokens x dim"));
   REQUIRE_THROWS_WITH(plsh::AttentionErrorOperator(deep, deep, 0.1, grids),
                       Catch::Contains("AttentionErrorOperator") && Catch::Contains("tokens x dim"));
-#ifdef PLSH_HAS_SPECTRA
-  REQUIRE_THROWS_WITH(
-      plsh::attention_spectral_error<double>(deep, deep, 0.1, grids),
-      Catch::Contains("attention_spectral_error") && Catch::Contains("tokens x dim"));
-  REQUIRE_THROWS_WITH(plsh::attention_error<double>(deep, deep, 0.1, grids),
-                      Catch::Contains("attention_error") && Catch::Contains("tokens x dim"));
-  // The Lanczos buffers of the 2^31 x 2^31 error, and invalid options, before the operator copies
-  // q and k (256 GiB here).
-  plsh::LanczosOptions lanczos;
-  lanczos.basis_size = Index(1) << 31;
-  REQUIRE_THROWS_WITH(plsh::attention_spectral_error<double>(wide, wide, 0.1, grids, {}, lanczos),
-                      Catch::Contains("attention_spectral_error") && Catch::Contains("basis"));
-  lanczos = plsh::LanczosOptions{};
-  lanczos.dense_below = Index(1) << 40;
-  REQUIRE_THROWS_WITH(plsh::attention_error<double>(wide, wide, 0.1, grids, {}, lanczos),
-                      Catch::Contains("attention_error") && Catch::Contains("dense_below"));
-  lanczos = plsh::LanczosOptions{};
-  lanczos.tolerance = -1;
-  REQUIRE_THROWS_WITH(plsh::attention_error<double>(wide, wide, 0.1, grids, {}, lanczos),
-                      Catch::Contains("attention_error") && Catch::Contains("tolerance"));
-#endif
 }
 
 TEST_CASE("a NaN in q or k gives NaN norms, not an exception", "[attention_error]") {
@@ -322,22 +295,6 @@ TEST_CASE("a NaN in q or k gives NaN norms, not an exception", "[attention_error
         plsh::attention_entry_error<double>(problem.q.view, problem.k.view, slope, grids);
     CHECK(std::isnan(rows.max));
     CHECK(std::isnan(rows.frobenius));
-#ifdef PLSH_HAS_SPECTRA
-    plsh::SpectralNorm spectral;
-    REQUIRE_NOTHROW(spectral = plsh::attention_spectral_error<double>(
-                        problem.q.view, problem.k.view, slope, grids));
-    CHECK(std::isnan(spectral.value));
-    CHECK_FALSE(spectral.converged);
-    CHECK_FALSE(spectral.finite);
-    plsh::AttentionErrorNorms norms;
-    REQUIRE_NOTHROW(
-        norms = plsh::attention_error<double>(problem.q.view, problem.k.view, slope, grids));
-    CHECK(std::isnan(norms.spectral.value));
-    CHECK_FALSE(norms.spectral.converged);
-    CHECK_FALSE(norms.spectral.finite);
-    CHECK(std::isnan(norms.max));
-    CHECK(std::isnan(norms.frobenius));
-#endif
   }
   {
     // Causal, keys 40..49 after the last query: a NaN in key 45 is never seen.
@@ -354,13 +311,90 @@ TEST_CASE("a NaN in q or k gives NaN norms, not an exception", "[attention_error
     CHECK(dense.max == expected.max);
     CHECK(dense.frobenius == expected.frobenius);
     CHECK(dense.spectral == Approx(expected.spectral).epsilon(1e-14));
+  }
+}
+
 #ifdef PLSH_HAS_SPECTRA
+
+TEST_CASE("the spectral attention error checks sizes and options before it allocates",
+          "[attention_error][spectra]") {
+  // As "the attention error functions check sizes before they allocate", for the functions that
+  // run the Lanczos solver.
+  const std::vector<double> row(1024, 0.25);
+  const std::vector<Grid> grids{plsh::fixed_grid(4)};
+  const plsh::HeadsView<const double> wide{row.data(), Index(1) << 31, 1, 8, 0, 8};
+  const plsh::HeadsView<const double> deep{row.data(), Index(1) << 52, 1, 1024, 0, 1024};
+  REQUIRE_THROWS_WITH(
+      plsh::attention_spectral_error<double>(deep, deep, 0.1, grids),
+      Catch::Contains("attention_spectral_error") && Catch::Contains("tokens x dim"));
+  REQUIRE_THROWS_WITH(plsh::attention_error<double>(deep, deep, 0.1, grids),
+                      Catch::Contains("attention_error") && Catch::Contains("tokens x dim"));
+  // The Lanczos buffers of the 2^31 x 2^31 error, and invalid options, before the operator copies
+  // q and k (256 GiB here).
+  plsh::LanczosOptions lanczos;
+  lanczos.basis_size = Index(1) << 31;
+  REQUIRE_THROWS_WITH(plsh::attention_spectral_error<double>(wide, wide, 0.1, grids, {}, lanczos),
+                      Catch::Contains("attention_spectral_error") && Catch::Contains("basis"));
+  lanczos = plsh::LanczosOptions{};
+  lanczos.dense_below = Index(1) << 40;
+  REQUIRE_THROWS_WITH(plsh::attention_error<double>(wide, wide, 0.1, grids, {}, lanczos),
+                      Catch::Contains("attention_error") && Catch::Contains("dense_below"));
+  lanczos = plsh::LanczosOptions{};
+  lanczos.tolerance = -1;
+  REQUIRE_THROWS_WITH(plsh::attention_error<double>(wide, wide, 0.1, grids, {}, lanczos),
+                      Catch::Contains("attention_error") && Catch::Contains("tolerance"));
+}
+
+TEST_CASE("a NaN in q or k gives a NaN spectral norm and a status, not an exception",
+          "[attention_error][spectra]") {
+  // The spectral part of "a NaN in q or k gives NaN norms, not an exception".
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double slope = 1.0 / 8;
+  const std::vector<Grid> grids = plsh::RandomBinning(slope, 5).draw(10);
+  for (const bool in_query : {true, false}) {
+    INFO((in_query ? "NaN in q" : "NaN in k"));
+    Problem<double> problem = head_problem(40, 40, 23);
+    (in_query ? problem.q : problem.k).view.data[17 * 8 + 3] = nan;
+    plsh::SpectralNorm spectral;
+    REQUIRE_NOTHROW(spectral = plsh::attention_spectral_error<double>(
+                        problem.q.view, problem.k.view, slope, grids));
+    CHECK(std::isnan(spectral.value));
+    CHECK_FALSE(spectral.converged);
+    CHECK_FALSE(spectral.finite);
+    plsh::AttentionErrorNorms norms;
+    REQUIRE_NOTHROW(
+        norms = plsh::attention_error<double>(problem.q.view, problem.k.view, slope, grids));
+    CHECK(std::isnan(norms.spectral.value));
+    CHECK_FALSE(norms.spectral.converged);
+    CHECK_FALSE(norms.spectral.finite);
+    CHECK(std::isnan(norms.max));
+    CHECK(std::isnan(norms.frobenius));
+  }
+  {
+    // Causal, keys 40..49 after the last query: a NaN in key 45 is never seen.
+    INFO("NaN in a key no query sees");
+    const Problem<double> clean = head_problem(40, 50, 29);
+    Problem<double> problem = clean;
+    problem.k.view.data[45 * 8 + 1] = nan;
+    plsh::AttentionOptions options;
+    options.causal = true;
+    const plsh::AttentionError expected =
+        plsh::dense_attention_error<double>(clean.q.view, clean.k.view, slope, grids, options);
     const plsh::AttentionErrorNorms norms =
         plsh::attention_error<double>(problem.q.view, problem.k.view, slope, grids, options);
     REQUIRE(norms.spectral.converged);
     CHECK(norms.spectral.finite);
     CHECK(norms.spectral.value == Approx(expected.spectral).epsilon(1e-9));
     CHECK(norms.max == expected.max);
-#endif
   }
 }
+
+#else
+
+TEST_CASE("the matrix-free attention spectral norm needs Spectra", "[attention_error][spectra]") {
+  plsh_test::skip_executable(
+      "Spectra not found (Debian: libspectra-dev): the matrix-free attention spectral norm tests "
+      "did not run");
+}
+
+#endif  // PLSH_HAS_SPECTRA

@@ -19,6 +19,7 @@
 #include <plsh/sampler.hpp>
 
 #include "fill.hpp"
+#include "skip.hpp"
 
 namespace {
 
@@ -139,7 +140,7 @@ TEST_CASE("mask_max_error of a single block and of single positions", "[error_no
 
 #ifdef PLSH_HAS_SPECTRA
 
-TEST_CASE("mask_spectral_error equals the dense spectral norm", "[error_norms]") {
+TEST_CASE("mask_spectral_error equals the dense spectral norm", "[error_norms][spectra]") {
   Index number = 0;
   for (const Case& c : cases()) {
     const std::vector<Grid> grids = draws(c, number++);
@@ -183,7 +184,7 @@ struct Diagonal {
 }  // namespace
 
 TEST_CASE("symmetric_spectral_norm of a diagonal operator with eigenvalues of both signs",
-          "[error_norms]") {
+          "[error_norms][spectra]") {
   for (const Index n : {1, 5, 40, 500}) {
     INFO("n=" << n);
     const plsh::SpectralNorm norm = plsh::symmetric_spectral_norm(Diagonal{n});
@@ -192,7 +193,7 @@ TEST_CASE("symmetric_spectral_norm of a diagonal operator with eigenvalues of bo
   }
 }
 
-TEST_CASE("the spectral norms reject invalid options", "[error_norms]") {
+TEST_CASE("the spectral norms reject invalid options", "[error_norms][spectra]") {
   const std::vector<Grid> grids{plsh::fixed_grid(4)};
   plsh::LanczosOptions options;
   options.basis_size = 1;
@@ -213,7 +214,8 @@ TEST_CASE("the spectral norms reject invalid options", "[error_norms]") {
                       Catch::Contains("symmetric_spectral_norm") && Catch::Contains("basis_size"));
 }
 
-TEST_CASE("mask_spectral_error checks its arguments before it allocates", "[error_norms]") {
+TEST_CASE("mask_spectral_error checks its arguments before it allocates",
+          "[error_norms][spectra]") {
   // n, then the options, then the sizes of the solver's buffers are checked before the operator
   // sizes its O(n) vectors: a negative n reached Eigen's resize (an assertion failure without
   // NDEBUG) and n = 2^40 threw std::bad_alloc. One block per draw for the large n, so that nothing
@@ -274,7 +276,8 @@ struct Empty {
 
 }  // namespace
 
-TEST_CASE("a non-finite product gives a NaN norm and a status, not an exception", "[error_norms]") {
+TEST_CASE("a non-finite product gives a NaN norm and a status, not an exception",
+          "[error_norms][spectra]") {
   // The dense path (n below dense_below) and the Lanczos path: the solver stops at the first
   // product with a NaN or an infinity, and no exception of Spectra's escapes.
   for (const Index n : {5, 100}) {
@@ -294,7 +297,8 @@ TEST_CASE("a non-finite product gives a NaN norm and a status, not an exception"
   CHECK(finite.converged);
 }
 
-TEST_CASE("largest_singular_value checks its options before anything else", "[error_norms]") {
+TEST_CASE("largest_singular_value checks its options before anything else",
+          "[error_norms][spectra]") {
   plsh::LanczosOptions options;
   options.basis_size = 0;
   REQUIRE_THROWS_WITH(plsh::largest_singular_value(Empty{}, options),
@@ -306,11 +310,10 @@ TEST_CASE("largest_singular_value checks its options before anything else", "[er
 
 #else
 
-TEST_CASE("the matrix-free spectral norms need Spectra", "[error_norms]") {
-  WARN(
-      "plsh: Spectra not found (Debian: libspectra-dev): the matrix-free spectral norm tests are "
-      "skipped");
-  SUCCEED();
+TEST_CASE("the matrix-free spectral norms need Spectra", "[error_norms][spectra]") {
+  plsh_test::skip_executable(
+      "Spectra not found (Debian: libspectra-dev): the matrix-free spectral norm tests did not "
+      "run");
 }
 
 #endif  // PLSH_HAS_SPECTRA
