@@ -1,0 +1,28 @@
+// The families of bindings of the module plsh._plsh, one source file each; module.cpp calls them
+// in this order.
+
+#ifndef PLSH_PYTHON_BINDINGS_HPP
+#define PLSH_PYTHON_BINDINGS_HPP
+
+#include <pybind11/pybind11.h>
+
+namespace plsh_python {
+
+// partitions.cpp: alibi_slopes, Grid, RandomBinning, head_seed, draw_head_grids, kernel_grids,
+// MaskError and mask_error.
+void bind_partitions(pybind11::module_& module);
+
+// attention.cpp: the forward kernels exact_alibi_attention, windowed_alibi_attention,
+// plsh_attention and fixed_block_attention.
+void bind_attention(pybind11::module_& module);
+
+// attention_backward.cpp: exact_alibi_attention_backward, plsh_attention_backward and
+// fixed_block_attention_backward.
+void bind_attention_backward(pybind11::module_& module);
+
+// kv_cache.cpp: the class KvCache.
+void bind_kv_cache(pybind11::module_& module);
+
+}  // namespace plsh_python
+
+#endif  // PLSH_PYTHON_BINDINGS_HPP

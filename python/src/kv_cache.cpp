@@ -1,0 +1,214 @@
+// KvCache: plsh::KvCache for incremental causal decoding, of float, double, Eigen::half or
+// Eigen::bfloat16 behind one Python class.
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstddef>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <plsh/plsh.hpp>
+
+#include "arguments.hpp"
+#include "arrays.hpp"
+#include "bindings.hpp"
+#include "options.hpp"
+
+namespace plsh_python {
+
+namespace {
+
+// The Python KvCache: a plsh::KvCache of float, double, Eigen::half or Eigen::bfloat16 behind one
+// interface. A mutex keeps calls from several Python threads (the GIL is released inside) from
+// racing on the cache.
+class KvCacheBase {
+ public:
+  virtual ~KvCacheBase() = default;
+  virtual void append(const py::object& k, const py::object& v) = 0;
+  virtual py::array attend(const py::object& q, const py::object& out) = 0;
+  virtual py::array decode(const py::object& q, const py::object& k, const py::object& v,
+                           const py::object& out) = 0;
+  virtual Index position() const = 0;
+  virtual Index resident() const = 0;
+  virtual Index oldest_position() const = 0;
+  virtual std::size_t bytes() const = 0;
+  virtual py::dtype dtype() const = 0;
+};
+
+template <class Scalar>
+class KvCacheOf : public KvCacheBase {
+ public:
+  KvCacheOf(Index heads, Index kv_heads, Index dim, Index value_dim, std::vector<double> slopes,
+            const plsh::PlshOptions& options)
+      : heads_(heads),
+        value_dim_(value_dim),
+        cache_(heads, kv_heads, dim, value_dim, std::move(slopes), options) {}
+
+  void append(const py::object& k, const py::object& v) override {
+    const Arrays arrays = arrays_of({{"k", k}, {"v", v}});
+    const Input<Scalar> k_in = arrays.input<Scalar>(0);
+    const Input<Scalar> v_in = arrays.input<Scalar>(1);
+    py::gil_scoped_release release;
+    const std::lock_guard<std::mutex> lock(mutex_);
+    cache_.append(k_in.view[0], v_in.view[0]);
+  }
+
+  py::array attend(const py::object& q, const py::object& out) override {
+    const Arrays arrays = arrays_of({{"q", q}});
+    const Input<Scalar> q_in = arrays.input<Scalar>(0);
+    const Output<Scalar> result = output_for(arrays, out);
+    {
+      py::gil_scoped_release release;
+      const std::lock_guard<std::mutex> lock(mutex_);
+      cache_.attend(q_in.view[0], result.view[0]);
+    }
+    return result.array;
+  }
+
+  py::array decode(const py::object& q, const py::object& k, const py::object& v,
+                   const py::object& out) override {
+    const Arrays arrays = arrays_of({{"q", q}, {"k", k}, {"v", v}});
+    const Input<Scalar> q_in = arrays.input<Scalar>(0);
+    const Input<Scalar> k_in = arrays.input<Scalar>(1);
+    const Input<Scalar> v_in = arrays.input<Scalar>(2);
+    const Output<Scalar> result = output_for(arrays, out);
+    {
+      py::gil_scoped_release release;
+      const std::lock_guard<std::mutex> lock(mutex_);
+      cache_.decode(q_in.view[0], k_in.view[0], v_in.view[0], result.view[0]);
+    }
+    return result.array;
+  }
+
+  Index position() const override {
+    return locked([&] { return cache_.position(); });
+  }
+  Index resident() const override {
+    return locked([&] { return cache_.resident(); });
+  }
+  Index oldest_position() const override {
+    return locked([&] { return cache_.oldest_position(); });
+  }
+  std::size_t bytes() const override {
+    return locked([&] { return cache_.bytes(); });
+  }
+  py::dtype dtype() const override { return numpy_dtype(storage_of<Scalar>()); }
+
+ private:
+  template <class F>
+  auto locked(F&& f) const {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    return f();
+  }
+
+  // The arrays of a call: ndarrays of the cache's dtype (TypeError naming the first that is not)
+  // and of 3 dimensions.
+  static Arrays arrays_of(std::initializer_list<std::pair<const char*, py::object>> named) {
+    const char* name = named.begin()->first;
+    const py::array first = as_ndarray(named.begin()->second, name);
+    if (!has_dtype<Scalar>(first)) {
+      throw py::type_error(std::string(name) + " must have the cache's dtype " +
+                           dtype_name<Scalar>() + " (got " + dtype_string(first) + ")");
+    }
+    Arrays arrays(named, storage_of<Scalar>() == Storage::BFloat16);
+    if (arrays.arrays.front().ndim() != 3) {
+      throw py::value_error("KvCache takes arrays of 3 dimensions [tokens, heads, dim] (got " +
+                            std::to_string(arrays.arrays.front().ndim()) + ")");
+    }
+    return arrays;
+  }
+
+  // The output [q tokens, heads, value_dim]: `out`, checked, or a new array.
+  Output<Scalar> output_for(const Arrays& arrays, const py::object& out) const {
+    return output_of<Scalar>(out, "out",
+                             {arrays.shape(0)[0], static_cast<py::ssize_t>(heads_),
+                              static_cast<py::ssize_t>(value_dim_)});
+  }
+
+  Index heads_;
+  Index value_dim_;
+  plsh::KvCache<Scalar> cache_;
+  mutable std::mutex mutex_;
+};
+
+// The KvCache of `dtype` (a NumPy float dtype or "bfloat16") with these shapes and options.
+std::unique_ptr<KvCacheBase> make_kv_cache(
+    const py::object& heads_arg, const py::object& kv_heads_arg, const py::object& dim_arg,
+    const py::object& value_dim_arg, const Slopes& slopes, const DrawArguments& draws, double scale,
+    const py::object& key_position, const std::string& kernel, const py::object& dtype) {
+  const Index heads = index(heads_arg, "heads");
+  const Index kv_heads = index(kv_heads_arg, "kv_heads");
+  const Index dim = index(dim_arg, "dim");
+  const Index value_dim = index(value_dim_arg, "value_dim");
+  auto options = plsh_options_of(AttentionArguments{true, scale, py::int_(0), key_position}, draws);
+  options.kernel = kernel_of(kernel);
+  const std::vector<double> slope_list = slopes_or_default(slopes, heads);
+  const auto make = [&](auto scalar) -> std::unique_ptr<KvCacheBase> {
+    using Scalar = decltype(scalar);
+    return std::make_unique<KvCacheOf<Scalar>>(heads, kv_heads, dim, value_dim, slope_list,
+                                               options);
+  };
+  if (py::isinstance<py::str>(dtype) && dtype.cast<std::string>() == "bfloat16") {
+    return make(Eigen::bfloat16());
+  }
+  const py::dtype type = py::dtype::from_args(dtype);
+  for (const Storage storage : {Storage::Float32, Storage::Float64, Storage::Float16}) {
+    if (type.equal(numpy_dtype(storage))) {
+      return dispatch(storage, [&](auto scalar) { return make(scalar); });
+    }
+  }
+  throw py::type_error("dtype must be float32, float64, float16 or \"bfloat16\" (got " +
+                       py::str(static_cast<const py::object&>(type)).cast<std::string>() + ")");
+}
+
+}  // namespace
+
+void bind_kv_cache(py::module_& m) {
+  using namespace pybind11::literals;
+  const auto none = py::none();
+  py::class_<KvCacheBase> kv_cache(
+      m, "KvCache",
+      "Key/value cache for incremental causal Positional LSH decoding that forgets the keys no "
+      "later query can reach. append(k, v) with k [n, kv_heads, dim], v [n, kv_heads, "
+      "value_dim]; attend(q) for the queries at the newest positions, q [n, heads, dim] -> [n, "
+      "heads, value_dim]; decode(q, k, v) both in one step. samples, seed and sampling choose "
+      "the draws as in plsh_attention. dtype float32, float64, float16, or \"bfloat16\" "
+      "(arrays of uint16 bit patterns): the 16-bit types store the cache in half the bytes and "
+      "compute in float32.");
+  std::apply(
+      [&](const auto&... annotation) {
+        kv_cache.def(py::init(flatten(&make_kv_cache)), annotation...);
+      },
+      annotations("heads"_a, "kv_heads"_a, "dim"_a, "value_dim"_a, "slopes"_a = none, py::kw_only(),
+                  DrawArguments::arguments(), "scale"_a = 0.0, "key_position"_a = 0,
+                  "kernel"_a = "fused", "dtype"_a = py::module_::import("numpy").attr("float32")));
+  kv_cache
+      .def("append", &KvCacheBase::append, "k"_a, "v"_a,
+           "Appends the keys and values of positions position .. position + n - 1 (k [n, "
+           "kv_heads, dim], v [n, kv_heads, value_dim]), after forgetting the keys no query at "
+           "`position` or later can reach.")
+      .def("attend", &KvCacheBase::attend, "q"_a, "out"_a = none,
+           "Outputs [n, heads, value_dim] of the queries q [n, heads, dim] at positions "
+           "position - n .. position - 1; n at most the tokens of the last append. Equal (to "
+           "rounding) to those rows of plsh_attention over the whole sequence.")
+      .def("decode", &KvCacheBase::decode, "q"_a, "k"_a, "v"_a, "out"_a = none,
+           "One decoding step: append(k, v) then attend(q) for the same n tokens, with the same "
+           "result; every argument is checked before the cache changes, so a call that raises "
+           "leaves it as it was.")
+      .def_property_readonly("bytes", &KvCacheBase::bytes,
+                             "Bytes of the key and value buffers (resident rows and room for "
+                             "later appends); half as many for float16 and bfloat16 as for "
+                             "float32.")
+      .def_property_readonly("position", &KvCacheBase::position)
+      .def_property_readonly("resident", &KvCacheBase::resident)
+      .def_property_readonly("oldest_position", &KvCacheBase::oldest_position)
+      .def_property_readonly("dtype", &KvCacheBase::dtype,
+                             "The NumPy dtype of the cache's arrays (uint16 for bfloat16).");
+}
+
+}  // namespace plsh_python

@@ -1,0 +1,41 @@
+// Python arguments as plsh options (options.hpp).
+
+#include "options.hpp"
+
+#include <plsh/plsh.hpp>
+
+namespace plsh_python {
+
+Index index(const py::handle& value, const char* name) { return integer<Index>(value, name); }
+
+std::uint64_t seed_of(const py::handle& value, const char* name) {
+  return integer<std::uint64_t>(value, name);
+}
+
+std::vector<double> slopes_or_default(const Slopes& slopes, Index heads) {
+  if (slopes) return *slopes;
+  // q.heads < 1 is reported by the kernel.
+  return heads >= 1 ? plsh::alibi_slopes(heads) : std::vector<double>{};
+}
+
+plsh::Kernel kernel_of(const std::string& kernel) {
+  if (kernel == "fused") return plsh::Kernel::Fused;
+  if (kernel == "passes") return plsh::Kernel::Passes;
+  throw py::value_error("kernel must be \"fused\" or \"passes\" (got \"" + kernel + "\")");
+}
+
+plsh::Sampling sampling_of(const std::string& sampling) {
+  if (sampling == "independent") return plsh::Sampling::Independent;
+  if (sampling == "latin_hypercube") return plsh::Sampling::LatinHypercube;
+  throw py::value_error("sampling must be \"independent\" or \"latin_hypercube\" (got \"" +
+                        sampling + "\")");
+}
+
+plsh::PlshOptions with_draws(const DrawArguments& arguments, plsh::PlshOptions options) {
+  options.samples = index(arguments.samples, "samples");
+  options.seed = seed_of(arguments.seed);
+  options.sampling = sampling_of(arguments.sampling);
+  return options;
+}
+
+}  // namespace plsh_python
