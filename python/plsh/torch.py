@@ -93,75 +93,54 @@ def _slopes(slopes):
     return [float(m) for m in slopes]
 
 
-def _empty_output(q, v):
-    return _torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
+class _AttentionFunction(_torch.autograd.Function):
+    """Attention through a pair of C++ kernels, with autograd.
 
-
-def _forward(ctx, kernel, q, k, v, parameter, **kwargs):
-    """out = kernel(q, k, v, parameter, **kwargs) into a new tensor, with `parameter` the slopes
-    (or the block size of fixed blocks); saves what backward needs."""
-    kwargs["bfloat16"] = q.dtype == _torch.bfloat16
-    out = _empty_output(q, v)
-    kernel(_array(q), _array(k), _array(v), parameter, out=_array(out), **kwargs)
-    ctx.save_for_backward(q, k, v, out)
-    ctx.parameter = parameter
-    ctx.kwargs = kwargs
-    return out
-
-
-def _backward(ctx, kernel, dout):
-    """(dq, dk, dv) from the C++ backward `kernel`, as new contiguous tensors."""
-    q, k, v, out = ctx.saved_tensors
-    dq, dk, dv = (_torch.empty_like(t, memory_format=_torch.contiguous_format)
-                  for t in (q, k, v))
-    kernel(_array(q), _array(k), _array(v), _array(out), _array(dout), ctx.parameter,
-           dq=_array(dq), dk=_array(dk), dv=_array(dv), **ctx.kwargs)
-    return dq, dk, dv
-
-
-class _ExactAlibiFunction(_torch.autograd.Function):
-    """Exact ALiBi attention; backward through plsh.exact_alibi_attention_backward."""
+    ``apply(q, k, v, kernels, parameter, options)``: ``kernels`` is ``(forward, backward)``, for
+    example ``(plsh.exact_alibi_attention, plsh.exact_alibi_attention_backward)``; ``parameter``
+    the kernels' positional argument after the tensors (the slopes, or the block size of fixed
+    blocks); ``options`` their keyword arguments (causal, scale, the positions, and the draws of
+    Positional LSH). The backward kernel gets the same parameter and options as the forward, so
+    Positional LSH differentiates the forward's own draws.
+    """
 
     @staticmethod
-    def forward(ctx, q, k, v, slopes, causal, scale, query_position, key_position):
-        return _forward(ctx, _plsh.exact_alibi_attention, q, k, v, slopes, causal=causal,
-                        scale=scale, query_position=query_position, key_position=key_position)
+    def forward(ctx, q, k, v, kernels, parameter, options):
+        forward_kernel, backward_kernel = kernels
+        options = dict(options, bfloat16=q.dtype == _torch.bfloat16)
+        out = _torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
+        forward_kernel(_array(q), _array(k), _array(v), parameter, out=_array(out), **options)
+        ctx.save_for_backward(q, k, v, out)
+        ctx.backward_kernel = backward_kernel
+        ctx.parameter = parameter
+        ctx.options = options
+        return out
 
     @staticmethod
     @_torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        return _backward(ctx, _plsh.exact_alibi_attention_backward, dout) + (None,) * 5
+        """(dq, dk, dv) from the backward kernel, as new contiguous tensors; None for the
+        non-tensor arguments."""
+        q, k, v, out = ctx.saved_tensors
+        dq, dk, dv = (_torch.empty_like(t, memory_format=_torch.contiguous_format)
+                      for t in (q, k, v))
+        ctx.backward_kernel(_array(q), _array(k), _array(v), _array(out), _array(dout),
+                            ctx.parameter, dq=_array(dq), dk=_array(dk), dv=_array(dv),
+                            **ctx.options)
+        return dq, dk, dv, None, None, None
 
 
-class _PlshFunction(_torch.autograd.Function):
-    """Positional LSH attention (fused kernel); backward through plsh.plsh_attention_backward."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, slopes, causal, scale, query_position, key_position, samples, seed,
-                sampling):
-        return _forward(ctx, _plsh.plsh_attention, q, k, v, slopes, causal=causal, scale=scale,
-                        query_position=query_position, key_position=key_position,
-                        samples=samples, seed=seed, sampling=sampling)
-
-    @staticmethod
-    @_torch.autograd.function.once_differentiable
-    def backward(ctx, dout):
-        # ctx.kwargs holds samples, seed and sampling: the backward uses the forward's draws.
-        return _backward(ctx, _plsh.plsh_attention_backward, dout) + (None,) * 8
+_EXACT_KERNELS = (_plsh.exact_alibi_attention, _plsh.exact_alibi_attention_backward)
+# plsh_attention runs its default kernel, the fused one.
+_PLSH_KERNELS = (_plsh.plsh_attention, _plsh.plsh_attention_backward)
+_FIXED_BLOCK_KERNELS = (_plsh.fixed_block_attention, _plsh.fixed_block_attention_backward)
 
 
-class _FixedBlockFunction(_torch.autograd.Function):
-    """Fixed-block attention; backward through plsh.fixed_block_attention_backward."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, block_size, causal, scale, query_position, key_position):
-        return _forward(ctx, _plsh.fixed_block_attention, q, k, v, block_size, causal=causal,
-                        scale=scale, query_position=query_position, key_position=key_position)
-
-    @staticmethod
-    @_torch.autograd.function.once_differentiable
-    def backward(ctx, dout):
-        return _backward(ctx, _plsh.fixed_block_attention_backward, dout) + (None,) * 5
+def _attention_options(causal, scale, query_position, key_position):
+    """The keyword arguments every kernel takes, converted as the kernels expect them."""
+    return {"causal": bool(causal), "scale": float(scale),
+            "query_position": _integer("query_position", query_position),
+            "key_position": _integer("key_position", key_position)}
 
 
 def exact_alibi_attention(q, k, v, slopes=None, *, causal=True, scale=0.0, query_position=0,
@@ -174,9 +153,9 @@ def exact_alibi_attention(q, k, v, slopes=None, *, causal=True, scale=0.0, query
     first query and key rows. Returns ``[B, T, H, D_v]``.
     """
     _check_inputs(q, k, v)
-    return _ExactAlibiFunction.apply(q, k, v, _slopes(slopes), bool(causal), float(scale),
-                                     _integer("query_position", query_position),
-                                     _integer("key_position", key_position))
+    slopes = _slopes(slopes)
+    options = _attention_options(causal, scale, query_position, key_position)
+    return _AttentionFunction.apply(q, k, v, _EXACT_KERNELS, slopes, options)
 
 
 def plsh_attention(q, k, v, slopes=None, *, causal=True, scale=0.0, query_position=0,
@@ -191,10 +170,11 @@ def plsh_attention(q, k, v, slopes=None, *, causal=True, scale=0.0, query_positi
     and shapes as :func:`exact_alibi_attention`.
     """
     _check_inputs(q, k, v)
-    return _PlshFunction.apply(q, k, v, _slopes(slopes), bool(causal), float(scale),
-                               _integer("query_position", query_position),
-                               _integer("key_position", key_position),
-                               _integer("samples", samples), _integer("seed", seed), str(sampling))
+    slopes = _slopes(slopes)
+    options = _attention_options(causal, scale, query_position, key_position)
+    options.update(samples=_integer("samples", samples), seed=_integer("seed", seed),
+                   sampling=str(sampling))
+    return _AttentionFunction.apply(q, k, v, _PLSH_KERNELS, slopes, options)
 
 
 def fixed_block_attention(q, k, v, block_size, *, causal=True, scale=0.0, query_position=0,
@@ -206,9 +186,9 @@ def fixed_block_attention(q, k, v, block_size, *, causal=True, scale=0.0, query_
     :func:`exact_alibi_attention`.
     """
     _check_inputs(q, k, v)
-    return _FixedBlockFunction.apply(q, k, v, _integer("block_size", block_size), bool(causal),
-                                     float(scale), _integer("query_position", query_position),
-                                     _integer("key_position", key_position))
+    block_size = _integer("block_size", block_size)
+    options = _attention_options(causal, scale, query_position, key_position)
+    return _AttentionFunction.apply(q, k, v, _FIXED_BLOCK_KERNELS, block_size, options)
 
 
 class AlibiAttention(_torch.nn.Module):
