@@ -1,4 +1,5 @@
-"""Shared helpers of the plsh Python tests: seeded inputs and dense NumPy references.
+"""Shared helpers of the plsh Python tests: seeded inputs, dense NumPy references, the forward
+kernels by name, and float16/bfloat16 conversions with their rounding bound.
 
 The references are written from the formulas, in float64, one head at a time:
 ALiBi (Press et al.) softmax(scale q k^T - m |i - j|) v, causal keeping j <= i; Positional LSH
@@ -105,6 +106,38 @@ def to_bfloat16_bits(x):
 def from_bfloat16_bits(bits):
     """The float32 values of bfloat16 bit patterns (exact)."""
     return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def call_forward(name, q, k, v, **kwargs):
+    """The forward `name` with its required extra argument."""
+    if name == "fixed_block_attention":
+        return plsh.fixed_block_attention(q, k, v, 8, **kwargs)
+    return getattr(plsh, name)(q, k, v, **kwargs)
+
+
+FORWARDS = ["exact_alibi_attention", "windowed_alibi_attention", "plsh_attention",
+            "fixed_block_attention"]
+
+
+def to_storage(x, storage):
+    """x rounded to `storage` as the module takes it: float16, or bfloat16 bits as uint16."""
+    return x.astype(np.float16) if storage == "float16" else to_bfloat16_bits(x)
+
+
+def from_storage(x, storage):
+    return x.astype(np.float32) if storage == "float16" else from_bfloat16_bits(x)
+
+
+def assert_rounded(result, expected, storage, name):
+    """`result` (in `storage`) is the float32 result `expected` rounded: within u |y| (u = 2^-11
+    for float16, 2^-8 for bfloat16) plus the float32 kernel's own error, 3e-5 of the largest
+    |y| (a tile copied to float32 may sum in another order), plus half float16's subnormal step."""
+    x = from_storage(result, storage).astype(np.float64)
+    y = expected.astype(np.float64)
+    bound = UNIT_ROUNDOFF[storage] * np.abs(y) + 3e-5 * np.abs(y).max() + 2.0 ** -25
+    excess = np.abs(x - y) / bound
+    assert excess.max() <= 1, f"{name}: worst |x - y| / bound {excess.max()}"
+
 
 
 @pytest.fixture
