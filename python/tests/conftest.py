@@ -128,15 +128,21 @@ def from_storage(x, storage):
     return x.astype(np.float32) if storage == "float16" else from_bfloat16_bits(x)
 
 
-def assert_rounded(result, expected, storage, name):
-    """`result` (in `storage`) is the float32 result `expected` rounded: within u |y| (u = 2^-11
-    for float16, 2^-8 for bfloat16) plus the float32 kernel's own error, 3e-5 of the largest
-    |y| (a tile copied to float32 may sum in another order), plus half float16's subnormal step."""
-    x = from_storage(result, storage).astype(np.float64)
-    y = expected.astype(np.float64)
+def assert_rounded_values(x, y, storage, name):
+    """x is the float32 result y rounded to `storage` (both as float64 arrays): within u |y|
+    (u = 2^-11 for float16, 2^-8 for bfloat16) plus the float32 kernel's own error, 3e-5 of the
+    largest |y| (a tile copied to float32 may sum in another order), plus half float16's subnormal
+    step."""
     bound = UNIT_ROUNDOFF[storage] * np.abs(y) + 3e-5 * np.abs(y).max() + 2.0 ** -25
     excess = np.abs(x - y) / bound
     assert excess.max() <= 1, f"{name}: worst |x - y| / bound {excess.max()}"
+
+
+def assert_rounded(result, expected, storage, name):
+    """`result` (an array in `storage`) is the float32 result `expected` rounded
+    (assert_rounded_values)."""
+    assert_rounded_values(from_storage(result, storage).astype(np.float64),
+                          expected.astype(np.float64), storage, name)
 
 
 

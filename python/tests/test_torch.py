@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 import plsh  # noqa: E402
 import plsh.torch as pt  # noqa: E402
-from conftest import UNIT_ROUNDOFF, same_bin  # noqa: E402
+from conftest import UNIT_ROUNDOFF, assert_rounded_values, same_bin  # noqa: E402
 
 
 def random_tensors(batch=2, n=24, heads=4, kv_heads=2, dim=8, value_dim=6, n_k=None, seed=0,
@@ -370,13 +370,10 @@ HALF_METHODS = {
 
 
 def assert_rounded(result, expected, storage, name):
-    """`result` is the float32 `expected` rounded to `storage`: within u |y| plus the float32
-    kernel's own error (3e-5 of the largest |y|) plus half float16's subnormal step."""
-    x = result.double()
-    y = torch.as_tensor(np.asarray(expected, dtype=np.float64))
-    bound = UNIT_ROUNDOFF[storage] * y.abs() + 3e-5 * y.abs().max() + 2.0 ** -25
-    worst = ((x - y).abs() / bound).max().item()
-    assert worst <= 1, f"{name}: worst |x - y| / bound {worst}"
+    """`result` (a float16 or bfloat16 tensor) is the float32 `expected` rounded to `storage`
+    (conftest.assert_rounded_values)."""
+    assert_rounded_values(result.detach().double().numpy(), np.asarray(expected, dtype=np.float64),
+                          storage, name)
 
 
 def half_inputs(dtype, seed=11):
