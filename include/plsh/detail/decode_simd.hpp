@@ -2,9 +2,9 @@
 #define PLSH_DETAIL_DECODE_SIMD_HPP
 
 /// \file decode_simd.hpp
-/// AVX-512 products of the single-query decoding path (kv_cache.hpp), chosen at compile time:
-/// with `-mavx512f -mavx512bw -mavx512vl` (or `-march=` of a processor that has them) KvCache
-/// computes a job's scores and its weighted sum of values here; otherwise with Eigen's
+/// AVX-512 products of the single-query decoding path (decode/decode_step.hpp), chosen at compile
+/// time: with `-mavx512f -mavx512bw -mavx512vl` (or `-march=` of a processor that has them)
+/// KvCache computes a job's scores and its weighted sum of values here; otherwise with Eigen's
 /// matrix-vector products (the portable path, which the default build of the tests runs).
 ///
 /// - `avx512::scores`: \f$s_j = q \cdot k_j\f$ for up to 16 keys at once: one accumulator per key,
