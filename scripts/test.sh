@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything CI checks, in order:
-#   format   clang-format --dry-run --Werror over include/ tests/ examples/ bench/ python/
+#   format   clang-format --dry-run --Werror over include/ tests/ examples/ bench/ python/, and
+#            bench/report.py --check (every generated table in README.md and docs/ matches its data)
 #   release  preset "release": build/release (tests, examples, benchmarks, -Werror), ctest
 #   asan     preset "asan": build/asan, the unit tests with ASan and UBSan at -O1 with line
 #            tables only (the usual settings of a sanitizer build), compiled by clang++ (installed
@@ -103,6 +104,10 @@ check_format() {
   echo "checking ${#files[@]} files"
   if ! "${clang_format}" --dry-run --Werror "${files[@]}"; then
     echo "plsh: clang-format violations above; fix with: ${clang_format} -i <file>" >&2
+    return 1
+  fi
+  if ! /usr/bin/python3 bench/report.py --check; then
+    echo "plsh: tables out of date; regenerate with: /usr/bin/python3 bench/report.py" >&2
     return 1
   fi
 }
