@@ -37,15 +37,19 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 LM = os.path.join(HERE, "lm.py")
 
 
-def plsh_config(samples, sampling="independent", length=128, samples_final=0):
+def plsh_config(samples, sampling="independent", length=128, samples_final=0, near=0.0):
     """(name, lm.py arguments, label) of a Positional LSH configuration."""
     grow = f"to{samples_final}" if samples_final else ""
-    name = f"plsh-n{samples}{grow}-{sampling}" + (f"-L{length}" if length != 128 else "")
+    name = (f"plsh-n{samples}{grow}-{sampling}" + (f"-near{near:g}" if near else "")
+            + (f"-L{length}" if length != 128 else ""))
     args = ["--variant", "plsh", "--samples", str(samples), "--sampling", sampling]
     if samples_final:
         args += ["--samples-final", str(samples_final)]
+    if near:
+        args += ["--near-field", f"{near:g}"]
     label = (f"Positional LSH s={samples}" + (f"→{samples_final}" if samples_final else "")
-             + (", Latin hypercube" if sampling == "latin_hypercube" else ""))
+             + (", Latin hypercube" if sampling == "latin_hypercube" else "")
+             + (f", exact where the factor ≥ {near:g} (dense prototype)" if near else ""))
     return name, args + length_args(length), label
 
 
@@ -70,6 +74,10 @@ CONFIGS = [
     (plsh_config(20, "latin_hypercube"), (1, 2)),
     (plsh_config(100, "latin_hypercube"), (1, 2)),
     (plsh_config(5, samples_final=100), (1, 2)),
+    (plsh_config(20, near=0.05), (1, 2)),
+    (plsh_config(20, "latin_hypercube", near=0.05), (1, 2)),
+    (plsh_config(20, near=0.5), (1, 2)),
+    (plsh_config(100, "latin_hypercube", near=0.05), (1, 2)),
     (baseline("alibi", "exact ALiBi", length=512), (1, 2)),
     (plsh_config(100, length=512), (1, 2)),
 ]
