@@ -32,6 +32,9 @@
 ///   decoding step also moves its query, new keys and values and the partial results of a shared
 ///   head between the cores.
 /// - `team_step/empty/2`: a step of two empty parts, the hand-over and the completion alone.
+/// - `omp_step/work/2`, `omp_step/empty/2`: the same two halves in an OpenMP parallel region of 2
+///   threads, the way a decoding step runs when the helper team is busy: the ratio of omp_step
+///   to team_step is what the team gains over OpenMP for a step of that length.
 
 #include <benchmark/benchmark.h>
 
@@ -41,6 +44,10 @@
 #include <memory>
 #include <string>
 #include <vector>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 #include <plsh/detail/thread_team.hpp>
 #include <plsh/plsh.hpp>
@@ -217,6 +224,30 @@ void team_step(benchmark::State& state, double work_us, int threads) {
   state.counters["work_us"] = work_us;
 }
 
+#if defined(_OPENMP)
+/// team_step's two halves in an OpenMP parallel region of 2 threads (`work_us` 0: two empty
+/// parts).
+void omp_step(benchmark::State& state, double work_us) {
+  const std::int64_t rounds =
+      static_cast<std::int64_t>(work_us * team_rounds_per_microsecond() + 0.5);
+  const std::int64_t half = rounds / 2;
+  struct alignas(64) Result {
+    float value = 0;
+  };
+  Result results[2];
+  for (auto _ : state) {
+#pragma omp parallel num_threads(2)
+    {
+      const int index = omp_get_thread_num();
+      if (rounds > 0) results[index].value = team_arithmetic(index == 0 ? half : rounds - half);
+    }
+    benchmark::DoNotOptimize(results);
+  }
+  state.counters["threads"] = 2;
+  state.counters["work_us"] = work_us;
+}
+#endif
+
 bool register_decode_benchmarks() {
 #if defined(_OPENMP)
   const std::vector<int> thread_counts = {1, 2};
@@ -255,6 +286,17 @@ bool register_decode_benchmarks() {
           ->UseRealTime();
     }
   }
+#if defined(_OPENMP)
+  benchmark::RegisterBenchmark("omp_step/empty/2", omp_step, 0.0)
+      ->Unit(benchmark::kMicrosecond)
+      ->UseRealTime();
+  for (const int work : {8, 12}) {
+    benchmark::RegisterBenchmark(("omp_step/" + std::to_string(work) + "/2").c_str(), omp_step,
+                                 static_cast<double>(work))
+        ->Unit(benchmark::kMicrosecond)
+        ->UseRealTime();
+  }
+#endif
   return true;
 }
 
