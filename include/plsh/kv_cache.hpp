@@ -25,7 +25,7 @@
 /// Storage: float, double, Eigen::bfloat16 or Eigen::half keys, values, queries and outputs,
 /// computed in detail::Compute (float for the 16-bit types).
 ///
-/// Tested in tests/test_kv_cache_*.cpp: against plsh_attention over the whole sequence (every
+/// Tested in tests/test_kv_cache*.cpp: against plsh_attention over the whole sequence (every
 /// chunk size, grouped heads, float, double, bfloat16 and half, non-finite inputs), identical
 /// results at 1, 2 and 3 threads, decode against append then attend (bit for bit), no allocation
 /// in a decoding step, the resident bound computed from the partitions, and errors that leave the

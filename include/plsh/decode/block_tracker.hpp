@@ -10,7 +10,7 @@
 ///
 /// Cost: positions only grow, so each block is looked up once, when p enters it; a step of one
 /// position checks s blocks per head and re-sorts a head's starts by moving one entry, O(s) per
-/// head. Tested through KvCache in tests/test_kv_cache_*.cpp (outputs against plsh_attention over
+/// head. Tested through KvCache in tests/test_kv_cache*.cpp (outputs against plsh_attention over
 /// the whole sequence, the resident bound computed from the partitions).
 
 #include <algorithm>

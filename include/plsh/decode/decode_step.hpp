@@ -34,7 +34,7 @@
 ///
 /// Cost per query and head: \f$(d + d_v)\f$ multiply-adds times the union width (about
 /// \f$(\ln s + \ln\ln s)/m\f$), plus O(s) per job for the counts; no allocation once the
-/// workspace has grown. Tested through KvCache in tests/test_kv_cache_*.cpp (against
+/// workspace has grown. Tested through KvCache in tests/test_kv_cache*.cpp (against
 /// plsh_attention over the whole sequence, identical results at 1, 2 and 3 threads, non-finite
 /// inputs), and through the AVX-512 products in test_kv_cache_avx512.
 

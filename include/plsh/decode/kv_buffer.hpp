@@ -10,7 +10,7 @@
 /// twice what is needed when they would fill more than half of it, so each row moved is paid for
 /// by at least as many appended rows: amortised O(1) copies per appended row.
 ///
-/// Tested through KvCache in tests/test_kv_cache_*.cpp (eviction bounds, growth, views).
+/// Tested through KvCache in tests/test_kv_cache*.cpp (eviction bounds, growth, views).
 
 #include <algorithm>
 #include <cstddef>
