@@ -40,64 +40,6 @@ namespace plsh {
 
 namespace detail {
 
-/// One past the last element a batched view can touch, as an offset from `data`; throws when the
-/// offset of some element does not fit in an Index.
-template <class Scalar>
-Index batched_extent(const BatchedHeadsView<Scalar>& view, const char* function, const char* name) {
-  require(view.batch >= 0, function, name, ".batch must be non-negative");
-  require(view.batch_stride >= 0, function, name, ".batch_stride must be non-negative");
-  const HeadsView<Scalar> first = view[0];
-  require_view(first, function, name);
-  if (view.batch == 0 || view.tokens == 0) return 0;
-  constexpr Index kMax = std::numeric_limits<Index>::max();
-  const std::pair<Index, Index> terms[] = {{view.batch - 1, view.batch_stride},
-                                           {view.tokens - 1, view.token_stride},
-                                           {view.heads - 1, view.head_stride},
-                                           {1, view.dim}};
-  Index extent = 0;
-  for (const auto& term : terms) {
-    require(term.second == 0 || term.first <= (kMax - extent) / term.second, function, name,
-            " strides overflow the index type");
-    extent += term.first * term.second;
-  }
-  return extent;
-}
-
-/// No two distinct (batch, token, head, element) positions of an output share memory. Sufficient
-/// condition (exact for the usual layouts, and for any permutation of the axes): with the axes
-/// of more than one position sorted by stride, each stride exceeds the extent spanned by the
-/// smaller ones.
-template <class Scalar>
-void require_batched_injective(const BatchedHeadsView<Scalar>& view, const char* function,
-                               const char* name) {
-  if (view.batch == 0 || view.tokens == 0) return;  // no elements: nothing can overlap
-  std::vector<std::pair<Index, Index>> axes;        // (stride, size)
-  const std::pair<Index, Index> all[] = {{view.batch_stride, view.batch},
-                                         {view.token_stride, view.tokens},
-                                         {view.head_stride, view.heads},
-                                         {1, view.dim}};
-  for (const auto& axis : all) {
-    if (axis.second > 1) axes.push_back(axis);
-  }
-  std::sort(axes.begin(), axes.end());
-  Index spanned = 0;  // largest offset reachable through the smaller axes
-  for (const auto& axis : axes) {
-    require(axis.first > spanned, function, name, " strides make elements overlap");
-    spanned += (axis.second - 1) * axis.first;
-  }
-}
-
-/// The memory of two batched views, as byte ranges [begin, end), overlaps.
-template <class A, class B>
-bool batched_overlap(const BatchedHeadsView<A>& a, Index extent_a, const BatchedHeadsView<B>& b,
-                     Index extent_b) {
-  const auto begin_a = reinterpret_cast<std::uintptr_t>(a.data);
-  const auto begin_b = reinterpret_cast<std::uintptr_t>(b.data);
-  const auto end_a = begin_a + static_cast<std::uintptr_t>(extent_a) * sizeof(A);
-  const auto end_b = begin_b + static_cast<std::uintptr_t>(extent_b) * sizeof(B);
-  return extent_a > 0 && extent_b > 0 && begin_a < end_b && begin_b < end_a;
-}
-
 /// The checks of a batched call: every view well formed and free of index overflow, the same
 /// batch size everywhere, each output injective and overlapping neither an input nor another
 /// output. The shapes and options of an element are checked by the kernel, on the view of
@@ -107,34 +49,21 @@ void validate_batch(const char* function, const BatchedHeadsView<const Scalar> (
                     const char* const (&input_names)[Inputs],
                     const BatchedHeadsView<Scalar> (&outputs)[Outputs],
                     const char* const (&output_names)[Outputs]) {
-  Index input_extents[Inputs];
   for (std::size_t i = 0; i < Inputs; ++i) {
-    input_extents[i] = batched_extent(inputs[i], function, input_names[i]);
+    require_batched_view(inputs[i], function, input_names[i]);
     require(inputs[i].batch == inputs[0].batch, function, [&] {
       return std::string(input_names[i]) + ".batch (" + std::to_string(inputs[i].batch) +
              ") must equal " + input_names[0] + ".batch (" + std::to_string(inputs[0].batch) + ")";
     });
   }
-  Index output_extents[Outputs];
   for (std::size_t o = 0; o < Outputs; ++o) {
-    output_extents[o] = batched_extent(outputs[o], function, output_names[o]);
+    require_batched_view(outputs[o], function, output_names[o]);
     require(outputs[o].batch == inputs[0].batch, function, [&] {
       return std::string(output_names[o]) + ".batch (" + std::to_string(outputs[o].batch) +
              ") must equal " + input_names[0] + ".batch (" + std::to_string(inputs[0].batch) + ")";
     });
-    require_batched_injective(outputs[o], function, output_names[o]);
-    for (std::size_t i = 0; i < Inputs; ++i) {
-      require(!batched_overlap(outputs[o], output_extents[o], inputs[i], input_extents[i]),
-              function,
-              [&] { return std::string(output_names[o]) + " overlaps " + input_names[i]; });
-    }
-    for (std::size_t other = 0; other < o; ++other) {
-      require(
-          !batched_overlap(outputs[o], output_extents[o], outputs[other], output_extents[other]),
-          function,
-          [&] { return std::string(output_names[o]) + " overlaps " + output_names[other]; });
-    }
   }
+  require_separate(function, inputs, input_names, outputs, output_names);
 }
 
 /// validate_batch for a forward kernel (q, k, v -> out), then `run()`, which checks an element's

@@ -12,7 +12,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "../batched_heads_view.hpp"
@@ -108,23 +111,145 @@ Memory memory_of(const BatchedHeadsView<Scalar>& view) {
   return view.batch > 0 ? Memory::Extents : Memory::Starts;
 }
 
-/// Distinct (token, head) rows of an output view must not share elements.
+/// One past the last element a batched view can touch, as an offset from `data`; false when the
+/// offset of some element does not fit in an Index. The view of element 0 must pass
+/// require_view.
 template <class Scalar>
-void require_injective(const HeadsView<Scalar>& view, const char* function, const char* name,
-                       Memory memory = Memory::Extents) {
-  require(memory == Memory::Starts || rows_disjoint(view), function, name,
-          " strides make rows overlap");
+bool checked_view_extent(const BatchedHeadsView<Scalar>& view, Index& extent) {
+  extent = 0;
+  if (view.batch == 0 || view.tokens == 0) return true;
+  constexpr Index kMax = std::numeric_limits<Index>::max();
+  const std::pair<Index, Index> terms[] = {{view.batch - 1, view.batch_stride},
+                                           {view.tokens - 1, view.token_stride},
+                                           {view.heads - 1, view.head_stride},
+                                           {1, view.dim}};
+  for (const auto& term : terms) {
+    if (term.second != 0 && term.first > (kMax - extent) / term.second) return false;
+    extent += term.first * term.second;
+  }
+  return true;
 }
 
-/// Whether two views accepted by require_view share memory.
+/// One past the last element of a batched view accepted by require_batched_view.
+template <class Scalar>
+Index view_extent(const BatchedHeadsView<Scalar>& view) {
+  Index extent = 0;
+  checked_view_extent(view, extent);
+  return extent;
+}
+
+/// A batched view well formed: batch and its stride non-negative, the view of element 0 accepted
+/// by require_view, and no element's offset overflowing an Index.
+template <class Scalar>
+void require_batched_view(const BatchedHeadsView<Scalar>& view, const char* function,
+                          const char* name) {
+  require(view.batch >= 0, function, name, ".batch must be non-negative");
+  require(view.batch_stride >= 0, function, name, ".batch_stride must be non-negative");
+  require_view(view[0], function, name);
+  Index extent = 0;
+  require(checked_view_extent(view, extent), function, name, " strides overflow the index type");
+}
+
+/// Whether no two distinct (batch, token, head, element) positions of a batched view share
+/// memory. Sufficient condition (exact for the usual layouts, and for any permutation of the
+/// axes): with the axes of more than one position sorted by stride, each stride exceeds the
+/// extent spanned by the smaller ones. O(1).
+template <class Scalar>
+bool elements_disjoint(const BatchedHeadsView<Scalar>& view) {
+  if (view.batch == 0 || view.tokens == 0) return true;  // no elements: nothing can overlap
+  std::pair<Index, Index> axes[4];                       // (stride, size)
+  int count = 0;
+  const std::pair<Index, Index> all[] = {{view.batch_stride, view.batch},
+                                         {view.token_stride, view.tokens},
+                                         {view.head_stride, view.heads},
+                                         {1, view.dim}};
+  for (const auto& axis : all) {
+    if (axis.second <= 1) continue;
+    // Insertion by (stride, size): at most four axes.
+    int at = count++;
+    for (; at > 0 && axis < axes[at - 1]; --at) axes[at] = axes[at - 1];
+    axes[at] = axis;
+  }
+  Index spanned = 0;  // largest offset reachable through the smaller axes
+  for (int a = 0; a < count; ++a) {
+    if (axes[a].first <= spanned) return false;
+    spanned += (axes[a].second - 1) * axes[a].first;
+  }
+  return true;
+}
+
+/// Whether an output view writes each element once, and the message when it does not: distinct
+/// (token, head) rows of a HeadsView (rows_disjoint), distinct elements of a batched view
+/// (elements_disjoint).
+template <class Scalar>
+bool injective(const HeadsView<Scalar>& view) {
+  return rows_disjoint(view);
+}
+template <class Scalar>
+constexpr const char* injective_failure(const HeadsView<Scalar>&) {
+  return " strides make rows overlap";
+}
+template <class Scalar>
+bool injective(const BatchedHeadsView<Scalar>& view) {
+  return elements_disjoint(view);
+}
+template <class Scalar>
+constexpr const char* injective_failure(const BatchedHeadsView<Scalar>&) {
+  return " strides make elements overlap";
+}
+
+/// An output view must write each element once (unless `memory` is Starts: no memory exists).
+template <class View>
+void require_injective(const View& view, const char* function, const char* name,
+                       Memory memory = Memory::Extents) {
+  require(memory == Memory::Starts || injective(view), function, name, injective_failure(view));
+}
+
+/// Whether `View` is a BatchedHeadsView.
+template <class View>
+struct is_batched : std::false_type {};
+template <class Scalar>
+struct is_batched<BatchedHeadsView<Scalar>> : std::true_type {};
+
+/// Whether two views (HeadsView or BatchedHeadsView) accepted by their checks share memory, as
+/// byte ranges `[data, data + extent)`; with Memory::Starts, whether they start at one address.
 template <class A, class B>
-bool views_overlap(const HeadsView<A>& a, const HeadsView<B>& b, Memory memory = Memory::Extents) {
+bool views_overlap(const A& a, const B& b, Memory memory = Memory::Extents) {
+  using ElementA = std::remove_pointer_t<decltype(a.data)>;
+  using ElementB = std::remove_pointer_t<decltype(b.data)>;
   const auto begin_a = reinterpret_cast<std::uintptr_t>(a.data);
   const auto begin_b = reinterpret_cast<std::uintptr_t>(b.data);
   if (memory == Memory::Starts) return begin_a == begin_b;
-  const auto end_a = begin_a + static_cast<std::uintptr_t>(view_extent(a)) * sizeof(A);
-  const auto end_b = begin_b + static_cast<std::uintptr_t>(view_extent(b)) * sizeof(B);
+  const Index extent_a = view_extent(a);
+  const Index extent_b = view_extent(b);
+  // A batched view without elements touches nothing; an empty HeadsView still has a start, which
+  // must not lie inside the other view.
+  if (is_batched<A>::value && (extent_a == 0 || extent_b == 0)) return false;
+  const auto end_a = begin_a + static_cast<std::uintptr_t>(extent_a) * sizeof(ElementA);
+  const auto end_b = begin_b + static_cast<std::uintptr_t>(extent_b) * sizeof(ElementB);
   return begin_a < end_b && begin_b < end_a;
+}
+
+/// The memory check of every entry point, the one implementation: each output writes each of its
+/// elements once (require_injective) and overlaps neither an input nor an earlier output
+/// ("out overlaps q", "dk overlaps dq"). Views are HeadsView or BatchedHeadsView, already
+/// accepted by require_view or require_batched_view; `memory` as Memory says. Builds no string
+/// when it passes. O(inputs * outputs + outputs^2) plus the injectivity tests.
+template <class Input, class Output, std::size_t Inputs, std::size_t Outputs>
+void require_separate(const char* function, const Input (&inputs)[Inputs],
+                      const char* const (&input_names)[Inputs], const Output (&outputs)[Outputs],
+                      const char* const (&output_names)[Outputs], Memory memory = Memory::Extents) {
+  for (std::size_t o = 0; o < Outputs; ++o) {
+    require_injective(outputs[o], function, output_names[o], memory);
+    for (std::size_t i = 0; i < Inputs; ++i) {
+      require(!views_overlap(outputs[o], inputs[i], memory), function,
+              [&] { return std::string(output_names[o]) + " overlaps " + input_names[i]; });
+    }
+    for (std::size_t other = 0; other < o; ++other) {
+      require(!views_overlap(outputs[o], outputs[other], memory), function,
+              [&] { return std::string(output_names[o]) + " overlaps " + output_names[other]; });
+    }
+  }
 }
 
 /// Shapes of the inputs: q [n_q][H][d], k [n_k][H_kv][d], v [n_k][H_kv][d_v], H a multiple of
@@ -206,10 +331,11 @@ void validate_attention(const char* function, const HeadsView<const Scalar>& q,
   require_storage_type<Scalar>();
   validate_inputs(function, q, k, v);
   validate_output_shape(function, out, q, v);
-  require_injective(out, function, "out", memory);
-  require(!views_overlap(out, q, memory), function, "out overlaps q");
-  require(!views_overlap(out, k, memory), function, "out overlaps k");
-  require(!views_overlap(out, v, memory), function, "out overlaps v");
+  const HeadsView<const Scalar> inputs[] = {q, k, v};
+  const char* const input_names[] = {"q", "k", "v"};
+  const HeadsView<Scalar> outputs[] = {out};
+  const char* const output_names[] = {"out"};
+  require_separate(function, inputs, input_names, outputs, output_names, memory);
   validate_options<Scalar>(function, options, q.tokens, k.tokens, q.dim);
 }
 
@@ -273,23 +399,11 @@ void validate_backward(const char* function, const HeadsView<const Scalar>& q,
   require_same_shape(function, dq, "dq", q, "q");
   require_same_shape(function, dk, "dk", k, "k");
   require_same_shape(function, dv, "dv", v, "v");
-  const HeadsView<Scalar> gradients[] = {dq, dk, dv};
-  const char* gradient_names[] = {"dq", "dk", "dv"};
   const HeadsView<const Scalar> inputs[] = {q, k, v, out, dout};
-  const char* input_names[] = {"q", "k", "v", "out", "dout"};
-  for (int g = 0; g < 3; ++g) {
-    require_injective(gradients[g], function, gradient_names[g], memory);
-    for (int i = 0; i < 5; ++i) {
-      if (views_overlap(gradients[g], inputs[i], memory)) {
-        fail(function, std::string(gradient_names[g]) + " overlaps " + input_names[i]);
-      }
-    }
-    for (int other = 0; other < g; ++other) {
-      if (views_overlap(gradients[g], gradients[other], memory)) {
-        fail(function, std::string(gradient_names[g]) + " overlaps " + gradient_names[other]);
-      }
-    }
-  }
+  const char* const input_names[] = {"q", "k", "v", "out", "dout"};
+  const HeadsView<Scalar> gradients[] = {dq, dk, dv};
+  const char* const gradient_names[] = {"dq", "dk", "dv"};
+  require_separate(function, inputs, input_names, gradients, gradient_names, memory);
   validate_options<Scalar>(function, options, q.tokens, k.tokens, q.dim);
 }
 
