@@ -5,24 +5,46 @@
 /// Umbrella header of plsh: attention with linear biases (ALiBi) through Positional LSH.
 /// error_norms.hpp and attention_error.hpp include Spectra's Lanczos solver only when its headers
 /// are found (and PLSH_NO_SPECTRA is not defined): plsh builds without Spectra.
+///
+/// The headers come in layer order; each includes only headers of its own layer or below:
+/// limits, options, views -> slopes, draws -> partitions, mask metrics -> attention kernels ->
+/// batches -> KV cache -> attention error. (detail/ holds the internals of every layer.)
 
-#include "alibi.hpp"
-#include "attention/alibi_attention.hpp"
-#include "attention/backward.hpp"
-#include "attention/online_softmax.hpp"
-#include "attention/options.hpp"
-#include "attention/plsh_attention.hpp"
-#include "attention/reference.hpp"
-#include "attention/regular.hpp"
-#include "attention_error.hpp"
-#include "batch.hpp"
-#include "error_norms.hpp"
-#include "kv_cache.hpp"
+// The order is the map of the layers, not the alphabet.
+// clang-format off
+// Limits, options and strided views.
 #include "limits.hpp"
-#include "metrics.hpp"
 #include "options.hpp"
-#include "partition.hpp"
-#include "sampler.hpp"
 #include "tensor.hpp"
+#include "batched_heads_view.hpp"
+
+// ALiBi slopes and the draws of Random Binning.
+#include "alibi.hpp"
+#include "sampler.hpp"
+
+// Block partitions and the error of their mean mask.
+#include "partition.hpp"
+#include "metrics.hpp"
+#include "error_norms.hpp"
+
+// Attention kernels: online softmax, regular, exact and windowed ALiBi, Positional LSH (passes
+// and fused), backward, and the dense references they are tested against.
+#include "attention/options.hpp"
+#include "attention/online_softmax.hpp"
+#include "attention/regular.hpp"
+#include "attention/alibi_attention.hpp"
+#include "attention/plsh_attention.hpp"
+#include "attention/backward.hpp"
+#include "attention/reference.hpp"
+
+// Batched entry points.
+#include "batch.hpp"
+
+// Incremental decoding.
+#include "kv_cache.hpp"
+
+// Error of Positional LSH attention against exact ALiBi.
+#include "attention_error.hpp"
+// clang-format on
 
 #endif  // PLSH_PLSH_HPP

@@ -186,9 +186,9 @@ constexpr std::uint64_t head_seed(std::uint64_t seed, Index head) {
 /// Random Binning law and \f$E[\hat K] = K\f$ holds as for independent draws. The draws of a
 /// head are dependent: each uniform takes one value in each stratum \f$[k/s, (k+1)/s)\f$, so
 /// the s pitches cover the Gamma(2, 1/m) law more evenly than s independent ones, which removes
-/// the additive part of the variance over the uniforms (Stein, 1987): at s = 20 the spectral
-/// error of the mean mask falls by 7 to 22% (slopes 1/2 to 1/256) and the attention output
-/// error by 12% (docs/bench/accuracy.md).
+/// the additive part of the variance over the uniforms (Stein, 1987): the spectral error of the
+/// mean mask and the attention output's error fall (docs/bench/accuracy.md has the figures and the
+/// script that measures them).
 ///
 /// The jitter \f$V_{t,c}\f$ is word (t, c) of detail::CounterRandom(seed) and \f$\pi_c\f$ is
 /// drawn from words (i, 3 + c + 3a) (detail::random_permutation), so the draws are a pure

@@ -23,11 +23,12 @@
 /// \f$\cdot d_v\f$) per tile, against O(rows \f$\cdot\f$ keys \f$\cdot d_v\f$) for the product).
 /// Only a tile whose values hold a non-finite entry takes the slower path.
 ///
-/// AVX-512 builds (`__AVX512F__`): OnlineSoftmax::update_counted, the fused kernel's step, walks
-/// a float row in two vectorised passes (counted_weights) and adds \f$PV\f$ by register blocks
-/// without packing (add_weighted_rows; value rows with a non-finite entry zeroed, then added
-/// where they are seen, as add_product does for Eigen's product); other builds and types take
-/// the portable code. Summation orders differ between the two, not the results beyond rounding.
+/// AVX-512 builds (PLSH_FUSED_AVX512, detail/simd.hpp): OnlineSoftmax::update_counted, the fused
+/// kernel's step, walks a float row in two vectorised passes (counted_weights) and adds \f$PV\f$
+/// by register blocks without packing (add_weighted_rows; value rows with a non-finite entry
+/// zeroed, then added where they are seen, as add_product does for Eigen's product); other builds
+/// and types take the portable code. Summation orders differ between the two, not the results
+/// beyond rounding.
 ///
 /// Tested in tests/test_online_softmax.cpp and, for non-finite inputs through every kernel, in
 /// tests/test_nonfinite.cpp; the AVX-512 paths through the fused kernel in

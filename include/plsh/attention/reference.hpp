@@ -32,8 +32,7 @@
 #include "options.hpp"
 
 namespace plsh {
-namespace reference {
-namespace internal {
+namespace detail {
 
 constexpr double kMasked = -std::numeric_limits<double>::infinity();
 
@@ -67,6 +66,13 @@ void row_probabilities(const Eigen::MatrixXd& q_head, const Eigen::MatrixXd& k_h
   for (double& p : probabilities) p /= total;
 }
 
+}  // namespace detail
+
+namespace reference {
+// attention_error.hpp still names the helpers above reference::internal::.
+namespace internal {
+using detail::kMasked;
+using detail::row_probabilities;
 }  // namespace internal
 
 /// The general form: `log_factor(h, p_i, p_j)` is \f$\log F_{ij}\f$ for query head h,
@@ -85,7 +91,7 @@ void factor_attention(const HeadsView<const Scalar>& q, const HeadsView<const Sc
     const Eigen::MatrixXd k_head = k.head(h / group).template cast<double>();
     const Eigen::MatrixXd v_head = v.head(h / group).template cast<double>();
     for (Index i = 0; i < q.tokens; ++i) {
-      internal::row_probabilities(q_head, k_head, i, h, scale, options, log_factor, visible,
+      detail::row_probabilities(q_head, k_head, i, h, scale, options, log_factor, visible,
                                   probabilities);
       Eigen::RowVectorXd sum = Eigen::RowVectorXd::Zero(v.dim);
       for (std::size_t n = 0; n < visible.size(); ++n) {
@@ -145,7 +151,7 @@ void windowed_alibi_attention(const HeadsView<const Scalar>& q, const HeadsView<
     const bool kept =
         slope == 0 || tolerance == 0 ||
         static_cast<double>(i > j ? i - j : j - i) <= std::floor(std::log(1.0 / tolerance) / slope);
-    return kept ? row_log_factor(h, i, j) : internal::kMasked;
+    return kept ? row_log_factor(h, i, j) : detail::kMasked;
   });
 }
 
@@ -161,7 +167,7 @@ inline auto mean_mask_log_factor(const std::vector<std::vector<Grid>>& grids) {
       if (detail::same_bin(grid, i, j)) shared += 1;
     }
     return shared > 0 ? std::log(shared / static_cast<double>(head_grids.size()))
-                      : internal::kMasked;
+                      : detail::kMasked;
   };
 }
 
@@ -196,7 +202,7 @@ void plsh_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scal
 inline auto fixed_block_log_factor(Index block_size, const char* function) {
   detail::require(block_size >= 1, function, "block_size must be at least 1");
   return [block_size](Index, Index i, Index j) {
-    return i / block_size == j / block_size ? 0.0 : internal::kMasked;
+    return i / block_size == j / block_size ? 0.0 : detail::kMasked;
   };
 }
 
@@ -239,7 +245,7 @@ void factor_attention_backward(const HeadsView<const Scalar>& q, const HeadsView
       const Eigen::MatrixXd dout_head = dout.head(h).template cast<double>();
       Eigen::MatrixXd dq_head = Eigen::MatrixXd::Zero(q.tokens, q.dim);
       for (Index i = 0; i < q.tokens; ++i) {
-        internal::row_probabilities(q_head, k_head, i, h, scale, options, log_factor, visible,
+        detail::row_probabilities(q_head, k_head, i, h, scale, options, log_factor, visible,
                                     probabilities);
         Eigen::RowVectorXd out_row = Eigen::RowVectorXd::Zero(v.dim);
         for (std::size_t n = 0; n < visible.size(); ++n) {

@@ -6,11 +6,10 @@
 ///
 /// plsh is header-only, so the body of a non-template function in a header is compiled in every
 /// file that includes it, with every template it uses: a function that runs Eigen's eigenvalue
-/// solver, Spectra's Lanczos solver or the double-precision attention kernels cost each such file
-/// 4-9 s of g++ 12's time, whether or not it called the function (plsh.hpp took 23 s to include
-/// with nothing called, 3 s with these deferred). Such a function is a template over an unused
-/// `Tag = void` and names its types through Deferred<T, Tag>: they then depend on Tag, and what
-/// uses them is compiled only where the function is called.
+/// solver, Spectra's Lanczos solver or the double-precision attention kernels costs every file that
+/// includes it seconds of compile time, whether or not it calls the function. Such a function is
+/// a template over an unused `Tag = void` and names its types through Deferred<T, Tag>: they then
+/// depend on Tag, and what uses them is compiled only where the function is called.
 
 namespace plsh {
 namespace detail {
