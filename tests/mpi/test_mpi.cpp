@@ -175,7 +175,7 @@ TEMPLATE_TEST_CASE("plsh::mpi::plsh_attention equals plsh_attention over the who
     const ChunkLayout layout(sizes);
     const Block chunk = layout.chunk(world_rank());
     const plsh_test::Problem<Scalar> problem(shape, 7);
-    const auto reachable = plsh::mpi::detail::plsh_reachable_keys(
+    const auto reachable = plsh::detail::plsh_reachable_keys(
         layout, plsh::draw_head_grids(slopes, options.samples, options.seed), options);
     for (const plsh::Kernel kernel : {plsh::Kernel::Fused, plsh::Kernel::Passes}) {
       options.kernel = kernel;
@@ -192,7 +192,7 @@ TEMPLATE_TEST_CASE("plsh::mpi::plsh_attention equals plsh_attention over the who
       check_rows<Scalar>(mine.in(), whole.in(), chunk, single_call(options));
       CHECK(mine.touched_padding() == 0);
       CHECK(counts.bytes_received ==
-            plsh::mpi::detail::halo_bytes(layout, reachable, world_rank(),
+            plsh::detail::halo_bytes(layout, reachable, world_rank(),
                                           row_bytes(shape, sizeof(Scalar))));
     }
   });
@@ -217,10 +217,10 @@ TEMPLATE_TEST_CASE("plsh::mpi::windowed_alibi_attention equals windowed_alibi_at
           problem.k.in().slice(chunk.begin, chunk.size()),
           problem.v.in().slice(chunk.begin, chunk.size()), mine.view, slopes, tolerance, options);
       check_rows<Scalar>(mine.in(), whole.in(), chunk, single_call(options));
-      const auto reachable = plsh::mpi::detail::windowed_reachable_keys(
-          layout, plsh::mpi::detail::widest_window(slopes, tolerance), options);
+      const auto reachable = plsh::detail::windowed_reachable_keys(
+          layout, plsh::detail::widest_window(slopes, tolerance), options);
       CHECK(counts.bytes_received ==
-            plsh::mpi::detail::halo_bytes(layout, reachable, world_rank(),
+            plsh::detail::halo_bytes(layout, reachable, world_rank(),
                                           row_bytes(shape, sizeof(Scalar))));
     }
   });
@@ -245,7 +245,7 @@ TEMPLATE_TEST_CASE("plsh::mpi::exact_alibi_attention (ring) equals exact_alibi_a
     // One rank: one chunk merged into zeros, the single-process tiles, whatever the positions.
     check_rows<Scalar>(mine.in(), whole.in(), chunk, world_size() == 1);
     CHECK(counts.bytes_received ==
-          plsh::mpi::detail::ring_bytes(layout, world_rank(), row_bytes(shape, sizeof(Scalar))));
+          plsh::detail::ring_bytes(layout, world_rank(), row_bytes(shape, sizeof(Scalar))));
   });
 }
 
@@ -284,16 +284,16 @@ TEMPLATE_TEST_CASE("plsh::mpi::plsh_attention_backward equals plsh_attention_bac
     INFO("dv");
     check_rows<Scalar>(my_dv.in(), dv.in(), chunk, single_call(options));
     // The halo arrives once and its gradients go back: as many bytes sent back as received.
-    const auto reachable = plsh::mpi::detail::plsh_reachable_keys(
+    const auto reachable = plsh::detail::plsh_reachable_keys(
         layout, plsh::draw_head_grids(slopes, options.samples, options.seed), options);
-    const std::uint64_t halo = plsh::mpi::detail::halo_bytes(layout, reachable, world_rank(),
+    const std::uint64_t halo = plsh::detail::halo_bytes(layout, reachable, world_rank(),
                                                              row_bytes(shape, sizeof(Scalar)));
     CHECK(counts.bytes_received - halo == [&] {
       std::uint64_t returned = 0;
       for (int r = 0; r < layout.ranks(); ++r) {
         if (r == world_rank()) continue;
         const Block rows =
-            plsh::mpi::detail::intersect(chunk, reachable[static_cast<std::size_t>(r)]);
+            plsh::detail::intersect(chunk, reachable[static_cast<std::size_t>(r)]);
         returned += static_cast<std::uint64_t>(rows.size()) * row_bytes(shape, sizeof(Scalar));
       }
       return returned;
@@ -322,8 +322,8 @@ TEST_CASE("plsh::mpi kernels draw their halo with the options' sampling", "[mpi]
                                           slice(problem.v), mine.view, slopes, options);
     check_rows<double>(mine.in(), whole.in(), chunk, single_call(options));
     CHECK(counts.bytes_received ==
-          plsh::mpi::detail::halo_bytes(layout,
-                                        plsh::mpi::detail::plsh_reachable_keys(
+          plsh::detail::halo_bytes(layout,
+                                        plsh::detail::plsh_reachable_keys(
                                             layout, plsh::kernel_grids(slopes, options), options),
                                         world_rank(), row_bytes(shape, sizeof(double))));
     Buffer<double> dout = problem.output();
@@ -351,7 +351,7 @@ TEST_CASE("the halo of short chunks spans several ranks, of long chunks one neig
   const ChunkLayout layout(plsh::mpi::even_chunk_sizes(kTokens, 4));
   plsh::PlshOptions options;
   for (const SlopeCase& slopes : slope_cases()) {
-    const auto reachable = plsh::mpi::detail::plsh_reachable_keys(
+    const auto reachable = plsh::detail::plsh_reachable_keys(
         layout, plsh::draw_head_grids(slopes.slopes, options.samples, options.seed), options);
     INFO(slopes.name);
     const Block last = reachable[3];

@@ -1,0 +1,172 @@
+#ifndef PLSH_MPI_LAYOUT_HPP
+#define PLSH_MPI_LAYOUT_HPP
+
+/// \file layout.hpp
+/// Which tokens every rank holds (ChunkLayout: contiguous chunks in rank order) and which key
+/// rows the queries of each chunk reach. Positional LSH: for queries at positions \f$[a, b)\f$,
+/// \f$[\min_{h,t} \mathrm{begin}_{h,t}(a),\; b)\f$ when causal, and up to
+/// \f$\max_{h,t} \mathrm{end}_{h,t}(b - 1)\f$ when bidirectional (the blocks of head h, draw
+/// t); windowed ALiBi: \f$W = \max_h \lfloor\ln(1/\text{tolerance})/m_h\rfloor\f$ positions
+/// either way. O(H s) block look-ups per rank. Tested in tests/mpi/test_mpi.cpp (the halo's
+/// bytes against these intervals).
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "../attention/alibi_attention.hpp"
+#include "../detail/check.hpp"
+#include "../limits.hpp"
+#include "../options.hpp"
+#include "../partition.hpp"
+#include "../sampler.hpp"
+
+namespace plsh {
+namespace mpi {
+
+/// The sizes of `ranks` chunks of `tokens` tokens split evenly: the first `tokens % ranks` chunks
+/// hold one token more.
+/// \throws std::invalid_argument for `tokens < 0` or `ranks < 1`.
+inline std::vector<Index> even_chunk_sizes(Index tokens, int ranks) {
+  const char* function = "plsh::mpi::even_chunk_sizes";
+  detail::require(tokens >= 0, function, "tokens must be non-negative");
+  detail::require(ranks >= 1, function, "ranks must be at least 1");
+  std::vector<Index> sizes(static_cast<std::size_t>(ranks), tokens / ranks);
+  for (Index r = 0; r < tokens % ranks; ++r) ++sizes[static_cast<std::size_t>(r)];
+  return sizes;
+}
+
+/// Which tokens every rank holds: rank r holds tokens `[chunk(r).begin, chunk(r).end)` of the
+/// whole sequence, in rank order, without gaps.
+class ChunkLayout {
+ public:
+  /// \param sizes tokens of ranks 0, 1, ...; each non-negative.
+  /// \throws std::invalid_argument for an empty list or a negative size.
+  explicit ChunkLayout(const std::vector<Index>& sizes) {
+    const char* function = "plsh::mpi::ChunkLayout";
+    detail::require(!sizes.empty(), function, "sizes must not be empty");
+    offsets_.push_back(0);
+    for (const Index size : sizes) {
+      detail::require(size >= 0, function, "every size must be non-negative");
+      detail::require(size <= kMaxPosition - offsets_.back(), function,
+                      "the sizes must sum to at most kMaxPosition = 2^53");
+      offsets_.push_back(offsets_.back() + size);
+    }
+  }
+
+  int ranks() const { return static_cast<int>(offsets_.size()) - 1; }
+  Index tokens() const { return offsets_.back(); }
+  Block chunk(int rank) const {
+    return Block{offsets_[static_cast<std::size_t>(rank)],
+                 offsets_[static_cast<std::size_t>(rank) + 1]};
+  }
+
+ private:
+  std::vector<Index> offsets_;
+};
+
+/// The chunk of this rank of `comm` when `tokens` tokens are split evenly (even_chunk_sizes).
+inline Block even_chunk(Index tokens, MPI_Comm comm) {
+  int rank = 0;
+  int ranks = 1;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm_size(comm, &ranks);
+  return ChunkLayout(even_chunk_sizes(tokens, ranks)).chunk(rank);
+}
+
+}  // namespace mpi
+
+namespace detail {
+
+using mpi::ChunkLayout;
+
+inline Block intersect(const Block& a, const Block& b) {
+  const Index begin = std::max(a.begin, b.begin);
+  return Block{begin, std::max(begin, std::min(a.end, b.end))};
+}
+
+/// Key rows `[begin - key_position, end - key_position)` of the positions `[begin, end)`, cut to
+/// the `tokens` rows that exist (empty when they do not meet).
+inline Block key_rows(Index begin, Index end, Index key_position, Index tokens) {
+  return intersect(Block{begin - key_position, end - key_position}, Block{0, tokens});
+}
+
+/// The key rows that the queries of every rank's chunk reach in Positional LSH with the draws
+/// `grids` (see the file comment); `options` positions are those of token 0.
+inline std::vector<Block> plsh_reachable_keys(const ChunkLayout& layout,
+                                              const std::vector<std::vector<Grid>>& grids,
+                                              const AttentionOptions& options) {
+  const Index n = layout.tokens();
+  const Index first = std::min(options.query_position, options.key_position);
+  const Index last = std::max(options.query_position, options.key_position) + n;
+  std::vector<Block> reachable;
+  for (int r = 0; r < layout.ranks(); ++r) {
+    const Block chunk = layout.chunk(r);
+    if (chunk.begin == chunk.end) {
+      reachable.push_back(Block{0, 0});
+      continue;
+    }
+    const Index query_begin = options.query_position + chunk.begin;
+    const Index query_end = options.query_position + chunk.end;
+    Index begin = query_begin;
+    Index end = query_end;
+    for (const std::vector<Grid>& head : grids) {
+      for (const Grid& grid : head) {
+        begin = std::min(begin, grid_block(grid, query_begin, first, last).begin);
+        if (!options.causal) end = std::max(end, grid_block(grid, query_end - 1, first, last).end);
+      }
+    }
+    reachable.push_back(key_rows(begin, end, options.key_position, n));
+  }
+  return reachable;
+}
+
+/// The key rows that the queries of every rank's chunk reach in windowed ALiBi: `window`
+/// positions before (and, bidirectional, after) the chunk.
+inline std::vector<Block> windowed_reachable_keys(const ChunkLayout& layout, Index window,
+                                                  const AttentionOptions& options) {
+  std::vector<Block> reachable;
+  for (int r = 0; r < layout.ranks(); ++r) {
+    const Block chunk = layout.chunk(r);
+    if (chunk.begin == chunk.end) {
+      reachable.push_back(Block{0, 0});
+      continue;
+    }
+    const Index begin = options.query_position + chunk.begin - window;
+    const Index end = options.query_position + chunk.end + (options.causal ? 0 : window);
+    reachable.push_back(key_rows(begin, end, options.key_position, layout.tokens()));
+  }
+  return reachable;
+}
+
+/// The widest window of windowed_alibi_attention over the heads.
+inline Index widest_window(const std::vector<double>& slopes, double tolerance) {
+  Index window = 0;
+  for (const double slope : slopes) {
+    window = std::max(window, alibi_window(slope, tolerance));
+  }
+  return window;
+}
+
+/// Bytes this rank receives when every rank gathers its `reachable` key rows from their owners,
+/// `row_bytes` per row: the rows of the interval that other ranks hold.
+inline std::uint64_t halo_bytes(const ChunkLayout& layout, const std::vector<Block>& reachable,
+                                int rank, std::uint64_t row_bytes) {
+  const Block own = layout.chunk(rank);
+  const Block wanted = reachable[static_cast<std::size_t>(rank)];
+  const Index mine = intersect(own, wanted).size();
+  return static_cast<std::uint64_t>(wanted.size() - mine) * row_bytes;
+}
+
+/// Bytes a rank receives in the ring of exact_alibi_attention, `row_bytes` per row: every other
+/// rank's chunk.
+inline std::uint64_t ring_bytes(const ChunkLayout& layout, int rank, std::uint64_t row_bytes) {
+  return static_cast<std::uint64_t>(layout.tokens() - layout.chunk(rank).size()) * row_bytes;
+}
+
+}  // namespace detail
+}  // namespace plsh
+
+#endif  // PLSH_MPI_LAYOUT_HPP
