@@ -1,5 +1,8 @@
-// The forward kernels: exact_alibi_attention, windowed_alibi_attention, plsh_attention and
-// fixed_block_attention, each on the batched views of plsh/batch.hpp with the GIL released.
+// The attention kernels: exact_alibi_attention, windowed_alibi_attention, plsh_attention and
+// fixed_block_attention, and their backward kernels exact_alibi_attention_backward,
+// plsh_attention_backward and fixed_block_attention_backward, each on the batched views of
+// plsh/batch.hpp with the GIL released. Forward and backward share instantiations of plsh's
+// kernel code, so one translation unit compiles them faster than two.
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -88,6 +91,75 @@ py::array fixed_block_attention(const Inputs& inputs, const py::object& block_si
                  });
 }
 
+// A backward kernel `run(q, k, v, out, dout, dq, dk, dv)` on the views of the inputs and of new
+// or given gradients; returns (dq, dk, dv).
+template <class Run>
+py::tuple backward(const BackwardInputs& inputs, const GradientArguments& gradients, Run&& run) {
+  const Arrays arrays({{"q", inputs.q},
+                       {"k", inputs.k},
+                       {"v", inputs.v},
+                       {"out", inputs.out},
+                       {"dout", inputs.dout}},
+                      gradients.bfloat16);
+  const auto call = [&](auto zero) {
+    using Scalar = decltype(zero);
+    const Input<Scalar> in[] = {arrays.input<Scalar>(0), arrays.input<Scalar>(1),
+                                arrays.input<Scalar>(2), arrays.input<Scalar>(3),
+                                arrays.input<Scalar>(4)};
+    const Output<Scalar> dq = output_of<Scalar>(gradients.dq, "dq", arrays.shape(0));
+    const Output<Scalar> dk = output_of<Scalar>(gradients.dk, "dk", arrays.shape(1));
+    const Output<Scalar> dv = output_of<Scalar>(gradients.dv, "dv", arrays.shape(2));
+    {
+      py::gil_scoped_release release;
+      run(in[0].view, in[1].view, in[2].view, in[3].view, in[4].view, dq.view, dk.view, dv.view);
+    }
+    return py::make_tuple(dq.array, dk.array, dv.array);
+  };
+  return dispatch(arrays.storage, call);
+}
+
+py::tuple exact_alibi_attention_backward(const BackwardInputs& inputs, const Slopes& slopes,
+                                         const AttentionArguments& attention,
+                                         const GradientArguments& gradients) {
+  const auto options = options_of(attention);
+  return backward(inputs, gradients,
+                  [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov,
+                      const auto& dov, const auto& dqv, const auto& dkv, const auto& dvv) {
+                    using Scalar = ScalarOf<decltype(dqv)>;
+                    plsh::exact_alibi_attention_backward<Scalar>(
+                        qv, kv, vv, ov, dov, dqv, dkv, dvv, slopes_or_default(slopes, qv.heads),
+                        options);
+                  });
+}
+
+py::tuple plsh_attention_backward(const BackwardInputs& inputs, const Slopes& slopes,
+                                  const AttentionArguments& attention, const DrawArguments& draws,
+                                  const GradientArguments& gradients) {
+  const auto options = plsh_options_of(attention, draws);
+  return backward(inputs, gradients,
+                  [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov,
+                      const auto& dov, const auto& dqv, const auto& dkv, const auto& dvv) {
+                    using Scalar = ScalarOf<decltype(dqv)>;
+                    plsh::plsh_attention_backward<Scalar>(qv, kv, vv, ov, dov, dqv, dkv, dvv,
+                                                          slopes_or_default(slopes, qv.heads),
+                                                          options);
+                  });
+}
+
+py::tuple fixed_block_attention_backward(const BackwardInputs& inputs, const py::object& block_size,
+                                         const AttentionArguments& attention,
+                                         const GradientArguments& gradients) {
+  const auto options = options_of(attention);
+  const Index size = index(block_size, "block_size");
+  return backward(inputs, gradients,
+                  [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov,
+                      const auto& dov, const auto& dqv, const auto& dkv, const auto& dvv) {
+                    using Scalar = ScalarOf<decltype(dqv)>;
+                    plsh::fixed_block_attention_backward<Scalar>(qv, kv, vv, ov, dov, dqv, dkv, dvv,
+                                                                 size, options);
+                  });
+}
+
 }  // namespace
 
 void bind_attention(py::module_& m) {
@@ -117,6 +189,20 @@ void bind_attention(py::module_& m) {
                "block_size"_a, py::kw_only(), AttentionArguments::arguments(),
                OutputArguments::arguments(),
                "Attention within fixed blocks of `block_size` absolute positions.");
+  def_function(m, "exact_alibi_attention_backward", &exact_alibi_attention_backward,
+               BackwardInputs::arguments(), "slopes"_a = none, py::kw_only(),
+               AttentionArguments::arguments(), GradientArguments::arguments(),
+               "Gradients (dq, dk, dv) of exact ALiBi attention given its output `out` and the "
+               "gradient `dout` of a loss with respect to it.");
+  def_function(m, "plsh_attention_backward", &plsh_attention_backward, BackwardInputs::arguments(),
+               "slopes"_a = none, py::kw_only(), AttentionArguments::arguments(),
+               DrawArguments::arguments(), GradientArguments::arguments(),
+               "Gradients (dq, dk, dv) of plsh_attention with the same slopes, samples, seed and "
+               "sampling.");
+  def_function(m, "fixed_block_attention_backward", &fixed_block_attention_backward,
+               BackwardInputs::arguments(), "block_size"_a, py::kw_only(),
+               AttentionArguments::arguments(), GradientArguments::arguments(),
+               "Gradients (dq, dk, dv) of fixed_block_attention with the same block size.");
 }
 
 }  // namespace plsh_python

@@ -12,13 +12,9 @@ namespace plsh_python {
 // MaskError and mask_error.
 void bind_partitions(pybind11::module_& module);
 
-// attention.cpp: the forward kernels exact_alibi_attention, windowed_alibi_attention,
-// plsh_attention and fixed_block_attention.
+// attention.cpp: the kernels exact_alibi_attention, windowed_alibi_attention, plsh_attention and
+// fixed_block_attention and their backward kernels (exact_alibi_attention_backward, ...).
 void bind_attention(pybind11::module_& module);
-
-// attention_backward.cpp: exact_alibi_attention_backward, plsh_attention_backward and
-// fixed_block_attention_backward.
-void bind_attention_backward(pybind11::module_& module);
 
 // kv_cache.cpp: the class KvCache.
 void bind_kv_cache(pybind11::module_& module);

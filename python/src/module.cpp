@@ -26,6 +26,5 @@ PYBIND11_MODULE(_plsh, m) {
       "in float32, returned as uint16 bfloat16).";
   plsh_python::bind_partitions(m);
   plsh_python::bind_attention(m);
-  plsh_python::bind_attention_backward(m);
   plsh_python::bind_kv_cache(m);
 }
