@@ -162,8 +162,8 @@ TEST_CASE("attention_error equals the dense norms", "[attention_error][spectra]"
           plsh::attention_error<double>(problem.q.view, problem.k.view, slope, grids, options);
       REQUIRE(measured.spectral.converged);
       CHECK(measured.spectral.finite);
-      // The squared norm to the Lanczos tolerance 1e-10: the norm to about 5e-11, plus the
-      // rounding of the kernels' products, ~1e-15 relative to the entries.
+      // The norm to the Lanczos tolerance 1e-10 (relative, LanczosOptions), plus the rounding of
+      // the kernels' products, ~1e-15 relative to the entries.
       CHECK(measured.spectral.value == Approx(dense.spectral).epsilon(1e-9).margin(1e-12));
       CHECK(measured.max == dense.max);
       CHECK(measured.frobenius == Approx(dense.frobenius).epsilon(1e-14));

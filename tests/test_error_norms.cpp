@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <stdexcept>
 #include <vector>
@@ -164,7 +165,30 @@ TEST_CASE("mask_spectral_error equals the dense spectral norm", "[error_norms][s
       const double reference = plsh::mask_error(c.n, c.slope, grids).spectral;
       CHECK(std::abs(measured.value - reference) <= 1e-9 * reference + rounding);
     }
+    // LanczosOptions::tolerance is the relative accuracy of the norm (to first order).
+    plsh::LanczosOptions loose;
+    loose.tolerance = 1e-6;
+    const plsh::SpectralNorm coarse =
+        plsh::mask_spectral_error(c.n, c.slope, grids, c.first, loose);
+    INFO("tolerance 1e-6: " << coarse.value << " after " << coarse.products << " products");
+    REQUIRE(coarse.converged);
+    CHECK(std::abs(coarse.value - dense) <= 1.01e-6 * dense + rounding);
   }
+}
+
+TEST_CASE("MaskErrorOperator products are repeatable", "[error_norms]") {
+  // The operator keeps its workspaces between products: a second product of the same x, after a
+  // product of another vector, is bit for bit the first.
+  const Case c{2000, 1.0 / 32, 50, 0};
+  const std::vector<Grid> grids = draws(c, 99);
+  const plsh::MaskErrorOperator op(c.n, c.slope, grids, c.first);
+  const Eigen::VectorXd x = test_vector(c.n, 5), other = test_vector(c.n, 6);
+  Eigen::VectorXd first(c.n), between(c.n), second(c.n);
+  op.perform_op(x.data(), first.data());
+  op.perform_op(other.data(), between.data());
+  op.perform_op(x.data(), second.data());
+  CHECK(std::memcmp(first.data(), second.data(), sizeof(double) * static_cast<std::size_t>(c.n)) ==
+        0);
 }
 
 namespace {
@@ -191,6 +215,64 @@ TEST_CASE("symmetric_spectral_norm of a diagonal operator with eigenvalues of bo
     REQUIRE(norm.converged);
     CHECK(norm.value == Approx(static_cast<double>(n)).epsilon(1e-10));
   }
+}
+
+namespace {
+
+/// Eigenvalues `scale` (1 - k 10^-5) for k = 0, 1, ..., n/2 - 1 and - `scale` (1 - (k + 1/2)
+/// 10^-5): tight clusters at both ends of the spectrum, the top one at + `scale`.
+struct TwoClusters {
+  using Scalar = double;
+  Index n;
+  double scale;
+  Index rows() const { return n; }
+  Index cols() const { return n; }
+  double eigenvalue(Index i) const {
+    const double k = static_cast<double>(i / 2);
+    return i % 2 == 0 ? scale * (1 - k * 1e-5) : -scale * (1 - (k + 0.5) * 1e-5);
+  }
+  void perform_op(const double* x, double* y) const {
+    for (Index i = 0; i < n; ++i) y[i] = eigenvalue(i) * x[i];
+  }
+};
+
+/// The zero operator.
+struct Zero {
+  using Scalar = double;
+  Index n;
+  Index rows() const { return n; }
+  Index cols() const { return n; }
+  void perform_op(const double*, double* y) const {
+    for (Index i = 0; i < n; ++i) y[i] = 0;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("symmetric_spectral_norm of clusters at both ends, of any scale",
+          "[error_norms][spectra]") {
+  // Lanczos on E^2 sees one cluster at ||E||^2. The value is the top eigenvalue to the tolerance
+  // (relative); the scale (down to squares far below Spectra's absolute thresholds) does not
+  // matter; products are products of E, two per Lanczos step.
+  for (const double scale : {1.0, 1e-20, 1e20}) {
+    const TwoClusters op{400, scale};
+    for (const double tolerance : {1e-6, 1e-10}) {
+      plsh::LanczosOptions options;
+      options.tolerance = tolerance;
+      const plsh::SpectralNorm norm = plsh::symmetric_spectral_norm(op, options);
+      INFO("scale " << scale << " tolerance " << tolerance << ": " << norm.value << " after "
+                    << norm.products << " products");
+      REQUIRE(norm.converged);
+      CHECK(norm.finite);
+      CHECK(std::abs(norm.value - scale) <= 1.01 * tolerance * scale);
+      CHECK(norm.products % 2 == 0);  // two products of E per product of E^2
+    }
+  }
+  // The zero operator has the norm 0, converged: the start vector is a Ritz vector of residual 0.
+  const plsh::SpectralNorm zero = plsh::symmetric_spectral_norm(Zero{100});
+  CHECK(zero.value == 0);
+  CHECK(zero.converged);
+  CHECK(zero.finite);
 }
 
 TEST_CASE("the spectral norms reject invalid options", "[error_norms][spectra]") {

@@ -15,11 +15,11 @@
 ///   block); on each side of the diagonal \f$K_{ij}\f$ is monotone in j, so the largest
 ///   \f$|c_{ij}/s - K_{ij}|\f$ of a segment is at one of its ends.
 /// - \f$\|E\|_2\f$, the largest \f$|\lambda|\f$ of the symmetric E, by Spectra's Lanczos solver
-///   (SymEigsSolver) over products \f$Ex\f$. Spectra is optional: the spectral norms are compiled
-///   when its header `<Spectra/SymEigsSolver.h>` is found and `PLSH_NO_SPECTRA` is not defined;
-///   `PLSH_HAS_SPECTRA` is then defined to 1. The solver's outcome is a status (SpectralNorm):
-///   whether it converged, and whether every product was finite (a NaN or an infinity stops it
-///   and gives a NaN norm, never an exception).
+///   (SymEigsSolver) for the largest eigenvalue of \f$E^2\f$, over products \f$Ex\f$. Spectra is
+///   optional: the spectral norms are compiled when its header `<Spectra/SymEigsSolver.h>` is found
+///   and `PLSH_NO_SPECTRA` is not defined; `PLSH_HAS_SPECTRA` is then defined to 1. The solver's
+///   outcome is a status (SpectralNorm): whether it converged, and whether every product was finite
+///   (a NaN or an infinity stops it and gives a NaN norm, never an exception).
 ///
 /// Every public function checks its arguments, sizes included, before it allocates: n lies in
 /// [1, kMaxPosition] (so an O(n) vector of doubles, 8(n + 1) bytes, is representable in Index and
@@ -40,6 +40,7 @@
 
 #include "detail/check.hpp"
 #include "detail/deferred.hpp"
+#include "detail/random.hpp"
 #include "limits.hpp"
 #include "metrics.hpp"
 #include "partition.hpp"
@@ -106,15 +107,18 @@ namespace detail {
 /// \sum_{j=b}^{e-1} x_j\f$: `for_each_block(visit)` calls `visit(b, e)` (offsets from the first
 /// position) for every block of every draw. Block sums from prefix sums of x go into a difference
 /// array, \f$D_b \mathrel{+}= S\f$, \f$D_e \mathrel{-}= S\f$, and \f$y = \frac1s
-/// \mathrm{cumsum}(D)\f$: O(n + blocks).
+/// \mathrm{cumsum}(D)\f$: O(n + blocks). `prefix` and `difference` are workspaces of n + 1
+/// entries (kept by a caller that multiplies often: a fresh vector of n doubles costs its page
+/// faults, several times the arithmetic for large n).
 template <class ForEachBlock>
 void block_sum_product(Index draws, const Eigen::Ref<const Eigen::VectorXd>& x,
-                       Eigen::Ref<Eigen::VectorXd> y, ForEachBlock&& for_each_block) {
+                       Eigen::Ref<Eigen::VectorXd> y, ForEachBlock&& for_each_block,
+                       Eigen::VectorXd& prefix, Eigen::VectorXd& difference) {
   const Index n = x.size();
-  Eigen::VectorXd prefix(n + 1);
+  prefix.resize(n + 1);
   prefix[0] = 0;
   for (Index i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + x[i];
-  Eigen::VectorXd difference = Eigen::VectorXd::Zero(n + 1);
+  difference.setZero(n + 1);
   for_each_block([&](Index b, Index e) {
     const double sum = prefix[e] - prefix[b];
     difference[b] += sum;
@@ -143,13 +147,17 @@ inline void mean_mask_product(const std::vector<Grid>& grids, Index first,
   detail::require_positions(x.size(), first, function);
   detail::require_grids(grids, function);
   const Index last = first + x.size();
-  detail::block_sum_product(static_cast<Index>(grids.size()), x, y, [&](auto&& visit) {
-    for (const Grid& grid : grids) {
-      detail::for_each_block(grid, first, last, [&](const Block& block) {
-        visit(block.begin - first, block.end - first);
-      });
-    }
-  });
+  Eigen::VectorXd prefix, difference;
+  detail::block_sum_product(
+      static_cast<Index>(grids.size()), x, y,
+      [&](auto&& visit) {
+        for (const Grid& grid : grids) {
+          detail::for_each_block(grid, first, last, [&](const Block& block) {
+            visit(block.begin - first, block.end - first);
+          });
+        }
+      },
+      prefix, difference);
 }
 
 namespace detail {
@@ -170,8 +178,9 @@ inline void validate_mask_error_operator(Index n, double slope, const std::vecto
 /// The symmetric operator \f$E = \hat K - K\f$ on positions `[first, first + n)`, with the
 /// interface of a Spectra matrix operation (`Scalar`, `rows()`, `cols()`, `perform_op`).
 /// The constructor finds every block of every draw once (grid_block) and keeps their ends, 4 bytes
-/// per block (about \f$4 n m s\f$ bytes for slope m and s draws when \f$m \le 1\f$), and one
-/// vector of n doubles; one product then costs O(n + blocks), at most O(n s).
+/// per block (about \f$4 n m s\f$ bytes for slope m and s draws when \f$m \le 1\f$), and three
+/// workspaces of n + 1 doubles; one product then costs O(n + blocks), at most O(n s), and
+/// allocates nothing. Not thread-safe: one operator per thread.
 class MaskErrorOperator {
  public:
   using Scalar = double;
@@ -182,6 +191,8 @@ class MaskErrorOperator {
       : n_(n), slope_(slope), draws_(static_cast<Index>(grids.size())) {
     detail::validate_mask_error_operator(n, slope, grids, first, "MaskErrorOperator");
     kernel_product_.resize(n);
+    prefix_.resize(n + 1);
+    difference_.resize(n + 1);
     for (const Grid& grid : grids) {
       detail::for_each_block(grid, first, first + n, [&](const Block& block) {
         ends_.push_back(static_cast<std::uint32_t>(block.end - first));
@@ -196,13 +207,16 @@ class MaskErrorOperator {
   void perform_op(const double* x_in, double* y_out) const {
     const Eigen::Map<const Eigen::VectorXd> x(x_in, n_);
     Eigen::Map<Eigen::VectorXd> y(y_out, n_);
-    detail::block_sum_product(draws_, x, y, [&](auto&& visit) {
-      Index begin = 0;  // every draw's last block ends at n
-      for (const std::uint32_t end : ends_) {
-        visit(begin, static_cast<Index>(end));
-        begin = static_cast<Index>(end) == n_ ? 0 : static_cast<Index>(end);
-      }
-    });
+    detail::block_sum_product(
+        draws_, x, y,
+        [&](auto&& visit) {
+          Index begin = 0;  // every draw's last block ends at n
+          for (const std::uint32_t end : ends_) {
+            visit(begin, static_cast<Index>(end));
+            begin = static_cast<Index>(end) == n_ ? 0 : static_cast<Index>(end);
+          }
+        },
+        prefix_, difference_);
     laplacian_product(slope_, x, kernel_product_);
     y -= kernel_product_;
   }
@@ -212,7 +226,7 @@ class MaskErrorOperator {
   double slope_;
   Index draws_;
   std::vector<std::uint32_t> ends_;  // block ends of every draw, offsets from first, in order
-  mutable Eigen::VectorXd kernel_product_;
+  mutable Eigen::VectorXd kernel_product_, prefix_, difference_;  // workspaces of the products
 };
 
 /// \f$\max_{ij}|E_{ij}|\f$, \f$E = \hat K - K\f$ on positions `[first, first + n)`, exactly,
@@ -278,21 +292,31 @@ inline double mask_max_error(Index n, double slope, const std::vector<Grid>& gri
 #ifdef PLSH_HAS_SPECTRA
 
 /// Settings of the Lanczos solver (Spectra::SymEigsSolver) behind the spectral norms.
+///
+/// Every spectral norm is the square root of the largest eigenvalue \f$\theta\f$ of a symmetric
+/// positive semidefinite square: \f$E^2\f$ for a symmetric E, \f$E^\top E\f$ or \f$EE^\top\f$
+/// otherwise. `tolerance` is the relative accuracy of the norm: the solver stops when the Ritz
+/// pair \f$(\theta, v)\f$ of the square has the residual \f$\|E^2 v - \theta v\| \le
+/// 2\,\mathrm{tolerance}\,\theta\f$ (Spectra's criterion with tol = 2 tolerance), so an
+/// eigenvalue of the square lies within \f$2\,\mathrm{tolerance}\,\theta\f$ of \f$\theta\f$ and a
+/// singular value of E within \f$\mathrm{tolerance}\sqrt\theta\f$ of \f$\sqrt\theta\f$ (to first
+/// order). As for any Krylov method, that it is the largest one is what the Krylov space saw.
 struct LanczosOptions {
   Index basis_size = 20;      ///< Lanczos basis (Spectra's ncv), at most n; memory n x basis.
   Index max_restarts = 1000;  ///< Spectra's maxit.
-  double tolerance = 1e-10;   ///< relative accuracy of the eigenvalue (Spectra's tol).
+  double tolerance = 1e-10;   ///< relative accuracy of the norm (see above).
   Index dense_below = 32;     ///< an operator with fewer rows is formed and solved densely.
 };
 
 /// A spectral norm and how the solver reached it (a status, not an exception, as in Spectra).
 /// `value` is the norm only when `converged` is true.
 struct SpectralNorm {
-  /// The norm when converged; otherwise the largest Ritz value in magnitude after the last
-  /// restart, a lower bound of the norm (a Rayleigh quotient); NaN when `finite` is false.
+  /// The norm when converged; otherwise the square root of the largest Ritz value of the square
+  /// after the last restart, a lower bound of the norm (a Rayleigh quotient); NaN when `finite`
+  /// is false.
   double value = 0;
   bool converged = false;  ///< whether the Lanczos solver met its tolerance.
-  Index products = 0;      ///< operator products used.
+  Index products = 0;      ///< operator products used (\f$Ex\f$ and \f$E^\top u\f$ alike).
   /// False when an operator product had a NaN or an infinite entry (a non-finite input, or
   /// overflow): the solver stopped there, `value` is NaN and `converged` false.
   bool finite = true;
@@ -300,9 +324,9 @@ struct SpectralNorm {
 
 namespace detail {
 
-/// Spectra's SymEigsSolver, with the Ritz value of largest magnitude readable when the solver
-/// stops before convergence (Spectra reports converged eigenvalues only). After compute() the
-/// Ritz values are sorted by the rule, largest magnitude first.
+/// Spectra's SymEigsSolver, with the largest Ritz value readable when the solver stops before
+/// convergence (Spectra reports converged eigenvalues only). After compute() with
+/// SortRule::LargestAlge the Ritz values are sorted largest first.
 template <class SymmetricOperator>
 class RitzSolver : public Spectra::SymEigsSolver<SymmetricOperator> {
  public:
@@ -332,7 +356,7 @@ inline void require_lanczos_size(Index n, const LanczosOptions& options, const c
 }
 
 /// Thrown by CheckedProducts on a product with a non-finite entry, to stop the solver at once;
-/// caught by symmetric_spectral_norm, never seen by a caller.
+/// caught by spectral_norm_or_nan, never seen by a caller.
 struct NonFiniteProduct {};
 
 /// A symmetric operator (Spectra's interface) whose products are counted and checked: a product
@@ -357,12 +381,82 @@ class CheckedProducts {
   mutable Index products_ = 0;
 };
 
-/// The largest |eigenvalue| of `op` (rows() >= 1, options checked): dense below
-/// `options.dense_below` rows, Lanczos otherwise. Throws NonFiniteProduct from `op`.
+/// \f$E^2\f$ of a symmetric operator E with Spectra's interface: two products of E per product.
 template <class SymmetricOperator>
-SpectralNorm spectral_norm_of_checked(CheckedProducts<SymmetricOperator>& op,
+class SquareOperator {
+ public:
+  using Scalar = double;
+  explicit SquareOperator(const SymmetricOperator& op) : op_(&op), middle_(op.rows()) {}
+  Index rows() const { return op_->rows(); }
+  Index cols() const { return op_->cols(); }
+  void perform_op(const double* x_in, double* y_out) const {
+    op_->perform_op(x_in, middle_.data());
+    op_->perform_op(middle_.data(), y_out);
+  }
+
+ private:
+  const SymmetricOperator* op_;
+  mutable Eigen::VectorXd middle_;
+};
+
+/// `op` divided by a positive number, with Spectra's interface.
+template <class SymmetricOperator>
+class ScaledOperator {
+ public:
+  using Scalar = double;
+  ScaledOperator(const SymmetricOperator& op, double divisor) : op_(&op), divisor_(divisor) {}
+  Index rows() const { return op_->rows(); }
+  Index cols() const { return op_->cols(); }
+  void perform_op(const double* x_in, double* y_out) const {
+    op_->perform_op(x_in, y_out);
+    Eigen::Map<Eigen::VectorXd>(y_out, rows()) /= divisor_;
+  }
+
+ private:
+  const SymmetricOperator* op_;
+  double divisor_;
+};
+
+/// \f$\sqrt{\theta}\f$ for the largest eigenvalue \f$\theta\f$ of a symmetric positive
+/// semidefinite operator G of n >= 3 rows (Spectra's interface): Lanczos for one eigenvalue,
+/// SortRule::LargestAlge, Spectra's tolerance 2 options.tolerance (LanczosOptions), from a start
+/// vector u of plsh's own generator. Spectra's thresholds are absolute (a Lanczos vector below
+/// \f$\epsilon\sqrt n\f$ counts as zero), so G is divided by \f$\|Gu\| \le \theta\f$ first: the
+/// square of an operator of rounding-sized entries would otherwise be lost below them. When
+/// \f$Gu = 0\f$, \f$(0, u)\f$ is a Ritz pair of residual 0 and the result is 0, converged.
+/// `products` is left 0 for the caller.
+template <class SemidefiniteOperator>
+SpectralNorm square_root_of_largest_eigenvalue(SemidefiniteOperator& op,
+                                               const LanczosOptions& options) {
+  const Index n = op.rows();
+  Eigen::VectorXd start(n), image(n);
+  for (Index i = 0; i < n; ++i) start[i] = open_unit(mix64(static_cast<std::uint64_t>(i))) - 0.5;
+  start.normalize();
+  op.perform_op(start.data(), image.data());
+  const double divisor = image.norm();
+  if (divisor == 0) return SpectralNorm{0, true, 0, true};
+  ScaledOperator<SemidefiniteOperator> scaled(op, divisor);
+  RitzSolver<ScaledOperator<SemidefiniteOperator>> solver(scaled, 1,
+                                                          std::min(options.basis_size, n));
+  solver.init(start.data());
+  solver.compute(Spectra::SortRule::LargestAlge, options.max_restarts, 2 * options.tolerance);
+  SpectralNorm result;
+  result.converged = solver.info() == Spectra::CompInfo::Successful;
+  const double largest = result.converged ? solver.eigenvalues()[0] : solver.largest_ritz_value();
+  result.value = std::sqrt(std::max(largest, 0.0) * divisor);  // max: a rounding below 0
+  return result;
+}
+
+/// The spectral norm of `op` (rows() >= 1, options checked): with `symmetric`, op is E and the
+/// norm is its largest \f$|\lambda|\f$; otherwise op is a Gram operator \f$E^\top E\f$ and the
+/// norm the square root of its largest eigenvalue. Dense below `options.dense_below` rows (the
+/// operator applied to the unit vectors), Lanczos on \f$E^2\f$ or on the Gram operator otherwise.
+/// `products` counts the products of `op`. Throws NonFiniteProduct from `op`.
+template <class SymmetricOperator>
+SpectralNorm spectral_norm_of_checked(CheckedProducts<SymmetricOperator>& op, bool symmetric,
                                       const LanczosOptions& options) {
   const Index n = op.rows();
+  SpectralNorm result;
   if (n < std::max<Index>(options.dense_below, 3)) {
     Eigen::MatrixXd dense(n, n);
     Eigen::VectorXd unit = Eigen::VectorXd::Zero(n);
@@ -372,26 +466,43 @@ SpectralNorm spectral_norm_of_checked(CheckedProducts<SymmetricOperator>& op,
       unit[j] = 0;
     }
     const Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd> solver(dense, Eigen::EigenvaluesOnly);
-    return SpectralNorm{solver.eigenvalues().cwiseAbs().maxCoeff(), true, op.products(), true};
+    result.value = symmetric ? solver.eigenvalues().cwiseAbs().maxCoeff()
+                             : std::sqrt(std::max(solver.eigenvalues().maxCoeff(), 0.0));
+    result.converged = true;
+  } else if (symmetric) {
+    SquareOperator<CheckedProducts<SymmetricOperator>> square(op);
+    result = square_root_of_largest_eigenvalue(square, options);
+  } else {
+    result = square_root_of_largest_eigenvalue(op, options);
   }
-  const Index basis = std::min(options.basis_size, n);
-  RitzSolver<CheckedProducts<SymmetricOperator>> solver(op, 1, basis);
-  solver.init();
-  solver.compute(Spectra::SortRule::LargestMagn, options.max_restarts, options.tolerance);
-  SpectralNorm result;
-  result.converged = solver.info() == Spectra::CompInfo::Successful;
   result.products = op.products();
-  result.value = std::abs(result.converged ? solver.eigenvalues()[0] : solver.largest_ritz_value());
   return result;
+}
+
+/// spectral_norm_of_checked over the products of `op`, checked; a non-finite product gives
+/// `{NaN, converged = false, products, finite = false}`.
+template <class SymmetricOperator>
+SpectralNorm spectral_norm_or_nan(SymmetricOperator op, bool symmetric,
+                                  const LanczosOptions& options) {
+  CheckedProducts<SymmetricOperator> checked(std::move(op));
+  try {
+    return spectral_norm_of_checked(checked, symmetric, options);
+  } catch (const NonFiniteProduct&) {
+    return SpectralNorm{std::numeric_limits<double>::quiet_NaN(), false, checked.products(), false};
+  }
 }
 
 }  // namespace detail
 
-/// The largest \f$|\lambda|\f$ of a symmetric operator with Spectra's interface (`Scalar` =
-/// double, `rows()`, `perform_op(const double*, double*) const`): Lanczos with
-/// `SortRule::LargestMagn`, one eigenvalue. Below `options.dense_below` rows the operator is
-/// applied to the unit vectors and the dense matrix solved exactly (Spectra needs n > 2). The
-/// operator is taken by value (Spectra keeps a reference to a mutable one).
+/// The largest \f$|\lambda|\f$ of a symmetric operator E with Spectra's interface (`Scalar` =
+/// double, `rows()`, `perform_op(const double*, double*) const`): the square root of the largest
+/// eigenvalue of \f$E^2\f$, by Lanczos (SortRule::LargestAlge, one eigenvalue) over two products
+/// of E per step; `tolerance` is the relative accuracy of the norm (LanczosOptions). The top of
+/// E's spectrum at \f$+\|E\|\f$ and at \f$-\|E\|\f$ is one end of \f$E^2\f$'s, where Lanczos for
+/// the largest magnitude of E restarts with filters that must favour both ends at once; and the
+/// relative gaps at that end double. Below `options.dense_below` rows the operator is applied to
+/// the unit vectors and the dense matrix solved exactly (Spectra needs n > 2). The operator is
+/// taken by value (Spectra keeps a reference to a mutable one).
 ///
 /// Every product is checked (O(n) each): the first with a NaN or an infinite entry stops the
 /// solver, and the result is `{NaN, converged = false, products, finite = false}`. No exception
@@ -405,12 +516,7 @@ SpectralNorm symmetric_spectral_norm(SymmetricOperator op, const LanczosOptions&
   const Index n = op.rows();
   detail::require(n >= 1 && op.cols() == n, function, "the operator must be square and non-empty");
   detail::require_lanczos_size(n, options, function);
-  detail::CheckedProducts<SymmetricOperator> checked(std::move(op));
-  try {
-    return detail::spectral_norm_of_checked(checked, options);
-  } catch (const detail::NonFiniteProduct&) {
-    return SpectralNorm{std::numeric_limits<double>::quiet_NaN(), false, checked.products(), false};
-  }
+  return detail::spectral_norm_or_nan(std::move(op), true, options);
 }
 
 namespace detail {
@@ -446,10 +552,10 @@ class GramOperator {
 /// The largest singular value \f$\|E\|_2\f$ of an operator with `rows()`, `cols()`,
 /// `product(x, y)` (\f$y = Ex\f$) and `transpose_product(u, y)` (\f$y = E^\top u\f$): the square
 /// root of the largest eigenvalue of \f$E^\top E\f$ (when cols() <= rows()) or \f$EE^\top\f$, by
-/// symmetric_spectral_norm. `products` counts Gram products (two operator products each). The
-/// squared singular value is found to the Lanczos tolerance, so the value to about half of it
-/// relatively. An operator with no rows or no columns has norm 0. A non-finite product gives
-/// `finite = false` and a NaN value, as in symmetric_spectral_norm.
+/// Lanczos (SortRule::LargestAlge, one eigenvalue); `tolerance` is the relative accuracy of the
+/// norm (LanczosOptions). `products` counts operator products, a product and a transpose product
+/// per Lanczos step. An operator with no rows or no columns has norm 0. A non-finite product
+/// gives `finite = false` and a NaN value, as in symmetric_spectral_norm.
 /// \throws std::invalid_argument for invalid options, negative sizes, or a dense matrix or
 /// Lanczos basis of min(rows(), cols()) rows that cannot be sized; before anything is allocated.
 template <class Operator>
@@ -460,15 +566,16 @@ SpectralNorm largest_singular_value(const Operator& op, const LanczosOptions& op
                   "the operator's sizes must be non-negative");
   detail::require_lanczos_size(std::min(op.rows(), op.cols()), options, function);
   if (op.rows() == 0 || op.cols() == 0) return SpectralNorm{0, true, 0, true};
-  SpectralNorm result =
-      symmetric_spectral_norm(detail::GramOperator<Operator>(op, op.cols() <= op.rows()), options);
-  result.value = std::sqrt(result.value);
+  SpectralNorm result = detail::spectral_norm_or_nan(
+      detail::GramOperator<Operator>(op, op.cols() <= op.rows()), false, options);
+  result.products *= 2;  // one Gram product is two operator products
   return result;
 }
 
-/// \f$\|\hat K - K\|_2\f$ on positions `[first, first + n)` by Lanczos over MaskErrorOperator:
-/// O(n s) per product, O(n x basis_size) memory. Equals mask_error(n, slope, grids).spectral for
-/// first = 0 to the Lanczos tolerance.
+/// \f$\|\hat K - K\|_2\f$ on positions `[first, first + n)`: symmetric_spectral_norm over
+/// MaskErrorOperator (Lanczos on \f$E^2\f$, two products per step), O(n s) per product,
+/// O(n x basis_size) memory. Equals mask_error(n, slope, grids).spectral for first = 0 to the
+/// Lanczos tolerance.
 /// \throws std::invalid_argument as MaskErrorOperator, for invalid options, and for a dense
 /// matrix or Lanczos basis that cannot be sized (the message names mask_spectral_error); all
 /// before anything is allocated.
