@@ -20,7 +20,7 @@
 #include <vector>
 
 #include <plsh/attention/online_softmax.hpp>
-#include <plsh/detail/bf16_scores.hpp>
+#include <plsh/detail/arch/avx512/bf16_scores.hpp>
 
 #if !defined(PLSH_FUSED_AVX512)
 #error "fused_avx512.cpp needs -mavx512f (tests/CMakeLists.txt)"

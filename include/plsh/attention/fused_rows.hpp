@@ -16,8 +16,8 @@
 /// instead (fused_row_by_row: each row's scores and weighted sum by matrix-vector products over
 /// its own keys), which spares the steep heads Eigen's packing. With bfloat16 storage and AVX-512
 /// BF16 (kBf16Scores), the scores come from the bfloat16 rows by `vdpbf16ps`
-/// (detail/bf16_scores.hpp). Either way a row's largest weight is \f$e^0 = 1\f$. Cost about
-/// \f$(\ln(s)/m + \text{tile})(d + d_v)\f$ per query, plus O(s) per block of the tile;
+/// (detail/arch/avx512/bf16_scores.hpp). Either way a row's largest weight is \f$e^0 = 1\f$. Cost
+/// about \f$(\ln(s)/m + \text{tile})(d + d_v)\f$ per query, plus O(s) per block of the tile;
 /// scratch O(tile) per thread.
 ///
 /// Storage: float, double, or Eigen::bfloat16 / Eigen::half computed in float
@@ -36,7 +36,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "../detail/bf16_scores.hpp"
+#include "../detail/arch/avx512/bf16_scores.hpp"
 #include "../detail/simd.hpp"
 #include "../detail/storage.hpp"
 #include "../sampler.hpp"

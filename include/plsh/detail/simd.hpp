@@ -10,7 +10,7 @@
 ///   detail/decode_simd.hpp, and with PLSH_FUSED_AVX512 the causal rows of steep heads
 ///   (attention/arch/avx512/causal_rows.hpp);
 /// - PLSH_DECODE_AVX512_BF16 (PLSH_DECODE_AVX512 and `__AVX512BF16__`): scores of bfloat16 rows by
-///   `vdpbf16ps` (detail/bf16_scores.hpp);
+///   `vdpbf16ps` (detail/arch/avx512/bf16_scores.hpp);
 /// - PLSH_CONVERT_AVX512_F16C (`__AVX512F__` and `__F16C__`): float to half conversion of 16
 ///   values at a time (detail/storage.hpp).
 /// Builds without them take the portable code, which the same tests check.

@@ -1,5 +1,5 @@
-#ifndef PLSH_DETAIL_BF16_SCORES_HPP
-#define PLSH_DETAIL_BF16_SCORES_HPP
+#ifndef PLSH_DETAIL_ARCH_AVX512_BF16_SCORES_HPP
+#define PLSH_DETAIL_ARCH_AVX512_BF16_SCORES_HPP
 
 /// \file bf16_scores.hpp
 /// The scores of a tile of the fused kernel on bfloat16 storage by `vdpbf16ps` (AVX-512 BF16),
@@ -23,7 +23,8 @@
 /// the query. Tested in tests/simd/fused_avx512.cpp against sums in double with a bound from
 /// their magnitudes, and through the whole kernel by tests/test_fused_half.cpp.
 
-#include "decode_simd.hpp"
+#include "../../decode_simd.hpp"
+#include "../../simd.hpp"
 
 #if defined(PLSH_DECODE_AVX512_BF16)
 
@@ -32,7 +33,7 @@
 #include <cstring>
 #include <type_traits>
 
-#include "storage.hpp"
+#include "../../storage.hpp"
 
 namespace plsh {
 namespace detail {
@@ -181,4 +182,4 @@ inline void bf16_scores(const std::uint32_t* query, Index rows, const std::uint3
 
 #endif  // PLSH_DECODE_AVX512_BF16
 
-#endif  // PLSH_DETAIL_BF16_SCORES_HPP
+#endif  // PLSH_DETAIL_ARCH_AVX512_BF16_SCORES_HPP
