@@ -17,6 +17,7 @@
 #include <plsh/detail/random.hpp>
 #include <plsh/tensor.hpp>
 
+#include "brute_force.hpp"
 #include "fill.hpp"
 
 namespace plsh_test {
@@ -110,16 +111,8 @@ struct Buffer {
 
   /// Number of storage elements outside the view that no longer hold kPadding.
   Index touched_padding() const {
-    std::vector<bool> inside(storage.size(), false);
-    for (Index t = 0; t < view.tokens; ++t)
-      for (Index h = 0; h < view.heads; ++h)
-        for (Index e = 0; e < view.dim; ++e)
-          inside[static_cast<std::size_t>(t * view.token_stride + h * view.head_stride + e)] = true;
-    Index touched = 0;
-    for (std::size_t i = 0; i < storage.size(); ++i) {
-      if (!inside[i] && !(storage[i] == kPadding)) ++touched;
-    }
-    return touched;
+    return ::touched_padding(view, storage.size(),
+                             [&](std::size_t i) { return !(storage[i] == kPadding); });
   }
 };
 

@@ -75,16 +75,9 @@ struct HalfBuffer {
 
   /// Elements outside the view that changed since construction.
   Index touched_padding() const {
-    std::vector<bool> inside(storage.size(), false);
-    for (Index t = 0; t < view.tokens; ++t)
-      for (Index h = 0; h < view.heads; ++h)
-        for (Index e = 0; e < view.dim; ++e)
-          inside[static_cast<std::size_t>(t * view.token_stride + h * view.head_stride + e)] = true;
-    Index touched = 0;
-    for (std::size_t i = 0; i < storage.size(); ++i) {
-      if (!inside[i] && std::memcmp(&storage[i], &initial[i], sizeof(Half)) != 0) ++touched;
-    }
-    return touched;
+    return ::touched_padding(view, storage.size(), [&](std::size_t i) {
+      return std::memcmp(&storage[i], &initial[i], sizeof(Half)) != 0;
+    });
   }
 };
 

@@ -18,6 +18,8 @@
 #include <plsh/partition.hpp>
 #include <plsh/sampler.hpp>
 
+#include "brute_force.hpp"
+
 namespace {
 
 using plsh::Block;
@@ -27,12 +29,6 @@ using plsh::Index;
 
 constexpr double kInfinity = std::numeric_limits<double>::infinity();
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
-
-bool same_bin(const Grid& grid, Index p, Index q) {
-  if (std::isinf(grid.pitch)) return true;
-  return std::floor((static_cast<double>(p) - grid.shift) / grid.pitch) ==
-         std::floor((static_cast<double>(q) - grid.shift) / grid.pitch);
-}
 
 /// The maximal run of positions of [first, last) that share the bin of `position`, found by
 /// walking outwards with the bin test.
