@@ -36,8 +36,8 @@
 ///
 /// Files: mpi/layout.hpp (chunks and the keys each reaches), mpi/agreement.hpp (what the ranks
 /// agree on before any message), mpi/halo.hpp (messages, gather and scatter of the halo); this
-/// header holds the entry points, each one run_with_halo (agree, reach, gather, kernel) but the
-/// ring of exact_alibi_attention.
+/// header holds the entry points. Those that gather a halo all run detail::run_with_halo (agree,
+/// reach, gather, kernel); exact_alibi_attention agrees the same way, then runs its ring.
 ///
 /// Tested with mpirun on 1, 2 and 4 ranks in tests/mpi/test_mpi.cpp against the single-process
 /// kernels: plsh_attention (both kernels), windowed_alibi_attention, exact_alibi_attention and
