@@ -6,8 +6,10 @@
 #   asan     preset "asan": build/asan, the unit tests with ASan and UBSan at -O1 with line
 #            tables only (the usual settings of a sanitizer build), compiled by clang++ (installed
 #            here; the default compiler when it cannot be had), ctest (the examples and the
-#            packaging tests, which build unsanitised consumer projects, and
-#            test_plsh_attention_avx512 run in the release phase only)
+#            packaging tests, which build unsanitised consumer projects, run in the release phase
+#            only). The release build compiles the unit tests for AVX-512 where the machine runs
+#            it (tests/CMakeLists.txt, PLSH_TEST_AVX512), the sanitizer build for the portable
+#            paths: each phase compiles every test once
 #   mpi      build/mpi (Release, PLSH_MPI=ON): only the MPI tests, example and benchmark, then
 #            ctest -L mpi (mpirun on 1, 2 and 4 ranks, the installed mpi component, the bytes
 #            acceptance); installs libopenmpi-dev and openmpi-bin, skipped with a message when

@@ -379,9 +379,9 @@ TEST_CASE("Fused causal rows of steep heads, whatever the blocks: the passes ker
 
 TEST_CASE("Fused matches the reference on both sides of the row-by-row width", "[plsh]") {
   // Tiles whose union holds at most kRowByRowKeys keys take fused_row_by_row (a product per
-  // row), wider ones the blocked products and online softmax (in test_plsh_attention_avx512 both
-  // take the latter, kVectorWalk). Slopes 1/5 .. 1/48 give unions on both sides; the test counts
-  // the tiles of each kind (as the kernel tiles the rows) to be sure.
+  // row), wider ones the blocked products and online softmax (in the AVX-512 build of the tests
+  // both take the latter, kVectorWalk). Slopes 1/5 .. 1/48 give unions on both sides; the test
+  // counts the tiles of each kind (as the kernel tiles the rows) to be sure.
   const std::vector<double> slopes = {1.0 / 5, 1.0 / 9, 1.0 / 30, 1.0 / 48};
   const Index n = 200;
   for (const bool causal : {true, false}) {
@@ -420,7 +420,7 @@ TEST_CASE("Fused matches the reference on both sides of the row-by-row width", "
 }
 
 TEST_CASE("Fused matches the reference for value widths around the vector blocks", "[plsh]") {
-  // The AVX-512 build (test_plsh_attention_avx512) computes a wide tile's weights and weighted
+  // The AVX-512 build of the tests computes a wide tile's weights and weighted
   // sum of values by register blocks (online_softmax.hpp: rows by 6, value columns by 64, keys
   // by 16 with masked tails); the default build by Eigen. Widths 1, 15, 64, 70 and 130 leave
   // every kind of tail, 100 rows tiles of 64 and 36 rows, a union wider than one key chunk

@@ -70,8 +70,8 @@ std::uint64_t measured_halo(const plsh::mpi::ChunkLayout& layout,
   // Every token of the chunk is the same row: the bytes do not depend on the values.
   const plsh::HeadsView<const float> chunk{row.data(), layout.chunk(rank).size(), kHeads, kDim, 0,
                                            kDim};
-  const plsh::mpi::detail::CallComm call(comm);
-  return plsh::mpi::detail::gather_keys(call, layout, reachable, chunk, chunk, false)
+  const plsh::detail::CallComm call(comm);
+  return plsh::detail::gather_keys(call, layout, reachable, chunk, chunk, false)
       .counts.bytes_received;
 }
 
@@ -83,7 +83,7 @@ int bytes(int first, int last, MPI_Comm comm) {
   const std::vector<double> slopes = plsh::alibi_slopes(kHeads);
   plsh::PlshOptions options;  // causal, s = 20, seed 0
   const auto grids = plsh::draw_head_grids(slopes, options.samples, options.seed);
-  const Index window = plsh::mpi::detail::widest_window(slopes, 1e-6);
+  const Index window = plsh::detail::widest_window(slopes, 1e-6);
   const std::uint64_t row_bytes = 2 * kHeads * kDim * sizeof(float);
   // A causal halo is at most one block of a draw: ceil(pitch) positions, whatever n.
   double widest_block = 0;
@@ -106,14 +106,12 @@ int bytes(int first, int last, MPI_Comm comm) {
     const Index n = Index(1) << log2;
     const plsh::mpi::ChunkLayout layout(plsh::mpi::even_chunk_sizes(n, ranks));
     const Totals plsh_bytes = over_ranks(
-        measured_halo(layout, plsh::mpi::detail::plsh_reachable_keys(layout, grids, options), comm),
+        measured_halo(layout, plsh::detail::plsh_reachable_keys(layout, grids, options), comm),
         comm);
     const Totals window_bytes = over_ranks(
-        measured_halo(layout, plsh::mpi::detail::windowed_reachable_keys(layout, window, options),
-                      comm),
+        measured_halo(layout, plsh::detail::windowed_reachable_keys(layout, window, options), comm),
         comm);
-    const Totals ring_bytes =
-        over_ranks(plsh::mpi::detail::ring_bytes(layout, rank, row_bytes), comm);
+    const Totals ring_bytes = over_ranks(plsh::detail::ring_bytes(layout, rank, row_bytes), comm);
     if (rank == 0) {
       std::printf("%9lld %12.0f %12.0f %12.0f %12.0f %14.0f %14.0f %10.1f\n",
                   static_cast<long long>(n), plsh_bytes.largest, plsh_bytes.mean,

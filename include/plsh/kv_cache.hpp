@@ -148,16 +148,14 @@ class KvCache {
     check_append(function, k, v);
     check_query(function, q, out);
     detail::require(q.tokens == k.tokens, function, "q.tokens must equal k.tokens");
-    detail::require_injective(out, function, "out");
-    detail::require(!detail::views_overlap(out, q), function, "out overlaps q");
-    detail::require(!detail::views_overlap(out, k), function, "out overlaps k");
-    detail::require(!detail::views_overlap(out, v), function, "out overlaps v");
     // The whole buffers: the appended rows land in them (or in new ones, which out cannot
     // overlap).
-    detail::require(!detail::views_overlap(out, buffer_.key_buffer()), function,
-                    "out overlaps the cache's keys");
-    detail::require(!detail::views_overlap(out, buffer_.value_buffer()), function,
-                    "out overlaps the cache's values");
+    const HeadsView<const Scalar> inputs[] = {q, k, v, buffer_.key_buffer(),
+                                              buffer_.value_buffer()};
+    const char* const input_names[] = {"q", "k", "v", "the cache's keys", "the cache's values"};
+    const HeadsView<Scalar> outputs[] = {out};
+    const char* const output_names[] = {"out"};
+    detail::require_separate(function, inputs, input_names, outputs, output_names);
     if (k.tokens == 0) return;
     if (q.tokens != 1) {
       append_checked(k, v);

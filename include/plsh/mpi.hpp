@@ -108,9 +108,6 @@ inline std::vector<Block> plsh_reach(const mpi::ChunkLayout& layout,
 
 namespace mpi {
 
-// The internals are plsh::detail's; bench/mpi/mpi_bench.cpp still names them plsh::mpi::detail.
-namespace detail = plsh::detail;
-
 /// Rows of this rank's chunk of plsh_attention over the whole sequence.
 ///
 /// \param comm the ranks that hold the sequence, rank r the r-th chunk (sizes may differ, 0

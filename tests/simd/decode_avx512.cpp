@@ -1,7 +1,7 @@
 // Tests of detail/decode_simd.hpp, the AVX-512 products of KvCache's single-query path. This file
-// is compiled only into test_kv_cache_avx512 (tests/CMakeLists.txt), with the AVX-512 flags, next
-// to test_kv_cache.cpp and test_kv_cache_decode.cpp, whose KvCache tests then run through these
-// products.
+// is compiled into test_simd where the unit tests are built for AVX-512 (tests/CMakeLists.txt,
+// PLSH_TEST_AVX512); in that build the KvCache tests (test_kv_cache*.cpp) run through these
+// products too.
 //
 // Each product is compared with its definition summed in double, over every count of keys from 1
 // to past two blocks of 16, and sizes that leave every kind of tail (1, 15, 16, 17, 31, 32, 33, 64

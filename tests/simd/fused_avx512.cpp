@@ -1,6 +1,7 @@
 // Tests of the AVX-512 pieces of the fused kernel's walk (attention/online_softmax.hpp). This file
-// is compiled only into test_plsh_attention_avx512 (tests/CMakeLists.txt), with the AVX-512 flags,
-// next to test_plsh_attention.cpp and test_nonfinite.cpp, which run the whole kernel through them.
+// is compiled into test_simd where the unit tests are built for AVX-512 (tests/CMakeLists.txt,
+// PLSH_TEST_AVX512); in that build test_plsh_attention.cpp and test_nonfinite.cpp run the whole
+// kernel through these pieces.
 //
 // LogCountLookup must return the table's entries exactly through either of its branches (permute
 // for s < 32, gather beyond).

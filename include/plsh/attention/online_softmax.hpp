@@ -31,9 +31,8 @@
 /// beyond rounding.
 ///
 /// Tested in tests/test_online_softmax.cpp and, for non-finite inputs through every kernel, in
-/// tests/test_nonfinite.cpp; the AVX-512 paths through the fused kernel in
-/// test_plsh_attention_avx512 (tests/test_plsh_attention.cpp, tests/test_nonfinite.cpp and
-/// tests/simd/fused_avx512.cpp compiled for AVX-512).
+/// tests/test_nonfinite.cpp; the AVX-512 paths through the fused kernel by the same tests and
+/// tests/simd/fused_avx512.cpp compiled for AVX-512 (tests/CMakeLists.txt, PLSH_TEST_AVX512).
 
 #include <Eigen/Core>
 #include <algorithm>

@@ -27,7 +27,7 @@
 /// kernel's causal rows of steep heads (attention/plsh_attention.hpp, detail::fused_causal_rows).
 ///
 /// Rows are `stride` entries apart; every size is allowed (tails by masked loads, which do not
-/// touch memory past the last row). Tested in tests/simd/decode_avx512.cpp (test_kv_cache_avx512)
+/// touch memory past the last row). Tested in tests/simd/decode_avx512.cpp (test_simd)
 /// against sums and exponentials in double, for every size from 1 to past two vectors, where the
 /// build machine has these instructions.
 
@@ -38,14 +38,7 @@
 
 #include "../tensor.hpp"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define PLSH_DECODE_AVX512 1
-#include <immintrin.h>
-#endif
-
-#if defined(PLSH_DECODE_AVX512) && defined(__AVX512BF16__)
-#define PLSH_DECODE_AVX512_BF16 1
-#endif
+#include "simd.hpp"
 
 #if defined(PLSH_DECODE_AVX512)
 
