@@ -132,7 +132,7 @@ class RowCountLogFactor {
     for (Index j = 0; j < keys; ++j) {
       count += difference[static_cast<std::size_t>(j)];
       log_factor_[static_cast<std::size_t>(j)] =
-          count > 0 ? std::log(static_cast<double>(count) / s) : reference::internal::kMasked;
+          count > 0 ? std::log(static_cast<double>(count) / s) : detail::kMasked;
     }
   }
 
@@ -144,14 +144,14 @@ class RowCountLogFactor {
 
 /// Row i of the attention matrix of `log_factor` (a function `(h, p_i, p_j)` as in
 /// reference::factor_attention) as a dense vector of n_k entries, zero where a key is not visible:
-/// the softmax of reference::internal::row_probabilities.
+/// the softmax of detail::row_probabilities.
 template <class LogFactor>
 void attention_row(const Eigen::MatrixXd& q_head, const Eigen::MatrixXd& k_head, Index i,
                    double scale, const AttentionOptions& options, LogFactor& log_factor,
                    std::vector<Index>& visible, std::vector<double>& probabilities,
                    Eigen::VectorXd& row) {
-  reference::internal::row_probabilities(q_head, k_head, i, 0, scale, options, log_factor, visible,
-                                         probabilities);
+  detail::row_probabilities(q_head, k_head, i, 0, scale, options, log_factor, visible,
+                            probabilities);
   row.setZero(k_head.rows());
   for (std::size_t n = 0; n < visible.size(); ++n) row[visible[n]] = probabilities[n];
 }

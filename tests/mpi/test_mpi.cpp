@@ -191,9 +191,8 @@ TEMPLATE_TEST_CASE("plsh::mpi::plsh_attention equals plsh_attention over the who
           problem.v.in().slice(chunk.begin, chunk.size()), mine.view, slopes, options);
       check_rows<Scalar>(mine.in(), whole.in(), chunk, single_call(options));
       CHECK(mine.touched_padding() == 0);
-      CHECK(counts.bytes_received ==
-            plsh::detail::halo_bytes(layout, reachable, world_rank(),
-                                          row_bytes(shape, sizeof(Scalar))));
+      CHECK(counts.bytes_received == plsh::detail::halo_bytes(layout, reachable, world_rank(),
+                                                              row_bytes(shape, sizeof(Scalar))));
     }
   });
 }
@@ -219,9 +218,8 @@ TEMPLATE_TEST_CASE("plsh::mpi::windowed_alibi_attention equals windowed_alibi_at
       check_rows<Scalar>(mine.in(), whole.in(), chunk, single_call(options));
       const auto reachable = plsh::detail::windowed_reachable_keys(
           layout, plsh::detail::widest_window(slopes, tolerance), options);
-      CHECK(counts.bytes_received ==
-            plsh::detail::halo_bytes(layout, reachable, world_rank(),
-                                          row_bytes(shape, sizeof(Scalar))));
+      CHECK(counts.bytes_received == plsh::detail::halo_bytes(layout, reachable, world_rank(),
+                                                              row_bytes(shape, sizeof(Scalar))));
     }
   });
 }
@@ -286,14 +284,13 @@ TEMPLATE_TEST_CASE("plsh::mpi::plsh_attention_backward equals plsh_attention_bac
     // The halo arrives once and its gradients go back: as many bytes sent back as received.
     const auto reachable = plsh::detail::plsh_reachable_keys(
         layout, plsh::draw_head_grids(slopes, options.samples, options.seed), options);
-    const std::uint64_t halo = plsh::detail::halo_bytes(layout, reachable, world_rank(),
-                                                             row_bytes(shape, sizeof(Scalar)));
+    const std::uint64_t halo =
+        plsh::detail::halo_bytes(layout, reachable, world_rank(), row_bytes(shape, sizeof(Scalar)));
     CHECK(counts.bytes_received - halo == [&] {
       std::uint64_t returned = 0;
       for (int r = 0; r < layout.ranks(); ++r) {
         if (r == world_rank()) continue;
-        const Block rows =
-            plsh::detail::intersect(chunk, reachable[static_cast<std::size_t>(r)]);
+        const Block rows = plsh::detail::intersect(chunk, reachable[static_cast<std::size_t>(r)]);
         returned += static_cast<std::uint64_t>(rows.size()) * row_bytes(shape, sizeof(Scalar));
       }
       return returned;
@@ -323,9 +320,9 @@ TEST_CASE("plsh::mpi kernels draw their halo with the options' sampling", "[mpi]
     check_rows<double>(mine.in(), whole.in(), chunk, single_call(options));
     CHECK(counts.bytes_received ==
           plsh::detail::halo_bytes(layout,
-                                        plsh::detail::plsh_reachable_keys(
-                                            layout, plsh::kernel_grids(slopes, options), options),
-                                        world_rank(), row_bytes(shape, sizeof(double))));
+                                   plsh::detail::plsh_reachable_keys(
+                                       layout, plsh::kernel_grids(slopes, options), options),
+                                   world_rank(), row_bytes(shape, sizeof(double))));
     Buffer<double> dout = problem.output();
     dout.fill_random(plsh::detail::mix64(5));
     Buffer<double> dq(shape.n_q, shape.heads, shape.dim);

@@ -69,11 +69,6 @@ void row_probabilities(const Eigen::MatrixXd& q_head, const Eigen::MatrixXd& k_h
 }  // namespace detail
 
 namespace reference {
-// attention_error.hpp still names the helpers above reference::internal::.
-namespace internal {
-using detail::kMasked;
-using detail::row_probabilities;
-}  // namespace internal
 
 /// The general form: `log_factor(h, p_i, p_j)` is \f$\log F_{ij}\f$ for query head h,
 /// \f$-\infty\f$ for a masked key.
@@ -92,7 +87,7 @@ void factor_attention(const HeadsView<const Scalar>& q, const HeadsView<const Sc
     const Eigen::MatrixXd v_head = v.head(h / group).template cast<double>();
     for (Index i = 0; i < q.tokens; ++i) {
       detail::row_probabilities(q_head, k_head, i, h, scale, options, log_factor, visible,
-                                  probabilities);
+                                probabilities);
       Eigen::RowVectorXd sum = Eigen::RowVectorXd::Zero(v.dim);
       for (std::size_t n = 0; n < visible.size(); ++n) {
         sum += probabilities[n] * v_head.row(visible[n]);
@@ -166,8 +161,7 @@ inline auto mean_mask_log_factor(const std::vector<std::vector<Grid>>& grids) {
     for (const Grid& grid : head_grids) {
       if (detail::same_bin(grid, i, j)) shared += 1;
     }
-    return shared > 0 ? std::log(shared / static_cast<double>(head_grids.size()))
-                      : detail::kMasked;
+    return shared > 0 ? std::log(shared / static_cast<double>(head_grids.size())) : detail::kMasked;
   };
 }
 
@@ -246,7 +240,7 @@ void factor_attention_backward(const HeadsView<const Scalar>& q, const HeadsView
       Eigen::MatrixXd dq_head = Eigen::MatrixXd::Zero(q.tokens, q.dim);
       for (Index i = 0; i < q.tokens; ++i) {
         detail::row_probabilities(q_head, k_head, i, h, scale, options, log_factor, visible,
-                                    probabilities);
+                                  probabilities);
         Eigen::RowVectorXd out_row = Eigen::RowVectorXd::Zero(v.dim);
         for (std::size_t n = 0; n < visible.size(); ++n) {
           out_row += probabilities[n] * v_head.row(visible[n]);
