@@ -72,7 +72,7 @@ CONFIGS = [
     (plsh_config(100), (1, 2)),
     (plsh_config(5, "latin_hypercube"), (1, 2)),
     (plsh_config(20, "latin_hypercube"), (1, 2)),
-    (plsh_config(100, "latin_hypercube"), (1, 2)),
+    (plsh_config(100, "latin_hypercube"), (1, 2, 3)),
     (plsh_config(5, samples_final=100), (1, 2)),
     (plsh_config(20, near=0.05), (1, 2)),
     (plsh_config(20, "latin_hypercube", near=0.05), (1, 2)),
@@ -80,6 +80,8 @@ CONFIGS = [
     (plsh_config(100, "latin_hypercube", near=0.05), (1, 2)),
     (baseline("alibi", "exact ALiBi", length=512), (1, 2)),
     (plsh_config(100, length=512), (1, 2)),
+    (plsh_config(100, "latin_hypercube", length=512), (1, 2)),
+    (plsh_config(20, length=512), (1,)),
 ]
 LABELS = {name: label for (name, _, label), _ in CONFIGS}
 LABELS["plsh"] = "Positional LSH"  # evaluation method names in the result files
