@@ -33,6 +33,30 @@ Problem<double> head_problem(Index n_q, Index n_k, std::uint64_t seed) {
   return Problem<double>(Shape{n_q, n_k, 1, 1, 8, 3}, seed);
 }
 
+/// The slope and grids of the NaN cases (nan_problem, unseen_nan_problem).
+constexpr double kNanSlope = 1.0 / 8;
+std::vector<Grid> nan_grids() { return plsh::RandomBinning(kNanSlope, 5).draw(10); }
+
+/// A 40 x 40 head problem with a NaN in q (or k) at token 17, element 3: visible scores use it.
+Problem<double> nan_problem(bool in_query) {
+  Problem<double> problem = head_problem(40, 40, 23);
+  (in_query ? problem.q : problem.k).view.data[17 * 8 + 3] =
+      std::numeric_limits<double>::quiet_NaN();
+  return problem;
+}
+
+/// `clean`, 40 queries and 50 keys, and `problem`, the same with a NaN in key 45: causal, no query
+/// sees it.
+struct UnseenNan {
+  Problem<double> clean = head_problem(40, 50, 29);
+  Problem<double> problem = clean;
+  plsh::AttentionOptions options;
+  UnseenNan() {
+    problem.k.view.data[45 * 8 + 1] = std::numeric_limits<double>::quiet_NaN();
+    options.causal = true;
+  }
+};
+
 Eigen::VectorXd test_vector(Index n, std::uint64_t seed) {
   const std::vector<double> values =
       plsh_test::uniform_values<double>(static_cast<std::size_t>(n), seed);
@@ -279,13 +303,11 @@ TEST_CASE("a NaN in q or k gives NaN norms, not an exception", "[attention_error
   // The contract of attention_error.hpp: a NaN that a visible score uses makes rows of both
   // attention matrices NaN (online_softmax.hpp); every norm is then NaN and the spectral status
   // says so. A NaN that no visible score uses changes nothing.
-  const double nan = std::numeric_limits<double>::quiet_NaN();
-  const double slope = 1.0 / 8;
-  const std::vector<Grid> grids = plsh::RandomBinning(slope, 5).draw(10);
+  const double slope = kNanSlope;
+  const std::vector<Grid> grids = nan_grids();
   for (const bool in_query : {true, false}) {
     INFO((in_query ? "NaN in q" : "NaN in k"));
-    Problem<double> problem = head_problem(40, 40, 23);
-    (in_query ? problem.q : problem.k).view.data[17 * 8 + 3] = nan;
+    const Problem<double> problem = nan_problem(in_query);
     const plsh::AttentionError dense =
         plsh::dense_attention_error<double>(problem.q.view, problem.k.view, slope, grids);
     CHECK(std::isnan(dense.spectral));
@@ -297,13 +319,11 @@ TEST_CASE("a NaN in q or k gives NaN norms, not an exception", "[attention_error
     CHECK(std::isnan(rows.frobenius));
   }
   {
-    // Causal, keys 40..49 after the last query: a NaN in key 45 is never seen.
     INFO("NaN in a key no query sees");
-    const Problem<double> clean = head_problem(40, 50, 29);
-    Problem<double> problem = clean;
-    problem.k.view.data[45 * 8 + 1] = nan;
-    plsh::AttentionOptions options;
-    options.causal = true;
+    const UnseenNan unseen;
+    const Problem<double>& clean = unseen.clean;
+    const Problem<double>& problem = unseen.problem;
+    const plsh::AttentionOptions& options = unseen.options;
     const plsh::AttentionError expected =
         plsh::dense_attention_error<double>(clean.q.view, clean.k.view, slope, grids, options);
     const plsh::AttentionError dense =
@@ -348,13 +368,11 @@ TEST_CASE("the spectral attention error checks sizes and options before it alloc
 TEST_CASE("a NaN in q or k gives a NaN spectral norm and a status, not an exception",
           "[attention_error][spectra]") {
   // The spectral part of "a NaN in q or k gives NaN norms, not an exception".
-  const double nan = std::numeric_limits<double>::quiet_NaN();
-  const double slope = 1.0 / 8;
-  const std::vector<Grid> grids = plsh::RandomBinning(slope, 5).draw(10);
+  const double slope = kNanSlope;
+  const std::vector<Grid> grids = nan_grids();
   for (const bool in_query : {true, false}) {
     INFO((in_query ? "NaN in q" : "NaN in k"));
-    Problem<double> problem = head_problem(40, 40, 23);
-    (in_query ? problem.q : problem.k).view.data[17 * 8 + 3] = nan;
+    const Problem<double> problem = nan_problem(in_query);
     plsh::SpectralNorm spectral;
     REQUIRE_NOTHROW(spectral = plsh::attention_spectral_error<double>(
                         problem.q.view, problem.k.view, slope, grids));
@@ -371,13 +389,11 @@ TEST_CASE("a NaN in q or k gives a NaN spectral norm and a status, not an except
     CHECK(std::isnan(norms.frobenius));
   }
   {
-    // Causal, keys 40..49 after the last query: a NaN in key 45 is never seen.
     INFO("NaN in a key no query sees");
-    const Problem<double> clean = head_problem(40, 50, 29);
-    Problem<double> problem = clean;
-    problem.k.view.data[45 * 8 + 1] = nan;
-    plsh::AttentionOptions options;
-    options.causal = true;
+    const UnseenNan unseen;
+    const Problem<double>& clean = unseen.clean;
+    const Problem<double>& problem = unseen.problem;
+    const plsh::AttentionOptions& options = unseen.options;
     const plsh::AttentionError expected =
         plsh::dense_attention_error<double>(clean.q.view, clean.k.view, slope, grids, options);
     const plsh::AttentionErrorNorms norms =
