@@ -159,9 +159,9 @@ class DenseNearField(nn.Module):
     the estimator for the training study, O(T^2) per head): fresh partitions at every training
     forward (seed + t), fixed ones (seed) in eval mode, as plsh.torch.AlibiAttention."""
 
-    def __init__(self, pt, slopes, samples, seed, sampling, near_factor):
+    def __init__(self, slopes, samples, seed, sampling, near_factor):
         super().__init__()
-        self.pt, self.slopes, self.samples, self.seed = pt, slopes, samples, seed
+        self.slopes, self.samples, self.seed = slopes, samples, seed
         self.sampling, self.near_factor = sampling, near_factor
         self.training_forwards = 0
 
@@ -214,8 +214,7 @@ class Attention(nn.Module):
             # seed base + t, and these ranges never overlap.
             base = (run_seed * 64 + layer) * 10_000_000
             if near_factor > 0:
-                self.plsh_module = DenseNearField(pt, self.slopes, samples, base, sampling,
-                                                  near_factor)
+                self.plsh_module = DenseNearField(self.slopes, samples, base, sampling, near_factor)
             else:
                 self.plsh_module = pt.AlibiAttention(heads, method="plsh", samples=samples,
                                                      seed=base, sampling=sampling)
