@@ -149,11 +149,28 @@ double causal_span_entries(Index length, Index window) {
   return entries;
 }
 
-/// Exact (window = detail::kNoWindow) or windowed ALiBi: one causal span per head.
-double alibi_entries(Index n, const std::vector<double>& slopes, double tolerance) {
+/// Exact ALiBi: one causal span per head.
+double alibi_entries(Index n, const std::vector<double>& slopes) {
+  return static_cast<double>(slopes.size()) * causal_span_entries(n, plsh::detail::kNoWindow);
+}
+
+/// Windowed ALiBi at kWindowTolerance, causal, on these inputs: its windows depend on the data, so
+/// the key rows each query tile kept are counted from the kernel's own certificate (one more run
+/// of the kernel, without output), the masked part of the diagonal tile included.
+double windowed_entries(const plsh::HeadsView<const float>& q,
+                        const plsh::HeadsView<const float>& k,
+                        const plsh::HeadsView<const float>& v) {
+  std::vector<plsh::Block> kept;
+  plsh::AttentionOptions options;  // causal
+  plsh::detail::batched_windowed_alibi_attention<float>(
+      plsh::detail::batch_of_one(q), plsh::detail::batch_of_one(k), plsh::detail::batch_of_one(v),
+      nullptr, plsh::alibi_slopes(q.heads), kWindowTolerance, options, {}, &kept);
+  const Index tiles = (q.tokens + plsh::detail::kQueryTile - 1) / plsh::detail::kQueryTile;
   double entries = 0;
-  for (const double slope : slopes) {
-    entries += causal_span_entries(n, plsh::detail::alibi_window(slope, tolerance));
+  for (std::size_t i = 0; i < kept.size(); ++i) {
+    const Index row_begin = static_cast<Index>(i) % tiles * plsh::detail::kQueryTile;
+    const Index rows = std::min(q.tokens - row_begin, plsh::detail::kQueryTile);
+    entries += static_cast<double>(rows) * static_cast<double>(kept[i].size());
   }
   return entries;
 }
@@ -225,9 +242,7 @@ double fused_entries(Index n, const std::vector<double>& slopes,
 
 double count_entries(const std::string& family, Index n, Index samples) {
   const std::vector<double> slopes = plsh::alibi_slopes(kHeads);
-  if (family == "regular") return alibi_entries(n, std::vector<double>(slopes.size(), 0.0), 0);
-  if (family == "exact") return alibi_entries(n, slopes, 0);
-  if (family == "windowed") return alibi_entries(n, slopes, kWindowTolerance);
+  if (family == "regular" || family == "exact") return alibi_entries(n, slopes);
   if (family == "fixed_blocks") {
     return pass_entries(n, std::vector<std::vector<plsh::Grid>>(
                                slopes.size(), {plsh::fixed_grid(kFixedBlockSize)}));
@@ -277,7 +292,9 @@ template <class Kernel>
 void attention_benchmark(benchmark::State& state, const std::string& family, Index n, Index samples,
                          Kernel kernel) {
   Problem& inputs = problem(n);
-  const double entries = cached_entries(family, n, samples);
+  const double entries = family == "windowed"
+                             ? windowed_entries(inputs.queries(), inputs.keys(), inputs.values())
+                             : cached_entries(family, n, samples);
   touch_pages(inputs.q, inputs.k, inputs.v, inputs.out);
   for (auto _ : state) {
     kernel(inputs);
@@ -476,7 +493,14 @@ double relative_error(const std::vector<A>& approximate, const std::vector<float
 template <class Storage, class Kernel>
 void long_benchmark(benchmark::State& state, const std::string& family, Index n, Kernel kernel) {
   StoredProblem<Storage>& inputs = long_problem<Storage>(n);
-  const double entries = cached_entries(family, n, kLongSamples);
+  double entries = 0;
+  if constexpr (std::is_same<Storage, float>::value) {
+    entries = family == "windowed"
+                  ? windowed_entries(inputs.queries(), inputs.keys(), inputs.values())
+                  : cached_entries(family, n, kLongSamples);
+  } else {
+    entries = cached_entries(family, n, kLongSamples);
+  }
   touch_pages(inputs.q, inputs.k, inputs.v, inputs.out);
   const bool reset = reset_peak_memory();
   for (auto _ : state) {

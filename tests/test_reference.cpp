@@ -21,6 +21,11 @@ using plsh_test::Buffer;
 using plsh_test::Problem;
 using plsh_test::Shape;
 
+/// A window of every key position: the windowed reference is then exact ALiBi.
+const auto every_key = [](Index, Index) {
+  return plsh::Block{-plsh::kMaxPosition, plsh::kMaxPosition + 1};
+};
+
 /// One query of one head against every key, causal, the query `distance` positions after the last
 /// key: every factor e^{-slope (distance + n_k - 1 - j)} underflows to 0 in double.
 struct FarQuery {
@@ -77,8 +82,8 @@ TEST_CASE("the dense references are exact when every ALiBi factor underflows", "
                                      out.view, far.slopes, far.options);
     Buffer<double> windowed = far.problem.output();
     plsh::reference::windowed_alibi_attention(far.problem.q.in(), far.problem.k.in(),
-                                              far.problem.v.in(), windowed.view, far.slopes, 0.0,
-                                              far.options);
+                                              far.problem.v.in(), windowed.view, far.slopes,
+                                              every_key, far.options);
     for (Index e = 0; e < 3; ++e) {
       INFO("output element " << e);
       CHECK(out.at(0, 0, e) ==
@@ -269,7 +274,7 @@ TEST_CASE("the ALiBi references keep the nearest keys when slope * distance over
   plsh::reference::alibi_attention(problem.q.in(), problem.k.in(), problem.v.in(), out.view, slopes,
                                    options);
   plsh::reference::windowed_alibi_attention(problem.q.in(), problem.k.in(), problem.v.in(),
-                                            windowed.view, slopes, 0.0, options);
+                                            windowed.view, slopes, every_key, options);
   for (Index i = 0; i < 2; ++i) {
     for (Index e = 0; e < 3; ++e) {
       REQUIRE(out.at(i, 0, e) == problem.v.at(keys - 1, 0, e));
@@ -289,13 +294,22 @@ TEST_CASE("the ALiBi references keep the nearest keys when slope * distance over
   }
 }
 
-TEST_CASE("the windowed reference keeps |p_i - p_j| <= floor(ln(1/tolerance)/m)", "[reference]") {
-  // Slope 1e-300, tolerance 1: the window is 0, although e^{-1e-300} rounds to 1 in double.
+TEST_CASE("the windowed reference sees exactly the keys of its window", "[reference]") {
+  // Bidirectional, row i's window is the single key at position i + 1 (none for the last row):
+  // its output is that key's value, or zero.
   Problem<double> problem(Shape{3, 3, 1, 1, 4, 3}, 19);
   Buffer<double> out = problem.output();
-  plsh::reference::windowed_alibi_attention(problem.q.in(), problem.k.in(), problem.v.in(),
-                                            out.view, std::vector<double>{1e-300}, 1.0);
+  plsh::AttentionOptions options;
+  options.causal = false;
+  plsh::reference::windowed_alibi_attention(
+      problem.q.in(), problem.k.in(), problem.v.in(), out.view, std::vector<double>{0.5},
+      [](Index, Index i) {
+        return plsh::Block{i + 1, i + 2};
+      },
+      options);
   for (Index i = 0; i < 3; ++i) {
-    for (Index e = 0; e < 3; ++e) REQUIRE(out.at(i, 0, e) == problem.v.at(i, 0, e));
+    for (Index e = 0; e < 3; ++e) {
+      REQUIRE(out.at(i, 0, e) == (i + 1 < 3 ? problem.v.at(i + 1, 0, e) : 0.0));
+    }
   }
 }

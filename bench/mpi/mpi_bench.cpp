@@ -6,10 +6,11 @@
 // bytes: for n = 2^log2_first .. 2^log2_last tokens split evenly over the P ranks, causal
 // attention with 8 heads (the standard ALiBi slopes, 1/2 .. 1/256), d = d_v = 64, float: the key
 // and value bytes every rank receives for Positional LSH (s = 20, seed 0), windowed ALiBi
-// (tolerance 1e-6) and ring exact ALiBi. Positional LSH and windowed are measured: the halo
-// exchange of plsh::mpi runs for real and the bytes are those of the completed messages (the
-// values do not matter, so every token of a chunk is the same row, token stride 0, and the rank's
-// own rows are not copied: only the halo takes memory).
+// (tolerance 1e-6; the certified window of entries of q and k in [-1, 1]) and ring exact ALiBi.
+// Positional LSH and windowed are measured: the halo exchange of plsh::mpi runs for real and the
+// bytes are those of the completed messages (the values do not matter, so every token of a chunk
+// is the same row, token stride 0, and the rank's own rows are not copied: only the halo takes
+// memory).
 // Ring exact is counted, (n - n_r) rows per rank (the ring's count, which tests/mpi checks
 // against its messages); moving 3 GB per rank to say so is not needed. Printed: the largest and
 // the mean over the ranks, and ring / PLSH. Exit status 1 when a PLSH count exceeds the bound
@@ -83,7 +84,11 @@ int bytes(int first, int last, MPI_Comm comm) {
   const std::vector<double> slopes = plsh::alibi_slopes(kHeads);
   plsh::PlshOptions options;  // causal, s = 20, seed 0
   const auto grids = plsh::draw_head_grids(slopes, options.samples, options.seed);
-  const Index window = plsh::detail::widest_window(slopes, 1e-6);
+  // The certified window for entries of q and k in [-1, 1]: norms at most sqrt(d), scale 1/sqrt(d).
+  const double norm = std::sqrt(static_cast<double>(kDim));
+  const Index window = plsh::detail::certified_window(
+      slopes, std::vector<double>(slopes.size(), norm / std::sqrt(static_cast<double>(kDim))),
+      std::vector<double>(slopes.size(), norm), 1e-6);
   const std::uint64_t row_bytes = 2 * kHeads * kDim * sizeof(float);
   // A causal halo is at most one block of a draw: ceil(pitch) positions, whatever n.
   double widest_block = 0;

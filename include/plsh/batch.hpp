@@ -125,7 +125,7 @@ void windowed_alibi_attention(const BatchedHeadsView<const detail::NonDeduced<Sc
                               const std::vector<double>& slopes, double tolerance = 1e-6,
                               const AttentionOptions& options = {}) {
   detail::run_forward_batch<Scalar>("windowed_alibi_attention", q, k, v, out, [&] {
-    detail::batched_windowed_alibi_attention<Scalar>(q, k, v, out, slopes, tolerance, options);
+    detail::batched_windowed_alibi_attention<Scalar>(q, k, v, &out, slopes, tolerance, options);
   });
 }
 
@@ -172,6 +172,25 @@ void exact_alibi_attention_backward(const BatchedHeadsView<const detail::NonDedu
                                        detail::batched_exact_alibi_attention_backward<Scalar>(
                                            q, k, v, out, dout, dq, dk, dv, slopes, options);
                                      });
+}
+
+/// windowed_alibi_attention_backward on every batch element (shapes as the batched
+/// exact_alibi_attention_backward).
+template <class Scalar>
+void windowed_alibi_attention_backward(
+    const BatchedHeadsView<const detail::NonDeduced<Scalar>>& q,
+    const BatchedHeadsView<const detail::NonDeduced<Scalar>>& k,
+    const BatchedHeadsView<const detail::NonDeduced<Scalar>>& v,
+    const BatchedHeadsView<const detail::NonDeduced<Scalar>>& out,
+    const BatchedHeadsView<const detail::NonDeduced<Scalar>>& dout,
+    const BatchedHeadsView<Scalar>& dq, const BatchedHeadsView<Scalar>& dk,
+    const BatchedHeadsView<Scalar>& dv, const std::vector<double>& slopes, double tolerance = 1e-6,
+    const AttentionOptions& options = {}) {
+  detail::run_backward_batch<Scalar>(
+      "windowed_alibi_attention_backward", q, k, v, out, dout, dq, dk, dv, [&] {
+        detail::batched_windowed_alibi_attention_backward<Scalar>(q, k, v, out, dout, dq, dk, dv,
+                                                                  slopes, tolerance, options);
+      });
 }
 
 /// plsh_attention_backward on every batch element (shapes as the batched

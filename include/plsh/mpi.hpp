@@ -10,8 +10,10 @@
 /// that rank's queries can reach. For queries at positions \f$[a, b)\f$ these are
 /// \f$[\min_{h,t} \mathrm{begin}_{h,t}(a),\; b)\f$ when causal, and up to
 /// \f$\max_{h,t} \mathrm{end}_{h,t}(b - 1)\f$ when bidirectional (the blocks of head h, draw t;
-/// the same bound KvCache evicts by); the windowed kernel reaches \f$W = \max_h
-/// \lfloor\ln(1/\text{tolerance})/m_h\rfloor\f$ positions either way. The keys and values of that
+/// the same bound KvCache evicts by); the windowed kernel reaches W positions beyond each query's
+/// nearest key, either way, where W makes its certificate hold for the ranks' largest query and
+/// key norms (one all-reduce; mpi/layout.hpp certified_window), and the keys beyond the halo
+/// enter each rank's certificate with the largest key norm. The keys and values of that
 /// interval that other ranks hold (the halo) come by point-to-point messages from their owners,
 /// however many ranks it spans; then the single-process kernel runs on the rank's queries against
 /// the gathered keys. The halo's width does not depend on n: for s = 20 draws of the flattest
@@ -73,7 +75,7 @@ namespace detail {
 
 /// The sequence of every entry point that gathers a halo, written once: agree on the layout
 /// (every rank runs `check` on its own arguments, then the ranks compare `signature`), check the
-/// positions of the whole sequence, find the key rows every rank reaches (`reach(layout)`),
+/// positions of the whole sequence, find the key rows every rank reaches (`reach(call, layout)`),
 /// gather this rank's from their owners, then run `kernel(call, layout, reachable, gathered,
 /// local)` with the options of this rank's queries and gathered keys. Returns the exchange's
 /// counts plus those `kernel` returns (the backward's scatter of gradients).
@@ -87,7 +89,7 @@ mpi::ExchangeCounts run_with_halo(MPI_Comm comm, const char* function,
   const CallComm call(comm);
   const mpi::ChunkLayout layout = agree_on_layout(call, function, q.tokens, signature, check);
   check_sequence(function, layout, options);
-  const std::vector<Block> reachable = reach(layout);
+  const std::vector<Block> reachable = reach(call, layout);
   GatheredKeys<Scalar> gathered = gather_keys(call, layout, reachable, k, v);
   const Options local =
       local_options(options, layout.chunk(call.rank()).begin, gathered.rows.begin);
@@ -136,7 +138,7 @@ ExchangeCounts plsh_attention(MPI_Comm comm, HeadsView<const detail::NonDeduced<
         detail::check_forward(function, q, k, v, out, slopes, options);
         detail::require_samples(options.samples, function, "options.samples");
       },
-      [&](const ChunkLayout& layout) {
+      [&](const auto&, const ChunkLayout& layout) {
         return detail::plsh_reach(layout, slopes, options, function);
       },
       [&](const auto&, const auto&, const auto&, const auto& gathered, const PlshOptions& local) {
@@ -157,6 +159,7 @@ ExchangeCounts windowed_alibi_attention(MPI_Comm comm,
                                         double tolerance = 1e-6,
                                         const AttentionOptions& options = {}) {
   const char* function = "plsh::mpi::windowed_alibi_attention";
+  std::vector<double> key_norms;  // the largest over the ranks, per key/value head
   detail::Signature signature =
       detail::attention_signature<Scalar>(q.heads, k.heads, q.dim, v.dim, slopes, options);
   signature.add_double(tolerance);
@@ -166,14 +169,23 @@ ExchangeCounts windowed_alibi_attention(MPI_Comm comm,
         detail::check_forward(function, q, k, v, out, slopes, options);
         detail::require(tolerance >= 0 && tolerance <= 1, function, "tolerance must lie in [0, 1]");
       },
-      [&](const ChunkLayout& layout) {
-        return detail::windowed_reachable_keys(layout, detail::widest_window(slopes, tolerance),
-                                               options);
+      [&](const detail::CallComm& call, const ChunkLayout& layout) {
+        key_norms = detail::agree_on_norms<Scalar>(call, k, 1.0);
+        const std::vector<double> query_norms = detail::agree_on_norms<Scalar>(
+            call, q, std::abs(detail::resolved_scale(options, q.dim)));
+        return detail::windowed_reachable_keys(
+            layout, detail::certified_window(slopes, query_norms, key_norms, tolerance), options);
       },
-      [&](const auto&, const auto&, const auto&, const auto& gathered,
+      [&](const auto&, const ChunkLayout& layout, const auto&, const auto& gathered,
           const AttentionOptions& local) {
-        plsh::windowed_alibi_attention<Scalar>(q, gathered.keys.view(), gathered.values.view(), out,
-                                               slopes, tolerance, local);
+        // The keys outside the halo enter the certificate with the largest key norm.
+        const detail::UnheldKeys unheld{gathered.rows.begin, layout.tokens() - gathered.rows.end,
+                                        key_norms};
+        const BatchedHeadsView<Scalar> batched_out = detail::batch_of_one(out);
+        detail::batched_windowed_alibi_attention<Scalar>(
+            detail::batch_of_one(q), detail::batch_of_one(gathered.keys.view()),
+            detail::batch_of_one(gathered.values.view()), &batched_out, slopes, tolerance, local,
+            unheld);
         return ExchangeCounts{};
       });
 }
@@ -298,7 +310,7 @@ ExchangeCounts plsh_attention_backward(MPI_Comm comm, HeadsView<const detail::No
         detail::validate_backward(function, q, k, v, out, dout, dq, dk, dv, options);
         detail::validate_slopes(function, slopes, q.heads);
       },
-      [&](const ChunkLayout& layout) {
+      [&](const auto&, const ChunkLayout& layout) {
         return detail::plsh_reach(layout, slopes, options, function);
       },
       [&](const detail::CallComm& call, const ChunkLayout& layout,

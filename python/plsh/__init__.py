@@ -32,6 +32,7 @@ from ._plsh import (
     plsh_attention,
     plsh_attention_backward,
     windowed_alibi_attention,
+    windowed_alibi_attention_backward,
 )
 
 __all__ = [
@@ -51,4 +52,5 @@ __all__ = [
     "plsh_attention",
     "plsh_attention_backward",
     "windowed_alibi_attention",
+    "windowed_alibi_attention_backward",
 ]

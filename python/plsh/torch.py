@@ -30,6 +30,7 @@ __all__ = [
     "exact_alibi_attention",
     "fixed_block_attention",
     "plsh_attention",
+    "windowed_alibi_attention",
 ]
 
 _DTYPES = (_torch.float32, _torch.float64, _torch.float16, _torch.bfloat16)
@@ -134,6 +135,7 @@ _EXACT_KERNELS = (_plsh.exact_alibi_attention, _plsh.exact_alibi_attention_backw
 # plsh_attention runs its default kernel, the fused one.
 _PLSH_KERNELS = (_plsh.plsh_attention, _plsh.plsh_attention_backward)
 _FIXED_BLOCK_KERNELS = (_plsh.fixed_block_attention, _plsh.fixed_block_attention_backward)
+_WINDOWED_KERNELS = (_plsh.windowed_alibi_attention, _plsh.windowed_alibi_attention_backward)
 
 
 def _attention_options(causal, scale, query_position, key_position):
@@ -156,6 +158,24 @@ def exact_alibi_attention(q, k, v, slopes=None, *, causal=True, scale=0.0, query
     slopes = _slopes(slopes)
     options = _attention_options(causal, scale, query_position, key_position)
     return _AttentionFunction.apply(q, k, v, _EXACT_KERNELS, slopes, options)
+
+
+def windowed_alibi_attention(q, k, v, slopes=None, *, tolerance=1e-6, causal=True, scale=0.0,
+                             query_position=0, key_position=0):
+    """Windowed ALiBi attention with autograd: exact ALiBi except for keys certified to weigh at
+    most ``tolerance``.
+
+    For every query row, the exact-ALiBi attention weight of all the keys the kernel drops is at
+    most ``tolerance``, so each output entry is within ``2 * tolerance * max|v|`` of
+    :func:`exact_alibi_attention`. The gradients are those of the function computed: exact ALiBi
+    over the keys each tile of 64 query rows kept. ``tolerance=0`` is exact ALiBi. Other arguments
+    and shapes as :func:`exact_alibi_attention`.
+    """
+    _check_inputs(q, k, v)
+    slopes = _slopes(slopes)
+    options = _attention_options(causal, scale, query_position, key_position)
+    options.update(tolerance=float(tolerance))
+    return _AttentionFunction.apply(q, k, v, _WINDOWED_KERNELS, slopes, options)
 
 
 def plsh_attention(q, k, v, slopes=None, *, causal=True, scale=0.0, query_position=0,
@@ -201,6 +221,8 @@ class AlibiAttention(_torch.nn.Module):
                    drawn as ``sampling`` says (``"independent"`` or ``"latin_hypercube"``, see
                    :func:`plsh_attention`).
       ``"exact"``  exact ALiBi.
+      ``"windowed"`` ALiBi without the keys certified to weigh at most ``tolerance`` (see
+                   :func:`windowed_alibi_attention`).
       ``"fixed"``  attention within fixed blocks of ``block_size`` positions.
       ``"none"``   plain causal softmax attention (every slope 0), no positional bias.
 
@@ -215,11 +237,11 @@ class AlibiAttention(_torch.nn.Module):
     slopes: one per head, default ``plsh.alibi_slopes(heads)``.
     """
 
-    METHODS = ("plsh", "exact", "fixed", "none")
+    METHODS = ("plsh", "exact", "windowed", "fixed", "none")
     SAMPLINGS = ("independent", "latin_hypercube")
 
     def __init__(self, heads, method="plsh", samples=20, block_size=64, seed=0, causal=True,
-                 slopes=None, sampling="independent"):
+                 slopes=None, sampling="independent", tolerance=1e-6):
         super().__init__()
         if method not in self.METHODS:
             raise ValueError(f"method must be one of {self.METHODS} (got {method!r})")
@@ -235,7 +257,11 @@ class AlibiAttention(_torch.nn.Module):
             raise ValueError(f"block_size must be at least 1 (got {block_size})")
         if not 0 <= seed < _SEED_LIMIT:
             raise ValueError(f"seed must lie in [0, 2**64 - 1] (got {seed})")
+        tolerance = float(tolerance)
+        if not 0 <= tolerance <= 1:
+            raise ValueError(f"tolerance must lie in [0, 1] (got {tolerance})")
         self.heads = heads
+        self.tolerance = tolerance
         self.method = method
         self.samples = samples
         self.block_size = block_size
@@ -252,7 +278,7 @@ class AlibiAttention(_torch.nn.Module):
     def extra_repr(self):
         return (f"heads={self.heads}, method={self.method!r}, samples={self.samples}, "
                 f"block_size={self.block_size}, seed={self.seed}, causal={self.causal}, "
-                f"sampling={self.sampling!r}")
+                f"sampling={self.sampling!r}, tolerance={self.tolerance}")
 
     def current_seed(self):
         """The seed the next forward uses."""
@@ -269,6 +295,9 @@ class AlibiAttention(_torch.nn.Module):
                                  seed=seed, sampling=self.sampling)
         elif self.method == "exact":
             out = exact_alibi_attention(q, k, v, self.slopes, causal=self.causal)
+        elif self.method == "windowed":
+            out = windowed_alibi_attention(q, k, v, self.slopes, tolerance=self.tolerance,
+                                           causal=self.causal)
         elif self.method == "none":
             out = exact_alibi_attention(q, k, v, [0.0] * self.heads, causal=self.causal)
         else:

@@ -1,6 +1,5 @@
 // The attention kernels: exact_alibi_attention, windowed_alibi_attention, plsh_attention and
-// fixed_block_attention, and their backward kernels exact_alibi_attention_backward,
-// plsh_attention_backward and fixed_block_attention_backward, each on the batched views of
+// fixed_block_attention, and their backward kernels, each on the batched views of
 // plsh/batch.hpp with the GIL released. Forward and backward share instantiations of plsh's
 // kernel code, so one translation unit compiles them faster than two.
 
@@ -132,6 +131,20 @@ py::tuple exact_alibi_attention_backward(const BackwardInputs& inputs, const Slo
                   });
 }
 
+py::tuple windowed_alibi_attention_backward(const BackwardInputs& inputs, const Slopes& slopes,
+                                            double tolerance, const AttentionArguments& attention,
+                                            const GradientArguments& gradients) {
+  const auto options = options_of(attention);
+  return backward(inputs, gradients,
+                  [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov,
+                      const auto& dov, const auto& dqv, const auto& dkv, const auto& dvv) {
+                    using Scalar = ScalarOf<decltype(dqv)>;
+                    plsh::windowed_alibi_attention_backward<Scalar>(
+                        qv, kv, vv, ov, dov, dqv, dkv, dvv, slopes_or_default(slopes, qv.heads),
+                        tolerance, options);
+                  });
+}
+
 py::tuple plsh_attention_backward(const BackwardInputs& inputs, const Slopes& slopes,
                                   const AttentionArguments& attention, const DrawArguments& draws,
                                   const GradientArguments& gradients) {
@@ -174,8 +187,10 @@ void bind_attention(py::module_& m) {
   def_function(m, "windowed_alibi_attention", &windowed_alibi_attention, Inputs::arguments(),
                "slopes"_a = none, "tolerance"_a = 1e-6, py::kw_only(),
                AttentionArguments::arguments(), OutputArguments::arguments(),
-               "ALiBi attention over the keys whose factor exp(-m |i - j|) is at least "
-               "`tolerance`.");
+               "ALiBi attention that drops only keys it certifies to weigh at most `tolerance`: "
+               "for every query row the exact-ALiBi weight of all its dropped keys is at most "
+               "`tolerance`, so each output entry is within 2 tolerance max|v| of exact ALiBi. "
+               "tolerance 0 is exact ALiBi.");
   def_function(m, "plsh_attention", &plsh_attention, Inputs::arguments(), "slopes"_a = none,
                py::kw_only(), AttentionArguments::arguments(), DrawArguments::arguments(),
                "kernel"_a = "fused", OutputArguments::arguments(),
@@ -194,6 +209,11 @@ void bind_attention(py::module_& m) {
                AttentionArguments::arguments(), GradientArguments::arguments(),
                "Gradients (dq, dk, dv) of exact ALiBi attention given its output `out` and the "
                "gradient `dout` of a loss with respect to it.");
+  def_function(m, "windowed_alibi_attention_backward", &windowed_alibi_attention_backward,
+               BackwardInputs::arguments(), "slopes"_a = none, "tolerance"_a = 1e-6, py::kw_only(),
+               AttentionArguments::arguments(), GradientArguments::arguments(),
+               "Gradients (dq, dk, dv) of windowed_alibi_attention as computed: exact ALiBi over "
+               "the keys each query tile kept (the forward's certificate, evaluated again).");
   def_function(m, "plsh_attention_backward", &plsh_attention_backward, BackwardInputs::arguments(),
                "slopes"_a = none, py::kw_only(), AttentionArguments::arguments(),
                DrawArguments::arguments(), GradientArguments::arguments(),

@@ -11,8 +11,8 @@
 // overloads. One family per input keeps an execution under a millisecond or so.
 //
 // Checks, for the family's kernels (plsh_attention Fused and Passes and its backward;
-// exact_alibi_attention and its backward; windowed_alibi_attention; fixed_block_attention and its
-// backward):
+// exact_alibi_attention and its backward; windowed_alibi_attention and its backward, against
+// the references over the keys it kept; fixed_block_attention and its backward):
 // - nothing crashes or hangs, the only exception is std::invalid_argument (then the kernel is
 //   skipped), Fused and Passes accept the same inputs, and no accepted input has a position or an
 //   end position outside [0, kMaxPosition];
@@ -862,28 +862,50 @@ void run(const Config& c, FuzzedDataProvider& data) {
       return;
     }
     case Family::WindowedAlibi: {
+      // The reference over the key rows each query tile of the kernel kept (the kernel's
+      // certificate is checked against dense weights in tests/test_windowed.cpp).
+      std::vector<plsh::Block> kept;
+      const Index tiles = (c.n_q + plsh::detail::kQueryTile - 1) / plsh::detail::kQueryTile;
+      const auto window = [&](Index h, Index p) {
+        if (c.window_tolerance == 0)
+          return plsh::Block{-plsh::kMaxPosition, plsh::kMaxPosition + 1};
+        const Index tile = (p - c.options.query_position) / plsh::detail::kQueryTile;
+        const plsh::Block rows = kept[static_cast<std::size_t>(h * tiles + tile)];
+        return plsh::Block{c.options.key_position + rows.begin, c.options.key_position + rows.end};
+      };
       Buffer<Scalar> out = output(), reference = output(), zeroed_reference = output();
       const bool ok = forward(
           "windowed_alibi_attention", out, reference, zeroed_reference,
           [&](const Inputs<Scalar>& x, Buffer<Scalar>& o) {
             plsh::windowed_alibi_attention<Scalar>(x.q.in(), x.k.in(), x.v.in(), o.view, c.slopes,
                                                    c.window_tolerance, c.options);
+            if (c.window_tolerance > 0) {
+              plsh::detail::batched_windowed_alibi_attention<Scalar>(
+                  plsh::detail::batch_of_one(x.q.in()), plsh::detail::batch_of_one(x.k.in()),
+                  plsh::detail::batch_of_one(x.v.in()), nullptr, c.slopes, c.window_tolerance,
+                  c.options, {}, &kept);
+            }
           },
           [&](const Inputs<Scalar>& x, Buffer<Scalar>& o) {
-            plsh::reference::windowed_alibi_attention<Scalar>(
-                x.q.in(), x.k.in(), x.v.in(), o.view, c.slopes, c.window_tolerance, c.options);
+            plsh::reference::windowed_alibi_attention<Scalar>(x.q.in(), x.k.in(), x.v.in(), o.view,
+                                                              c.slopes, window, c.options);
           });
       if (!ok) return;
       const Expectation<Scalar> x = expect(c, in.q, in.k, in.v, [&](Index h, Index i, Index j) {
-        // The documented window |p_i - p_j| <= floor(ln(1/tolerance)/m): a factor that rounds
-        // to 1 in double is still below a tolerance of 1.
-        const double slope = c.slopes[static_cast<std::size_t>(h)];
-        const bool kept = slope == 0 || c.window_tolerance == 0 ||
-                          static_cast<double>(i > j ? i - j : j - i) <=
-                              std::floor(std::log(1.0 / c.window_tolerance) / slope);
-        return Factor{kept, alibi_log_factor(h, i, j)};
+        const plsh::Block rows = window(h, i);
+        return Factor{j >= rows.begin && j < rows.end, alibi_log_factor(h, i, j)};
       });
       check_output("windowed_alibi_attention", out, reference, zeroed_reference, x);
+      run_backward(
+          "windowed_alibi_attention_backward", c, in, clean, out, x, all_finite,
+          [&](auto q, auto k, auto v, auto o, auto dout, auto dq, auto dk, auto dv) {
+            plsh::windowed_alibi_attention_backward<Scalar>(q, k, v, o, dout, dq, dk, dv, c.slopes,
+                                                            c.window_tolerance, c.options);
+          },
+          [&](auto q, auto k, auto v, auto dout, auto dq, auto dk, auto dv) {
+            plsh::reference::windowed_alibi_attention_backward<Scalar>(q, k, v, dout, dq, dk, dv,
+                                                                       c.slopes, window, c.options);
+          });
       return;
     }
     case Family::FixedBlock: {

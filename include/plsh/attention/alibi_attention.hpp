@@ -2,11 +2,13 @@
 #define PLSH_ATTENTION_ALIBI_ATTENTION_HPP
 
 /// \file alibi_attention.hpp
-/// Exact ALiBi attention, and ALiBi restricted to the keys whose factor is above a tolerance.
+/// Exact ALiBi attention, and windowed ALiBi: the keys whose weight a bound certifies to be
+/// below a tolerance are dropped (windowed.hpp).
 ///
 /// \f$o_i = \sum_j e^{\text{scale}\,q_i\cdot k_j - m_h|p_i - p_j|} v_j / \sum_j e^{\ldots}\f$.
 /// Cost: tiled online softmax (regular.hpp), \f$2(d + d_v)\f$ flops per computed score; causal
-/// key tiles above the diagonal and, for the windowed kernel, tiles outside the band are skipped.
+/// key tiles above the diagonal are skipped; the windowed kernel visits key tiles nearest first
+/// and stops at its certificate (windowed.hpp).
 /// Memory: O(tile) per thread, nothing n x n. Parallel over (batch element, head, query tile)
 /// with OpenMP, in one parallel region (batch.hpp: the batched overloads). Views of float,
 /// double, Eigen::bfloat16 or Eigen::half; the 16-bit types computed in float a tile at a time
@@ -19,6 +21,7 @@
 
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "../batched_heads_view.hpp"
@@ -27,6 +30,7 @@
 #include "../tensor.hpp"
 #include "options.hpp"
 #include "regular.hpp"
+#include "windowed.hpp"
 
 namespace plsh {
 namespace detail {
@@ -59,14 +63,6 @@ void linear_bias_attention(const BatchedHeadsView<const Scalar>& q,
   });
 }
 
-/// Keys kept by the windowed kernel: \f$e^{-m r} \ge \text{tolerance} \iff r \le
-/// \ln(1/\text{tolerance})/m\f$.
-inline Index alibi_window(double slope, double tolerance) {
-  if (slope == 0 || tolerance == 0) return kNoWindow;
-  const double window = std::floor(std::log(1.0 / tolerance) / slope);
-  return window >= static_cast<double>(kNoWindow) ? kNoWindow : static_cast<Index>(window);
-}
-
 /// exact_alibi_attention on a batch whose shapes validate_batch has checked: the checks of one
 /// element, then the kernel.
 template <class Scalar>
@@ -84,21 +80,73 @@ void batched_exact_alibi_attention(const BatchedHeadsView<const Scalar>& q,
   });
 }
 
-/// windowed_alibi_attention on a checked batch, as batched_exact_alibi_attention.
+/// Keys of the sequence that the caller does not hold (the sequence-parallel kernel's halo):
+/// `before` key rows before the first held one and `after` after the last, of norms at most
+/// `norm[g]` for key/value head g. windowed_rows counts them in its certificate but cannot visit
+/// them. The single-process kernel holds every key.
+struct UnheldKeys {
+  Index before = 0;
+  Index after = 0;
+  std::vector<double> norm;
+};
+
+/// windowed_alibi_attention on a checked batch, as batched_exact_alibi_attention; tolerance 0 is
+/// exact ALiBi. When `out` is null nothing is written; when `kept` is not null (tolerance > 0) it
+/// receives the key rows each query tile visited, at `(b * H + h) * tiles + tile` for the tiles
+/// of kQueryTile rows.
 template <class Scalar>
-void batched_windowed_alibi_attention(const BatchedHeadsView<const Scalar>& q,
-                                      const BatchedHeadsView<const Scalar>& k,
-                                      const BatchedHeadsView<const Scalar>& v,
-                                      const BatchedHeadsView<Scalar>& out,
-                                      const std::vector<double>& slopes, double tolerance,
-                                      const AttentionOptions& options) {
+void batched_windowed_alibi_attention(
+    const BatchedHeadsView<const Scalar>& q, const BatchedHeadsView<const Scalar>& k,
+    const BatchedHeadsView<const Scalar>& v, const BatchedHeadsView<Scalar>* out,
+    const std::vector<double>& slopes, double tolerance, const AttentionOptions& options,
+    const UnheldKeys& unheld = {}, std::vector<Block>* kept = nullptr) {
   const char* function = "windowed_alibi_attention";
-  validate_attention(function, q[0], k[0], v[0], out[0], options, memory_of(q));
+  if (out != nullptr) {
+    validate_attention(function, q[0], k[0], v[0], (*out)[0], options, memory_of(q));
+  }
   validate_slopes(function, slopes, q.heads);
   require(tolerance >= 0 && tolerance <= 1, function, "tolerance must lie in [0, 1]");
-  linear_bias_attention(q, k, v, out, options, [&](Index h) {
-    const double slope = slopes[static_cast<std::size_t>(h)];
-    return LinearBias{slope, alibi_window(slope, tolerance)};
+  if (tolerance == 0) {
+    if (out != nullptr) {
+      linear_bias_attention(q, k, v, *out, options, [&](Index h) {
+        return LinearBias{slopes[static_cast<std::size_t>(h)], kNoWindow};
+      });
+    }
+    return;
+  }
+  const Index tiles = (q.tokens + kQueryTile - 1) / kQueryTile;
+  if (kept != nullptr) kept->assign(static_cast<std::size_t>(q.batch * q.heads * tiles), Block{});
+  if (q.batch == 0 || q.tokens == 0) return;
+  AttentionOptions resolved = options;
+  resolved.scale = resolved_scale(options, q.dim);
+  std::vector<KeyNormBounds> bounds(static_cast<std::size_t>(q.batch * k.heads));
+  const double norm_work = static_cast<double>(q.batch * k.heads * k.tokens * k.dim);
+  parallel_for(q.batch * k.heads, norm_work, [&](Index job) {
+    const Index g = job % k.heads;
+    const double outside = unheld.norm.empty() ? 0.0 : unheld.norm[static_cast<std::size_t>(g)];
+    bounds[static_cast<std::size_t>(job)].build(k[job / k.heads].head(g), -unheld.before,
+                                                k.tokens + unheld.after, outside,
+                                                converted_rows<Scalar>().key);
+  });
+  const Index group = q.heads / k.heads;
+  const Index element_jobs = q.heads * tiles;
+  const double work = static_cast<double>(q.batch) * attention_work(q[0], k[0], v[0]);
+  parallel_for(q.batch * element_jobs, work, [&](Index job) {
+    const Index b = job / element_jobs;
+    const Index h = (job % element_jobs) / tiles;
+    // Later tiles see more keys under causal masking: hand them out first.
+    const Index tile = tiles - 1 - job % tiles;
+    const Index row_begin = tile * kQueryTile;
+    std::optional<HeadMap<Scalar>> out_head;
+    if (out != nullptr) out_head.emplace((*out)[b].head(h));
+    Block visited;
+    windowed_rows<Scalar>(q[b].head(h), k[b].head(h / group), v[b].head(h / group), resolved,
+                          slopes[static_cast<std::size_t>(h)], tolerance,
+                          bounds[static_cast<std::size_t>(b * k.heads + h / group)], row_begin,
+                          std::min(q.tokens, row_begin + kQueryTile),
+                          out_head ? &*out_head : nullptr, visited);
+    if (kept != nullptr)
+      (*kept)[static_cast<std::size_t>((b * q.heads + h) * tiles + tile)] = visited;
   });
 }
 
@@ -122,9 +170,15 @@ void exact_alibi_attention(HeadsView<const detail::NonDeduced<Scalar>> q,
                                                 slopes, options);
 }
 
-/// ALiBi attention that drops the keys whose factor \f$e^{-m_h|p_i - p_j|}\f$ is below
-/// `tolerance`: head h keeps \f$|p_i - p_j| \le \lfloor \ln(1/\text{tolerance}) / m_h \rfloor\f$,
-/// and skips whole key tiles outside that band. `tolerance = 0` is exact ALiBi.
+/// ALiBi attention that drops only keys it certifies to weigh at most `tolerance`: for every
+/// query row, the exact-ALiBi attention weight of all the keys it drops is at most `tolerance`,
+/// so each output entry is within \f$2\,\text{tolerance}\max_j |v_j|\f$ of exact ALiBi, up
+/// to floating-point rounding. Each tile of 64 query rows visits its keys nearest first, 128 per
+/// step and side, until the bound of windowed.hpp (from \f$|\text{scale}|\,\|q_i\|\,\|k_j\|\f$,
+/// the distance and the row's log-sum-exp so far) certifies the rest. The window therefore
+/// depends on the data: keys with large scores far back (attention sinks, copied spans) are
+/// visited, and where they are absent the window is a few multiples of \f$1/m_h\f$.
+/// `tolerance = 0` is exact ALiBi.
 ///
 /// Arguments as exact_alibi_attention; \param tolerance in [0, 1].
 template <class Scalar>
@@ -133,9 +187,10 @@ void windowed_alibi_attention(HeadsView<const detail::NonDeduced<Scalar>> q,
                               HeadsView<const detail::NonDeduced<Scalar>> v, HeadsView<Scalar> out,
                               const std::vector<double>& slopes, double tolerance = 1e-6,
                               const AttentionOptions& options = {}) {
-  detail::batched_windowed_alibi_attention<Scalar>(
-      detail::batch_of_one(q), detail::batch_of_one(k), detail::batch_of_one(v),
-      detail::batch_of_one(out), slopes, tolerance, options);
+  const BatchedHeadsView<Scalar> batched_out = detail::batch_of_one(out);
+  detail::batched_windowed_alibi_attention<Scalar>(detail::batch_of_one(q), detail::batch_of_one(k),
+                                                   detail::batch_of_one(v), &batched_out, slopes,
+                                                   tolerance, options);
 }
 
 }  // namespace plsh

@@ -2,8 +2,8 @@
 #define PLSH_ATTENTION_BACKWARD_HPP
 
 /// \file backward.hpp
-/// Gradients of exact ALiBi attention, of Positional LSH attention and of fixed blocks with
-/// respect to q, k, v.
+/// Gradients of exact and windowed ALiBi attention, of Positional LSH attention and of fixed
+/// blocks with respect to q, k, v.
 ///
 /// Both forwards are softmax attention with logits \f$l_{ij}\f$: exact ALiBi
 /// \f$l_{ij} = S_{ij} - m|p_i - p_j|\f$, Positional LSH \f$l_{ij} = S_{ij} + \log c_{ij}\f$ with
@@ -58,6 +58,7 @@
 #include "../partition.hpp"
 #include "../sampler.hpp"
 #include "../tensor.hpp"
+#include "alibi_attention.hpp"
 #include "block_counts.hpp"
 #include "options.hpp"
 #include "regular.hpp"
@@ -76,6 +77,7 @@ struct BackwardWorkspace {
   RowMatrix<Scalar> value_accumulator;  // dV of a key tile
   std::vector<Index> nonfinite;         // rows of a product's operand with a non-finite entry
   RowMatrix<Scalar> clean;              // that operand with those rows zeroed
+  Block window;                         // key positions of the tile last prepared (windowed)
   Eigen::Array<Scalar, 1, Eigen::Dynamic> row_scratch;
   BlockCounts<Scalar> block_counts;                 // c_ij of the Positional LSH logits
   Eigen::Array<Scalar, 1, Eigen::Dynamic> offsets;  // 0, 1, ..., for apply_linear_bias
@@ -101,8 +103,10 @@ class AlibiLogits {
   Index query_tile(Index) const { return kQueryTile; }
   Index key_tile(Index, Index) const { return kKeyTile; }
 
-  /// Key positions that query positions `[first_query, first_query + rows)` may see.
-  Block prepare_rows(Index, Index first_query, Index rows, BackwardWorkspace<Scalar>&) const {
+  /// Key positions that query positions `[first_query, first_query + rows)` of batch element b
+  /// and head h may see.
+  Block prepare_rows(Index, Index, Index first_query, Index rows,
+                     BackwardWorkspace<Scalar>&) const {
     const Index end = options_.causal ? std::min(key_end_, first_query + rows) : key_end_;
     return Block{options_.key_position, std::max(options_.key_position, end)};
   }
@@ -135,6 +139,71 @@ class AlibiLogits {
   Index key_end_;
 };
 
+/// Logits of windowed_alibi_attention as computed: exact ALiBi over the key rows `kept` that each
+/// query tile of kQueryTile rows visited in the forward (batched_windowed_alibi_attention's
+/// `kept`), the other keys masked.
+template <class Scalar>
+class WindowedLogits : public AlibiLogits<Scalar> {
+ public:
+  WindowedLogits(const std::vector<double>& slopes, const AttentionOptions& options, Index heads,
+                 Index queries, Index keys, const std::vector<Block>& kept)
+      : AlibiLogits<Scalar>(slopes, options, queries, keys),
+        options_(options),
+        heads_(heads),
+        tiles_((queries + kQueryTile - 1) / kQueryTile),
+        query_end_(options.query_position + queries),
+        kept_(kept) {
+    // The farthest any tile's kept key lies from the tile's rows: bounds queries_of_keys.
+    for (std::size_t i = 0; i < kept_.size(); ++i) {
+      const Block rows = kept_[i];
+      if (rows.begin >= rows.end) continue;
+      const Index first = options.query_position + static_cast<Index>(i) % tiles_ * kQueryTile;
+      const Index last = std::min(first + kQueryTile, query_end_) - 1;
+      reach_ = std::max({reach_, first - (options.key_position + rows.begin),
+                         options.key_position + rows.end - 1 - last});
+    }
+  }
+
+  /// The key positions the tile starting at `first_query` kept (the rows given are part of it).
+  Block prepare_rows(Index b, Index h, Index first_query, Index,
+                     BackwardWorkspace<Scalar>& workspace) const {
+    const Index tile = (first_query - options_.query_position) / kQueryTile;
+    const Block rows = kept_[static_cast<std::size_t>((b * heads_ + h) * tiles_ + tile)];
+    workspace.window = Block{options_.key_position + rows.begin, options_.key_position + rows.end};
+    return workspace.window;
+  }
+
+  /// Query positions whose tiles may have kept a key of `[first_key, first_key + cols)`, from the
+  /// first row of a tile.
+  Block queries_of_keys(Index h, Index first_key, Index cols) const {
+    const Block alibi = AlibiLogits<Scalar>::queries_of_keys(h, first_key, cols);
+    Index begin = std::max(alibi.begin, first_key - reach_);
+    begin -= (begin - options_.query_position) % kQueryTile;
+    const Index end = std::min(alibi.end, first_key + cols + reach_ + kQueryTile);
+    return Block{begin, std::max(begin, end)};
+  }
+
+  /// The ALiBi logits, \f$-\infty\f$ outside the tile's kept keys (from the last prepare_rows).
+  void apply(Index h, BackwardWorkspace<Scalar>& workspace, Eigen::Map<RowMatrix<Scalar>>& scores,
+             Index first_query, Index first_key) const {
+    AlibiLogits<Scalar>::apply(h, workspace, scores, first_query, first_key);
+    const Index cols = scores.cols();
+    const Index lo = std::clamp<Index>(workspace.window.begin - first_key, 0, cols);
+    const Index hi = std::clamp<Index>(workspace.window.end - first_key, lo, cols);
+    constexpr Scalar kMinusInfinity = -std::numeric_limits<Scalar>::infinity();
+    if (lo > 0) scores.leftCols(lo).setConstant(kMinusInfinity);
+    if (hi < cols) scores.rightCols(cols - hi).setConstant(kMinusInfinity);
+  }
+
+ private:
+  AttentionOptions options_;
+  Index heads_;
+  Index tiles_;
+  Index query_end_;
+  Index reach_ = 0;
+  const std::vector<Block>& kept_;
+};
+
 /// Logits of the fused Positional LSH kernel: \f$S_{ij} + \log c_{ij}\f$ over the union of the
 /// blocks of each row, with the draws of plsh_attention.
 template <class Scalar>
@@ -160,7 +229,7 @@ class PlshLogits {
   }
 
   /// Prepares the counts of the rows (as the fused forward) and returns the union of their keys.
-  Block prepare_rows(Index h, Index first_query, Index rows,
+  Block prepare_rows(Index, Index h, Index first_query, Index rows,
                      BackwardWorkspace<Scalar>& workspace) const {
     return workspace.block_counts.prepare(grids_[static_cast<std::size_t>(h)], range_, first_query,
                                           rows, options_.key_position, key_end_, options_.causal);
@@ -222,7 +291,7 @@ template <class Storage, class Logits>
 void backward_query_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
                          const ConstHeadMap<Storage>& v, const ConstHeadMap<Storage>& out,
                          const ConstHeadMap<Storage>& dout, HeadMap<Storage>& dq,
-                         const AttentionOptions& options, const Logits& logits, Index h,
+                         const AttentionOptions& options, const Logits& logits, Index b, Index h,
                          Index row_begin, Index row_end, Compute<Storage>* lse,
                          Compute<Storage>* delta) {
   using Scalar = Compute<Storage>;
@@ -237,7 +306,7 @@ void backward_query_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Stor
     for (Index r = 0; r < rows; ++r) delta[row_begin + r] = dout_rows.row(r).dot(out_rows.row(r));
   }
   workspace.softmax.reset(rows, q.cols());
-  const Block keys = logits.prepare_rows(h, first_query, rows, workspace);
+  const Block keys = logits.prepare_rows(b, h, first_query, rows, workspace);
   if (keys.begin < keys.end) {
     workspace.query.noalias() = compute_rows(q, row_begin, rows, converted.query) * scale;
     const std::size_t needed = static_cast<std::size_t>(rows * kKeyTile);
@@ -269,8 +338,8 @@ template <class Storage, class Logits>
 void backward_key_rows(const HeadsView<const Storage>& q, const HeadsView<const Storage>& k,
                        const HeadsView<const Storage>& v, const HeadsView<const Storage>& dout,
                        const HeadsView<Storage>& dk, const HeadsView<Storage>& dv,
-                       const AttentionOptions& options, const Logits& logits, Index kv_head,
-                       Index col_begin, Index col_end, const Compute<Storage>* lse,
+                       const AttentionOptions& options, const Logits& logits, Index b,
+                       Index kv_head, Index col_begin, Index col_end, const Compute<Storage>* lse,
                        const Compute<Storage>* delta) {
   using Scalar = Compute<Storage>;
   constexpr Scalar kMinusInfinity = -std::numeric_limits<Scalar>::infinity();
@@ -304,7 +373,7 @@ void backward_key_rows(const HeadsView<const Storage>& q, const HeadsView<const 
     for (Index p0 = queries.begin; p0 < queries.end; p0 += tile) {
       const Index rows = std::min(tile, queries.end - p0);
       const Index row_begin = p0 - options.query_position;
-      const Block keys = logits.prepare_rows(h, p0, rows, workspace);
+      const Block keys = logits.prepare_rows(b, h, p0, rows, workspace);
       if (keys.end <= first_key || keys.begin >= first_key + cols) continue;
       const std::size_t needed = static_cast<std::size_t>(rows * cols);
       if (workspace.scores.size() < needed) workspace.scores.resize(needed);
@@ -376,7 +445,7 @@ void attention_backward(const BatchedHeadsView<const Scalar>& q,
     const Index rows = b * element_rows + tile.head * q.tokens;
     backward_query_rows<Scalar>(q[b].head(tile.head), k[b].head(tile.head / group),
                                 v[b].head(tile.head / group), out[b].head(tile.head),
-                                dout[b].head(tile.head), dq_head, options, logits, tile.head,
+                                dout[b].head(tile.head), dq_head, options, logits, b, tile.head,
                                 tile.begin, tile.end, lse.data() + rows, delta.data() + rows);
   });
   tiles.clear();
@@ -390,8 +459,8 @@ void attention_backward(const BatchedHeadsView<const Scalar>& q,
   parallel_for(q.batch * element_jobs, work, [&](Index job) {
     const Index b = job / element_jobs;
     const Tile& tile = tiles[static_cast<std::size_t>(job % element_jobs)];
-    backward_key_rows<Scalar>(q[b], k[b], v[b], dout[b], dk[b], dv[b], options, logits, tile.head,
-                              tile.begin, tile.end, lse.data() + b * element_rows,
+    backward_key_rows<Scalar>(q[b], k[b], v[b], dout[b], dk[b], dv[b], options, logits, b,
+                              tile.head, tile.begin, tile.end, lse.data() + b * element_rows,
                               delta.data() + b * element_rows);
   });
 }
@@ -412,6 +481,34 @@ void batched_exact_alibi_attention_backward(
   AttentionOptions resolved = options;
   resolved.scale = resolved_scale(options, q.dim);
   const AlibiLogits<Compute<Scalar>> logits(slopes, resolved, q.tokens, k.tokens);
+  attention_backward(q, k, v, out, dout, dq, dk, dv, resolved, logits);
+}
+
+/// windowed_alibi_attention_backward on a checked batch: the checks of one element, the forward's
+/// kept keys (its certificate, run again without output), then both sweeps over those keys.
+/// Tolerance 0 is exact ALiBi's backward.
+template <class Scalar>
+void batched_windowed_alibi_attention_backward(
+    const BatchedHeadsView<const Scalar>& q, const BatchedHeadsView<const Scalar>& k,
+    const BatchedHeadsView<const Scalar>& v, const BatchedHeadsView<const Scalar>& out,
+    const BatchedHeadsView<const Scalar>& dout, const BatchedHeadsView<Scalar>& dq,
+    const BatchedHeadsView<Scalar>& dk, const BatchedHeadsView<Scalar>& dv,
+    const std::vector<double>& slopes, double tolerance, const AttentionOptions& options) {
+  const char* function = "windowed_alibi_attention_backward";
+  validate_backward(function, q[0], k[0], v[0], out[0], dout[0], dq[0], dk[0], dv[0], options,
+                    memory_of(q));
+  validate_slopes(function, slopes, q.heads);
+  require(tolerance >= 0 && tolerance <= 1, function, "tolerance must lie in [0, 1]");
+  AttentionOptions resolved = options;
+  resolved.scale = resolved_scale(options, q.dim);
+  if (tolerance == 0) {
+    const AlibiLogits<Compute<Scalar>> logits(slopes, resolved, q.tokens, k.tokens);
+    attention_backward(q, k, v, out, dout, dq, dk, dv, resolved, logits);
+    return;
+  }
+  std::vector<Block> kept;
+  batched_windowed_alibi_attention<Scalar>(q, k, v, nullptr, slopes, tolerance, options, {}, &kept);
+  const WindowedLogits<Compute<Scalar>> logits(slopes, resolved, q.heads, q.tokens, k.tokens, kept);
   attention_backward(q, k, v, out, dout, dq, dk, dv, resolved, logits);
 }
 
@@ -497,6 +594,27 @@ void exact_alibi_attention_backward(
       detail::batch_of_one(q), detail::batch_of_one(k), detail::batch_of_one(v),
       detail::batch_of_one(out), detail::batch_of_one(dout), detail::batch_of_one(dq),
       detail::batch_of_one(dk), detail::batch_of_one(dv), slopes, options);
+}
+
+/// Gradients of windowed_alibi_attention with respect to q, k and v: of the function the forward
+/// computes, exact ALiBi over the keys each query tile kept (the forward's certificate, evaluated
+/// again here at about the cost of one forward), so they are exact for that function and, for the
+/// keys it dropped, 0. `tolerance = 0` is exact_alibi_attention_backward.
+///
+/// Arguments as exact_alibi_attention_backward, with the forward's `tolerance`.
+/// \throws std::invalid_argument as exact_alibi_attention_backward, and for a tolerance outside
+/// [0, 1].
+template <class Scalar>
+void windowed_alibi_attention_backward(
+    HeadsView<const detail::NonDeduced<Scalar>> q, HeadsView<const detail::NonDeduced<Scalar>> k,
+    HeadsView<const detail::NonDeduced<Scalar>> v, HeadsView<const detail::NonDeduced<Scalar>> out,
+    HeadsView<const detail::NonDeduced<Scalar>> dout, HeadsView<Scalar> dq, HeadsView<Scalar> dk,
+    HeadsView<Scalar> dv, const std::vector<double>& slopes, double tolerance = 1e-6,
+    const AttentionOptions& options = {}) {
+  detail::batched_windowed_alibi_attention_backward<Scalar>(
+      detail::batch_of_one(q), detail::batch_of_one(k), detail::batch_of_one(v),
+      detail::batch_of_one(out), detail::batch_of_one(dout), detail::batch_of_one(dq),
+      detail::batch_of_one(dk), detail::batch_of_one(dv), slopes, tolerance, options);
 }
 
 /// Gradients of plsh_attention with respect to q, k and v: the function of the fused kernel,

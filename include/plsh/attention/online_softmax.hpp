@@ -380,6 +380,10 @@ class OnlineSoftmax {
 
   Index rows() const { return max_.size(); }
 
+  /// Row r's log-sum-exp of the logits taken so far, \f$\mu + \log\ell\f$: \f$-\infty\f$ before
+  /// any visible key, NaN after a NaN or \f$+\infty\f$ logit.
+  Scalar log_sum(Index r) const { return sum_[r] != 0 ? max_[r] + std::log(sum_[r]) : -kInfinity; }
+
   /// Takes a tile of logits (`rows() x keys`, \f$-\infty\f$ for masked entries) and the keys'
   /// values (`keys x value_dim`). Overwrites `scores` with the unnormalised probabilities; a
   /// masked entry weighs exactly 0 and adds nothing, whatever its value.

@@ -130,24 +130,28 @@ void alibi_attention(const HeadsView<const Scalar>& q, const HeadsView<const Sca
   factor_attention(q, k, v, out, options, alibi_row_log_factor(slopes, options, k.tokens));
 }
 
-/// ALiBi without the keys whose factor \f$e^{-m|p_i - p_j|}\f$ is below `tolerance`: the keys
-/// with \f$|p_i - p_j| \le \lfloor \ln(1/\text{tolerance})/m\rfloor\f$, every key when m or the
-/// tolerance is 0. (Not \f$e^{-m|p_i - p_j|}\f$ in double, which is 1 for \f$m|p_i - p_j| <
-/// 2^{-53}\f$.)
-template <class Scalar>
+/// The ALiBi log-factor (alibi_row_log_factor) over a window of keys: query position \f$p_i\f$
+/// of head h sees the keys at the positions of `window(h, p_i)` (a Block of key positions),
+/// \f$-\infty\f$ for the others. `window` must outlive the returned function.
+template <class Window>
+auto windowed_log_factor(const std::vector<double>& slopes, const Window& window,
+                         const AttentionOptions& options, Index key_tokens) {
+  return [row_log_factor = alibi_row_log_factor(slopes, options, key_tokens), &window](
+             Index h, Index i, Index j) {
+    const Block kept = window(h, i);
+    return j >= kept.begin && j < kept.end ? row_log_factor(h, i, j) : detail::kMasked;
+  };
+}
+
+/// ALiBi over a window of keys (windowed_log_factor). With the key rows each tile of
+/// windowed_alibi_attention kept, the function that kernel computes.
+template <class Scalar, class Window>
 void windowed_alibi_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
                               const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
-                              const std::vector<double>& slopes, double tolerance,
+                              const std::vector<double>& slopes, const Window& window,
                               const AttentionOptions& options = {}) {
   detail::validate_slopes("reference::windowed_alibi_attention", slopes, q.heads);
-  const auto row_log_factor = alibi_row_log_factor(slopes, options, k.tokens);
-  factor_attention(q, k, v, out, options, [&](Index h, Index i, Index j) {
-    const double slope = slopes[static_cast<std::size_t>(h)];
-    const bool kept =
-        slope == 0 || tolerance == 0 ||
-        static_cast<double>(i > j ? i - j : j - i) <= std::floor(std::log(1.0 / tolerance) / slope);
-    return kept ? row_log_factor(h, i, j) : detail::kMasked;
-  });
+  factor_attention(q, k, v, out, options, windowed_log_factor(slopes, window, options, k.tokens));
 }
 
 /// The log-factor \f$\log \hat K_{ij} = \log(c_{ij}/s)\f$ as a function `(h, p_i, p_j)`, with
@@ -272,6 +276,18 @@ void alibi_attention_backward(const HeadsView<const Scalar>& q, const HeadsView<
   detail::validate_slopes("reference::alibi_attention_backward", slopes, q.heads);
   factor_attention_backward(q, k, v, dout, dq, dk, dv, options,
                             alibi_row_log_factor(slopes, options, k.tokens));
+}
+
+/// Backward of ALiBi over a window of keys (windowed_log_factor).
+template <class Scalar, class Window>
+void windowed_alibi_attention_backward(
+    const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
+    const HeadsView<const Scalar>& v, const HeadsView<const Scalar>& dout,
+    const HeadsView<Scalar>& dq, const HeadsView<Scalar>& dk, const HeadsView<Scalar>& dv,
+    const std::vector<double>& slopes, const Window& window, const AttentionOptions& options = {}) {
+  detail::validate_slopes("reference::windowed_alibi_attention_backward", slopes, q.heads);
+  factor_attention_backward(q, k, v, dout, dq, dk, dv, options,
+                            windowed_log_factor(slopes, window, options, k.tokens));
 }
 
 /// Backward of Positional LSH with the grids plsh_attention draws for `options.seed`:

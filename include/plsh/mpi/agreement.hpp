@@ -10,14 +10,17 @@
 
 #include <mpi.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <vector>
 
 #include "../detail/check.hpp"
+#include "../detail/storage.hpp"
 #include "../detail/validate.hpp"
 #include "../options.hpp"
 #include "../tensor.hpp"
@@ -156,6 +159,32 @@ void check_forward(const char* function, const HeadsView<const Scalar>& q,
 inline void check_sequence(const char* function, const ChunkLayout& layout,
                            const AttentionOptions& options) {
   validate_positions(function, options, layout.tokens(), layout.tokens());
+}
+
+/// The largest row norm per head over every rank's rows of `view` (one all-reduce), times
+/// `factor`; a non-finite norm counts as \f$+\infty\f$. The certified window's bounds
+/// (certified_window): \f$|\text{scale}|\max\|q_i\|\f$ per query head, \f$\max\|k_j\|\f$ per
+/// key/value head.
+template <class Scalar>
+std::vector<double> agree_on_norms(const CallComm& comm, const HeadsView<const Scalar>& view,
+                                   double factor) {
+  std::vector<double> norms(static_cast<std::size_t>(view.heads), 0.0);
+  std::vector<Compute<Scalar>> row(static_cast<std::size_t>(view.dim));
+  for (Index t = 0; t < view.tokens; ++t) {
+    for (Index h = 0; h < view.heads; ++h) {
+      convert_to_compute(view.data + t * view.token_stride + h * view.head_stride, view.dim,
+                         row.data());
+      double sum = 0;
+      for (const Compute<Scalar> x : row) sum += static_cast<double>(x) * static_cast<double>(x);
+      const double norm = factor * std::sqrt(sum);
+      double& high = norms[static_cast<std::size_t>(h)];
+      high =
+          norm <= high ? high : (std::isnan(norm) ? std::numeric_limits<double>::infinity() : norm);
+    }
+  }
+  MPI_Allreduce(MPI_IN_PLACE, norms.data(), static_cast<int>(norms.size()), MPI_DOUBLE, MPI_MAX,
+                comm.get());
+  return norms;
 }
 
 /// Options of the rank's local call: its queries from `query_row`, its keys from `key_row` of the

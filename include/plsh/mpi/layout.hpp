@@ -6,13 +6,15 @@
 /// rows the queries of each chunk reach. Positional LSH: for queries at positions \f$[a, b)\f$,
 /// \f$[\min_{h,t} \mathrm{begin}_{h,t}(a),\; b)\f$ when causal, and up to
 /// \f$\max_{h,t} \mathrm{end}_{h,t}(b - 1)\f$ when bidirectional (the blocks of head h, draw
-/// t); windowed ALiBi: \f$W = \max_h \lfloor\ln(1/\text{tolerance})/m_h\rfloor\f$ positions
-/// either way. O(H s) block look-ups per rank. Tested in tests/mpi/test_mpi.cpp (the halo's
+/// t); windowed ALiBi: W positions beyond each query's nearest key, either way, W from the
+/// certificate's bound on the ranks' largest query and key norms (certified_window). O(H s)
+/// block look-ups per rank. Tested in tests/mpi/test_mpi.cpp (the halo's
 /// bytes against these intervals).
 
 #include <mpi.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -124,9 +126,12 @@ inline std::vector<Block> plsh_reachable_keys(const ChunkLayout& layout,
 }
 
 /// The key rows that the queries of every rank's chunk reach in windowed ALiBi: `window`
-/// positions before (and, bidirectional, after) the chunk.
+/// positions beyond each query's nearest key, before (and, bidirectional, after) the chunk.
 inline std::vector<Block> windowed_reachable_keys(const ChunkLayout& layout, Index window,
                                                   const AttentionOptions& options) {
+  const Index n = layout.tokens();
+  const Index first_key = options.key_position;
+  const Index last_key = options.key_position + n - 1;
   std::vector<Block> reachable;
   for (int r = 0; r < layout.ranks(); ++r) {
     const Block chunk = layout.chunk(r);
@@ -134,20 +139,42 @@ inline std::vector<Block> windowed_reachable_keys(const ChunkLayout& layout, Ind
       reachable.push_back(Block{0, 0});
       continue;
     }
-    const Index begin = options.query_position + chunk.begin - window;
-    const Index end = options.query_position + chunk.end + (options.causal ? 0 : window);
-    reachable.push_back(key_rows(begin, end, options.key_position, layout.tokens()));
+    // p - (distance to the nearest key) grows with p, and so does p + that distance; rows beyond
+    // the keys reach the last key (the first, for rows before them).
+    const Index first = options.query_position + chunk.begin;
+    const Index last = options.query_position + chunk.end - 1;
+    const Index begin = (first > last_key ? last_key : first) - window;
+    const Index end =
+        options.causal ? last + 1 : (last < first_key ? first_key : last) + window + 1;
+    reachable.push_back(key_rows(begin, end, options.key_position, n));
   }
   return reachable;
 }
 
-/// The widest window of windowed_alibi_attention over the heads.
-inline Index widest_window(const std::vector<double>& slopes, double tolerance) {
-  Index window = 0;
-  for (const double slope : slopes) {
-    window = std::max(window, alibi_window(slope, tolerance));
+/// The reach of windowed_alibi_attention's certificate (attention/windowed.hpp) from bounds all
+/// ranks share: with \f$a_h = |\text{scale}|\max_i\|q_i\|\f$ over head h's queries and
+/// \f$K_h = \max_j\|k_j\|\f$ over its key head, a row has seen its nearest key (logit
+/// \f$\ge -a_h K_h - m_h r_i\f$), and the keys farther than \f$r_i + W\f$ on both sides weigh
+/// at most \f$2e^{a_h K_h - m_h(r_i + W + 1)}/(1 - e^{-m_h})\f$; their share is at most
+/// `tolerance` once \f$m_h(W + 1) \ge 2a_h K_h + \ln 2 - \ln(1 - e^{-m_h}) -
+/// \ln\text{tolerance}\f$. The kernel's own certificate, tighter, then holds within W plus the
+/// steps of its tiles: the result adds two key tiles and a query tile. kNoWindow for slope 0,
+/// tolerance 0 or an infinite norm. `query_norms[h]` is \f$a_h\f$, `key_norms[h / group]` is
+/// \f$K_h\f$.
+inline Index certified_window(const std::vector<double>& slopes,
+                              const std::vector<double>& query_norms,
+                              const std::vector<double>& key_norms, double tolerance) {
+  const std::size_t group = slopes.size() / key_norms.size();
+  Index widest = 0;
+  for (std::size_t h = 0; h < slopes.size(); ++h) {
+    const double m = slopes[h];
+    const double exponent = 2 * query_norms[h] * key_norms[h / group] + std::log(2.0) -
+                            std::log(-std::expm1(-m)) - std::log(tolerance);
+    const double window = std::ceil(exponent / m);
+    if (!(window < static_cast<double>(kNoWindow))) return kNoWindow;
+    widest = std::max(widest, static_cast<Index>(std::max(window, 0.0)));
   }
-  return window;
+  return std::min(kNoWindow, widest + 2 * kKeyTile + kQueryTile);
 }
 
 /// Bytes this rank receives when every rank gathers its `reachable` key rows from their owners,

@@ -1,0 +1,261 @@
+#ifndef PLSH_ATTENTION_WINDOWED_HPP
+#define PLSH_ATTENTION_WINDOWED_HPP
+
+/// \file windowed.hpp
+/// The core of windowed_alibi_attention: each query tile visits its keys nearest first and stops
+/// once the exact-ALiBi weight of every key it has not visited is certified to be at most the
+/// tolerance.
+///
+/// The certificate. For query row i at position \f$p_i\f$ with \f$a_i = |\text{scale}|\,\|q_i\|\f$,
+/// a key j has the logit \f$l_{ij} = \text{scale}\,q_i\cdot k_j - m|p_i - p_j| \le a_i\|k_j\| -
+/// m|p_i - p_j|\f$ (Cauchy-Schwarz). The keys not yet visited lie on either side of the visited
+/// range; each side is cut into segments of \f$T, 2T, 4T, \ldots\f$ keys outward from the visited
+/// range (T = kKeyTile), and a segment of \f$L\f$ keys whose nearest key is at distance \f$d\f$
+/// and whose key norms are at most \f$K\f$ weighs at most
+/// \f[ e^{a_i K - m d} \sum_{t=0}^{L-1} e^{-m t}, \f]
+/// a geometric series, so keys of equal norms cost O(log n) segments per row, not the whole
+/// sequence. The row's exact-ALiBi weight of all those keys is at most their sum divided by
+/// \f$e^{\mathrm{lse}_i}\f$, the sum over the keys already visited (the running log-sum-exp of
+/// the online softmax): the tile stops when that quotient is at most `tolerance` for every row.
+/// Then each output row differs from exact ALiBi by at most \f$2\,\text{tolerance}\max_j |v_j|\f$
+/// per entry (the kept weights are renormalised), up to floating-point rounding.
+///
+/// The key norms' maxima come from KeyNormBounds: the maximum over blocks of T rows, then a
+/// sparse table of maxima over \f$2^l\f$ consecutive blocks, computed once per call and key/value
+/// head (O(n d) to build, two lookups per segment). A non-finite norm is \f$+\infty\f$, which
+/// never certifies: a row that could see a NaN or infinite key visits it, as exact ALiBi does.
+///
+/// Cost: the kept tiles' attention (regular.hpp) plus, after each step of T keys on each side, one
+/// bound per row and segment (\f$O(\log(n/T))\f$ exponentials per row). Keys of a tile's rows are
+/// one contiguous range of key rows, the same for all its rows (rows that need fewer keys keep
+/// more); the range is reported (`kept`) for the backward, which differentiates the forward as
+/// computed, with these keys.
+///
+/// Keys beyond the arrays: the sequence-parallel kernel (mpi.hpp) passes bounds whose key range
+/// extends past the keys it holds, with a norm bound `outside` for the keys it does not hold; the
+/// certificate includes them, and its halo is wide enough that no tile needs them.
+///
+/// Tested in tests/test_windowed.cpp: the certificate against the dense exact-ALiBi weights of
+/// the dropped keys, the output against plsh::reference::windowed_alibi_attention on the kept
+/// ranges and against exact ALiBi within the guaranteed bound.
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "../detail/storage.hpp"
+#include "../partition.hpp"
+#include "../tensor.hpp"
+#include "options.hpp"
+#include "regular.hpp"
+
+namespace plsh {
+namespace detail {
+
+/// Upper bounds on the norms \f$\|k_j\|\f$ over ranges of key rows. Rows `[0, rows())` are the
+/// keys held; rows in `[first(), last())` outside them are keys of the sequence that are not held,
+/// with the norm bound `outside()`.
+class KeyNormBounds {
+ public:
+  /// Bounds of the rows of `k` (norms in double of the compute-type values), with `outside` for
+  /// the rows `[first, 0)` and `[k.rows(), last)` (first <= 0 <= k.rows() <= last).
+  template <class Storage>
+  void build(const ConstHeadMap<Storage>& k, Index first, Index last, double outside,
+             AlignedVector<Compute<Storage>>& scratch) {
+    rows_ = k.rows();
+    first_ = first;
+    last_ = last;
+    outside_ = finite_or_infinity(outside);
+    const Index blocks = (rows_ + kKeyTile - 1) / kKeyTile;
+    levels_.assign(1, std::vector<double>(static_cast<std::size_t>(blocks), 0.0));
+    for (Index b = 0; b < blocks; ++b) {
+      const Index begin = b * kKeyTile;
+      const Index count = std::min(kKeyTile, rows_ - begin);
+      const ConstHeadMap<Compute<Storage>> tile = compute_rows(k, begin, count, scratch);
+      double high = 0;
+      for (Index j = 0; j < count; ++j) {
+        high = std::max(
+            high, finite_or_infinity(std::sqrt(tile.row(j).template cast<double>().squaredNorm())));
+      }
+      levels_[0][static_cast<std::size_t>(b)] = high;
+    }
+    for (Index width = 2; width <= blocks; width *= 2) {
+      const std::vector<double>& below = levels_.back();
+      std::vector<double> level(static_cast<std::size_t>(blocks - width + 1));
+      for (std::size_t b = 0; b < level.size(); ++b) {
+        level[b] = std::max(below[b], below[b + static_cast<std::size_t>(width / 2)]);
+      }
+      levels_.push_back(std::move(level));
+    }
+  }
+
+  Index rows() const { return rows_; }
+  Index first() const { return first_; }
+  Index last() const { return last_; }
+
+  /// An upper bound on the norms of rows `[begin, end)` (0 when empty): the held rows' blocks
+  /// that meet the range, and `outside()` when the range reaches past the held rows.
+  double max_over(Index begin, Index end) const {
+    if (begin >= end) return 0;
+    double high = (begin < 0 || end > rows_) ? outside_ : 0.0;
+    const Index lo = std::max<Index>(begin, 0);
+    const Index hi = std::min(end, rows_);
+    if (lo < hi) {
+      const Index b0 = lo / kKeyTile;
+      const Index b1 = (hi - 1) / kKeyTile + 1;
+      std::size_t level = 0;
+      while ((Index{2} << level) <= b1 - b0) ++level;
+      const Index width = Index{1} << level;
+      const std::vector<double>& maxima = levels_[level];
+      high = std::max({high, maxima[static_cast<std::size_t>(b0)],
+                       maxima[static_cast<std::size_t>(b1 - width)]});
+    }
+    return high;
+  }
+
+ private:
+  static double finite_or_infinity(double x) {
+    return x <= std::numeric_limits<double>::max() ? x : std::numeric_limits<double>::infinity();
+  }
+
+  Index rows_ = 0;
+  Index first_ = 0;
+  Index last_ = 0;
+  double outside_ = 0;
+  std::vector<std::vector<double>> levels_;
+};
+
+/// \f$\log \sum_{t=0}^{L-1} e^{-m t}\f$ for L >= 1 (\f$\log L\f$ for m = 0).
+inline double log_geometric_sum(double slope, Index length) {
+  if (slope == 0) return std::log(static_cast<double>(length));
+  return std::log(-std::expm1(-slope * static_cast<double>(length))) -
+         std::log(-std::expm1(-slope));
+}
+
+/// Whether the unvisited keys of every row of a tile weigh at most `tolerance`: rows at positions
+/// `first_query + r`, visited key rows `[lo, hi)`, the keys a row may see in `[first, last)` (key
+/// rows; causal rows see none past their own position, which the visited range always covers).
+/// `row_norm[r]` is \f$a_r\f$, `lse[r]` the row's log-sum-exp so far, `shift[r]` the constant the
+/// kernel's logits carry (\f$m r_i\f$, apply_linear_bias).
+template <class Scalar>
+bool window_certified(const KeyNormBounds& bounds, double slope, double tolerance,
+                      Index first_query, Index key_position, Index lo, Index hi, Index first,
+                      Index last, const std::vector<double>& row_norm, const Scalar* lse,
+                      const std::vector<double>& shift) {
+  struct Segment {
+    double norm;
+    double log_sum;
+    Index nearest;  // position of the segment's key nearest the tile
+  };
+  Segment segments[2 * 64];
+  int count = 0;
+  for (Index length = kKeyTile, edge = lo; edge > first; length *= 2) {
+    const Index begin = std::max(first, edge - length);
+    segments[count++] = Segment{bounds.max_over(begin, edge),
+                                log_geometric_sum(slope, edge - begin), key_position + edge - 1};
+    edge = begin;
+  }
+  const int left = count;
+  for (Index length = kKeyTile, edge = hi; edge < last; length *= 2) {
+    const Index end = std::min(last, edge + length);
+    segments[count++] = Segment{bounds.max_over(edge, end), log_geometric_sum(slope, end - edge),
+                                key_position + edge};
+    edge = end;
+  }
+  if (count == 0) return true;
+  for (std::size_t r = 0; r < row_norm.size(); ++r) {
+    const Index position = first_query + static_cast<Index>(r);
+    const double base = static_cast<double>(lse[r]) - shift[r];
+    double total = 0;
+    for (int s = 0; s < count; ++s) {
+      const Index distance =
+          s < left ? position - segments[s].nearest : segments[s].nearest - position;
+      const double decay = distance > 0 ? slope * static_cast<double>(distance) : 0.0;
+      total += std::exp(row_norm[r] * segments[s].norm - decay + segments[s].log_sum - base);
+    }
+    if (!(total <= tolerance)) return false;
+  }
+  return true;
+}
+
+/// Query rows `[row_begin, row_end)` of one head of windowed_alibi_attention: visits key tiles
+/// nearest first from the rows' own positions until window_certified holds (or no key is left),
+/// writes the rows of `out` and sets `kept` to the key rows visited. `options.scale` resolved,
+/// `tolerance` > 0; `bounds` are those of this head's keys.
+template <class Storage>
+void windowed_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
+                   const ConstHeadMap<Storage>& v, const AttentionOptions& options, double slope,
+                   double tolerance, const KeyNormBounds& bounds, Index row_begin, Index row_end,
+                   HeadMap<Storage>* out, Block& kept) {
+  using Scalar = Compute<Storage>;
+  TileWorkspace<Scalar>& workspace = tile_workspace<Scalar>();
+  ConvertedRows<Storage>& converted = converted_rows<Storage>();
+  const Index rows = row_end - row_begin;
+  const Index first_query = options.query_position + row_begin;
+  const Index last_query = options.query_position + row_end - 1;
+  const LinearBias bias{slope, kNoWindow};
+  const KeySpan span{first_query - options.key_position,
+                     first_query - (options.key_position + k.rows() - 1)};
+  // Key rows the tile may see: held ones, and those of the whole sequence for the certificate.
+  const auto visible_end = [&](Index end) {
+    return options.causal ? std::min(end, last_query + 1 - options.key_position) : end;
+  };
+  const Index key_end = visible_end(k.rows());
+  const Index sequence_end = visible_end(bounds.last());
+  Index lo = std::clamp<Index>(first_query - options.key_position, 0, std::max<Index>(key_end, 0));
+  Index hi = std::clamp<Index>(last_query + 1 - options.key_position, lo, std::max(key_end, lo));
+  workspace.softmax.reset(rows, v.cols());
+  kept = Block{lo, lo};
+  if (key_end > 0) {
+    workspace.query.noalias() =
+        compute_rows(q, row_begin, rows, converted.query) * static_cast<Scalar>(options.scale);
+    const std::size_t needed = static_cast<std::size_t>(rows * kKeyTile);
+    if (workspace.scores.size() < needed) workspace.scores.resize(needed);
+    std::vector<double> row_norm(static_cast<std::size_t>(rows));
+    std::vector<double> shift(static_cast<std::size_t>(rows));
+    std::vector<Scalar> lse(static_cast<std::size_t>(rows));
+    for (Index r = 0; r < rows; ++r) {
+      row_norm[static_cast<std::size_t>(r)] =
+          std::sqrt(workspace.query.row(r).template cast<double>().squaredNorm());
+      shift[static_cast<std::size_t>(r)] =
+          slope == 0 ? 0.0 : slope * static_cast<double>(nearest_key_distance(span, r));
+    }
+    const auto visit = [&](Index begin, Index end) {
+      for (Index c0 = begin; c0 < end; c0 += kKeyTile) {
+        const Index cols = std::min(kKeyTile, end - c0);
+        Eigen::Map<RowMatrix<Scalar>> scores(workspace.scores.data(), rows, cols);
+        multiply_transposed(workspace.query, compute_rows(k, c0, cols, converted.key), scores);
+        apply_linear_bias(scores, first_query - (options.key_position + c0), options.causal, bias,
+                          span, workspace.offsets);
+        workspace.softmax.update(scores, compute_rows(v, c0, cols, converted.value));
+      }
+    };
+    visit(lo, hi);
+    while (lo > 0 || hi < key_end) {
+      for (Index r = 0; r < rows; ++r)
+        lse[static_cast<std::size_t>(r)] = workspace.softmax.log_sum(r);
+      if (window_certified(bounds, slope, tolerance, first_query, options.key_position, lo, hi,
+                           std::min<Index>(bounds.first(), 0), sequence_end, row_norm, lse.data(),
+                           shift)) {
+        break;
+      }
+      const Index left = std::max<Index>(0, lo - kKeyTile);
+      const Index right = std::min(key_end, hi + kKeyTile);
+      visit(left, lo);
+      visit(hi, right);
+      lo = left;
+      hi = right;
+    }
+    kept = Block{lo, hi};
+  }
+  if (out == nullptr) return;
+  workspace.softmax.finish(converted.result.bind(*out, row_begin, rows), nullptr);
+  converted.result.store();
+}
+
+}  // namespace detail
+}  // namespace plsh
+
+#endif  // PLSH_ATTENTION_WINDOWED_HPP
