@@ -10,6 +10,7 @@
 #include <plsh/attention/plsh_attention.hpp>
 
 #include "attention_fixture.hpp"
+#include "kernel_instances.hpp"
 
 namespace plsh_test {
 

@@ -23,6 +23,7 @@
 #include <plsh/attention/reference.hpp>
 
 #include "attention_fixture.hpp"
+#include "kernel_instances.hpp"
 
 namespace {
 

@@ -28,6 +28,7 @@
 #include <plsh/detail/random.hpp>
 
 #include "attention_fixture.hpp"
+#include "kernel_instances.hpp"
 
 namespace {
 

@@ -14,6 +14,7 @@
 #include <plsh/alibi.hpp>
 
 #include "attention_fixture.hpp"
+#include "kernel_instances.hpp"
 
 #if defined(_OPENMP)
 #include <omp.h>

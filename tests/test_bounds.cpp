@@ -24,6 +24,7 @@
 #include <plsh/sampler.hpp>
 
 #include "attention_fixture.hpp"
+#include "kernel_instances.hpp"
 
 // Every heap allocation of this executable is counted: the tests below count those made by
 // argument checks that pass.

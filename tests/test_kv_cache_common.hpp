@@ -28,6 +28,7 @@
 #include <plsh/sampler.hpp>
 
 #include "attention_fixture.hpp"
+#include "kernel_instances.hpp"
 
 namespace plsh_test {
 

@@ -27,6 +27,7 @@
 #include <plsh/sampler.hpp>
 
 #include "attention_fixture.hpp"
+#include "kernel_instances.hpp"
 #include "plsh_fixture.hpp"
 
 namespace {

@@ -17,6 +17,7 @@
 #include <plsh/batch.hpp>
 
 #include "attention_fixture.hpp"
+#include "kernel_instances.hpp"
 
 namespace {
 

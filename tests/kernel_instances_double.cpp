@@ -1,0 +1,6 @@
+// The double instances that tests/kernel_instances.hpp declares (one file per type, so that a
+// parallel build compiles them side by side).
+
+#include "kernel_instances.hpp"
+
+PLSH_TEST_KERNEL_INSTANCES(template, double)
