@@ -237,8 +237,7 @@ void windowed_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& 
       for (Index r = 0; r < rows; ++r)
         lse[static_cast<std::size_t>(r)] = workspace.softmax.log_sum(r);
       if (window_certified(bounds, slope, tolerance, first_query, options.key_position, lo, hi,
-                           std::min<Index>(bounds.first(), 0), sequence_end, row_norm, lse.data(),
-                           shift)) {
+                           bounds.first(), sequence_end, row_norm, lse.data(), shift)) {
         break;
       }
       const Index left = std::max<Index>(0, lo - kKeyTile);
