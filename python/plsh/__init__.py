@@ -1,10 +1,13 @@
 """plsh: attention with linear biases (ALiBi) through Positional LSH.
 
-The kernels of the plsh C++ library on NumPy arrays ``[tokens, heads, dim]`` or
-``[batch, tokens, heads, dim]``, float32, float64 or float16 (or bfloat16 bit patterns in uint16
-arrays with ``bfloat16=True``; both 16-bit types computed in float32), read through their
-strides without copying when the layout allows. The GIL is released while a kernel runs. C++ argument errors are raised
-as ``ValueError`` with the library's message; a wrong dtype is a ``TypeError``.
+The kernels of the plsh C++ library on NumPy arrays ``[batch, tokens, heads, dim]`` (layout
+"bthd", FlashAttention's) or ``[batch, heads, tokens, dim]`` (``layout="bhtd"``, PyTorch SDPA's),
+the batch axis optional, float32, float64 or float16 (or bfloat16 bit patterns in uint16 arrays
+with ``dtype="bfloat16"``, as in ``KvCache``; both 16-bit types computed in float32), read through
+their strides without copying when the layout allows. ``softmax_scale=None`` means 1/sqrt(dim);
+``alibi_slopes=None`` means the standard slopes ``alibi_slopes(heads)``. The GIL is released
+while a kernel runs. C++ argument errors and shapes that do not fit are raised as ``ValueError``
+naming the axes; a wrong dtype is a ``TypeError``. ``__version__`` is the plsh project's version.
 
 ``plsh.torch`` (imported on its own, ``import plsh.torch``) adds autograd functions and an
 ``nn.Module`` for PyTorch; ``import plsh`` does not import torch.
@@ -15,6 +18,7 @@ as ``ValueError`` with the library's message; a wrong dtype is a ``TypeError``.
 (16, 4, 8)
 """
 
+from ._plsh import __version__
 from ._plsh import (
     Grid,
     KvCache,
@@ -36,6 +40,7 @@ from ._plsh import (
 )
 
 __all__ = [
+    "__version__",
     "Grid",
     "KvCache",
     "MaskError",

@@ -1,24 +1,34 @@
-"""PyTorch autograd functions and a module on top of plsh's kernels.
+"""PyTorch autograd functions, a decoding cache and attention modules on top of plsh's kernels.
 
-The forward and backward passes run plsh's C++ kernels on the tensors' memory (through NumPy views;
-no copies for CPU tensors with positive strides and a contiguous last axis). Tensors must be CPU
-float32, float64, float16 or bfloat16, all of one dtype; float16 and bfloat16 are computed in
-float32 a tile at a time, and the output and the gradients have the inputs' dtype. q
-``[B, T, H, D]`` or ``[T, H, D]``, k ``[B, T_k, H_kv, D]``, v ``[B, T_k, H_kv, D_v]`` with H a
-multiple of H_kv; the output is ``[B, T, H, D_v]``.
+The forward and backward passes run plsh's C++ kernels on the tensors' memory (through NumPy
+views; no copies for CPU tensors with positive strides and a contiguous last axis). Tensors must
+be CPU float32, float64, float16 or bfloat16, all of one dtype; float16 and bfloat16 are computed
+in float32 a tile at a time, and the output and the gradients have the inputs' dtype.
+
+Layouts: ``layout="bthd"`` (the default, FlashAttention's ``flash_attn_func``): q ``[B, T, H, D]``
+or ``[T, H, D]``, k ``[B, T_k, H_kv, D]``, v ``[B, T_k, H_kv, D_v]`` with H a multiple of H_kv
+(grouped-query attention), output ``[B, T, H, D_v]``. ``layout="bhtd"`` (PyTorch's
+``scaled_dot_product_attention``): every tensor ``[B, H, T, D]``. Both are read through strides
+without copies, and the gradients come back in the inputs' layout. A shape that does not fit
+raises a ``ValueError`` naming the axes and the layout.
+
+Names follow FlashAttention: ``softmax_scale=None`` means 1/sqrt(D); ``alibi_slopes`` are the
+slopes, one per query head. plsh's default differs: ``alibi_slopes=None`` means the standard ALiBi
+slopes ``plsh.alibi_slopes(H)`` (Press et al.), and ``[0.0] * H`` is attention without positional
+bias. The old names ``slopes=`` and ``scale=`` still work and warn.
 
 Example (causal self-attention with Positional LSH, 20 draws, gradients through plsh)::
 
     import torch, plsh.torch
-    q, k, v = (torch.randn(2, 1024, 8, 64, requires_grad=True) for _ in range(3))
-    out = plsh.torch.plsh_attention(q, k, v, samples=20, seed=0)
+    q, k, v = (torch.randn(2, 8, 1024, 64, requires_grad=True) for _ in range(3))
+    out = plsh.torch.plsh_attention(q, k, v, samples=20, seed=0, layout="bhtd")
     out.square().mean().backward()                    # q.grad, k.grad, v.grad from C++
-
-Slopes of 0 give plain softmax attention ("no positional bias"):
-``exact_alibi_attention(q, k, v, slopes=[0.0] * H)``.
 """
 
+import math as _math
 import operator as _operator
+import warnings as _warnings
+from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as _numpy
 import torch as _torch
@@ -27,6 +37,8 @@ from . import _plsh
 
 __all__ = [
     "AlibiAttention",
+    "KvCache",
+    "MultiheadAlibiAttention",
     "exact_alibi_attention",
     "fixed_block_attention",
     "plsh_attention",
@@ -34,6 +46,10 @@ __all__ = [
 ]
 
 _DTYPES = (_torch.float32, _torch.float64, _torch.float16, _torch.bfloat16)
+_LAYOUTS = ("bthd", "bhtd")
+_LAYOUT_AXES = {"bthd": "[batch, tokens, heads, dim]", "bhtd": "[batch, heads, tokens, dim]"}
+
+Slopes = Optional[Union[Sequence[float], _torch.Tensor]]
 
 
 def _check(name, tensor, like=None):
@@ -60,7 +76,7 @@ def _array(tensor):
     """A NumPy array sharing the tensor's memory (a copy only for a conjugated or negated view).
 
     NumPy has no bfloat16: a bfloat16 tensor becomes a uint16 array of its bit patterns, which the
-    kernels read with ``bfloat16=True``.
+    kernels read with ``dtype="bfloat16"``.
     """
     tensor = tensor.detach().resolve_conj().resolve_neg()
     if tensor.dtype == _torch.bfloat16:
@@ -68,10 +84,24 @@ def _array(tensor):
     return tensor.numpy()
 
 
-def _check_inputs(q, k, v):
+def _kernel_dtype(dtype):
+    """The kernels' dtype argument for tensors of ``dtype``: "bfloat16" or None (the arrays')."""
+    return "bfloat16" if dtype == _torch.bfloat16 else None
+
+
+def _check_layout(layout):
+    if layout not in _LAYOUTS:
+        raise ValueError(
+            f'layout must be "bthd" ({_LAYOUT_AXES["bthd"]}, FlashAttention\'s) or "bhtd" '
+            f'({_LAYOUT_AXES["bhtd"]}, PyTorch SDPA\'s) (got {layout!r})')
+    return layout
+
+
+def _check_inputs(q, k, v, layout):
     _check("q", q)
     _check("k", k, q)
     _check("v", v, q)
+    _check_layout(layout)
 
 
 def _integer(name, value):
@@ -94,21 +124,51 @@ def _slopes(slopes):
     return [float(m) for m in slopes]
 
 
+def _renamed(new_name, new_value, old_name, old_value, default=None):
+    """``new_value``, or ``old_value`` given under the deprecated name ``old_name`` (a
+    DeprecationWarning); a TypeError when both are given."""
+    if old_value is _UNSET:
+        return new_value
+    if new_value is not default:
+        raise TypeError(f"pass {new_name}= or its deprecated name {old_name}=, not both")
+    _warnings.warn(f"{old_name}= is deprecated; pass {new_name}=", DeprecationWarning,
+                   stacklevel=3)
+    return old_value
+
+
+class _Unset:
+    def __repr__(self):
+        return "<unset>"
+
+
+_UNSET = _Unset()
+
+
+def _softmax_scale(softmax_scale, scale):
+    softmax_scale = _renamed("softmax_scale", softmax_scale, "scale", scale)
+    if softmax_scale is not None:
+        softmax_scale = float(softmax_scale)
+        if softmax_scale == 0.0:  # the old spelling of the default
+            softmax_scale = None
+    return softmax_scale
+
+
 class _AttentionFunction(_torch.autograd.Function):
     """Attention through a pair of C++ kernels, with autograd.
 
     ``apply(q, k, v, kernels, parameter, options)``: ``kernels`` is ``(forward, backward)``, for
     example ``(plsh.exact_alibi_attention, plsh.exact_alibi_attention_backward)``; ``parameter``
     the kernels' positional argument after the tensors (the slopes, or the block size of fixed
-    blocks); ``options`` their keyword arguments (causal, scale, the positions, and the draws of
-    Positional LSH). The backward kernel gets the same parameter and options as the forward, so
-    Positional LSH differentiates the forward's own draws.
+    blocks); ``options`` their keyword arguments (causal, softmax_scale, the positions, the layout
+    and the draws of Positional LSH). The backward kernel gets the same parameter and options as
+    the forward, so Positional LSH differentiates the forward's own draws. The output and the
+    gradients are new contiguous tensors in the inputs' layout.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, kernels, parameter, options):
         forward_kernel, backward_kernel = kernels
-        options = dict(options, bfloat16=q.dtype == _torch.bfloat16)
+        options = dict(options, dtype=_kernel_dtype(q.dtype))
         out = _torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
         forward_kernel(_array(q), _array(k), _array(v), parameter, out=_array(out), **options)
         ctx.save_for_backward(q, k, v, out)
@@ -120,8 +180,8 @@ class _AttentionFunction(_torch.autograd.Function):
     @staticmethod
     @_torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        """(dq, dk, dv) from the backward kernel, as new contiguous tensors; None for the
-        non-tensor arguments."""
+        """(dq, dk, dv) from the backward kernel, as new contiguous tensors in the inputs' layout;
+        None for the non-tensor arguments."""
         q, k, v, out = ctx.saved_tensors
         dq, dk, dv = (_torch.empty_like(t, memory_format=_torch.contiguous_format)
                       for t in (q, k, v))
@@ -138,30 +198,46 @@ _FIXED_BLOCK_KERNELS = (_plsh.fixed_block_attention, _plsh.fixed_block_attention
 _WINDOWED_KERNELS = (_plsh.windowed_alibi_attention, _plsh.windowed_alibi_attention_backward)
 
 
-def _attention_options(causal, scale, query_position, key_position):
+def _attention_options(causal, softmax_scale, query_position, key_position, layout):
     """The keyword arguments every kernel takes, converted as the kernels expect them."""
-    return {"causal": bool(causal), "scale": float(scale),
+    return {"causal": bool(causal), "softmax_scale": softmax_scale,
             "query_position": _integer("query_position", query_position),
-            "key_position": _integer("key_position", key_position)}
+            "key_position": _integer("key_position", key_position), "layout": layout}
 
 
-def exact_alibi_attention(q, k, v, slopes=None, *, causal=True, scale=0.0, query_position=0,
-                          key_position=0):
-    """Exact ALiBi attention with autograd: softmax(scale q k^T - m_h |i - j|) v per head.
+def exact_alibi_attention(q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor,
+                          alibi_slopes: Slopes = None, *, causal: bool = True,
+                          softmax_scale: Optional[float] = None, query_position: int = 0,
+                          key_position: int = 0, layout: str = "bthd", slopes=_UNSET,
+                          scale=_UNSET) -> _torch.Tensor:
+    """Exact ALiBi attention with autograd: softmax(softmax_scale q k^T - m_h |i - j|) v per head.
 
-    q ``[B, T, H, D]`` or ``[T, H, D]``, k ``[B, T_k, H_kv, D]``, v ``[B, T_k, H_kv, D_v]``;
-    slopes one per query head (None: ``plsh.alibi_slopes(H)``; zeros: no positional bias);
-    scale 0 means 1/sqrt(D); query_position and key_position are the absolute positions of the
-    first query and key rows. Returns ``[B, T, H, D_v]``.
+    Args:
+      q, k, v: ``[B, T, H, D]``, ``[B, T_k, H_kv, D]``, ``[B, T_k, H_kv, D_v]`` (layout "bthd",
+        the batch axis optional) or ``[B, H, T, D]`` ... (layout "bhtd"); H a multiple of H_kv.
+      alibi_slopes: one slope per query head; None (plsh's default) means the standard slopes
+        ``plsh.alibi_slopes(H)``, ``[0.0] * H`` no positional bias.
+      causal: keys after the query are masked.
+      softmax_scale: None means 1/sqrt(D).
+      query_position, key_position: absolute positions of the first query and key rows.
+      layout: "bthd" or "bhtd" (PyTorch SDPA's), for every tensor and the gradients.
+
+    Returns:
+      The output ``[B, T, H, D_v]`` (or ``[B, H, T, D_v]`` in layout "bhtd").
     """
-    _check_inputs(q, k, v)
-    slopes = _slopes(slopes)
-    options = _attention_options(causal, scale, query_position, key_position)
-    return _AttentionFunction.apply(q, k, v, _EXACT_KERNELS, slopes, options)
+    _check_inputs(q, k, v, layout)
+    alibi_slopes = _slopes(_renamed("alibi_slopes", alibi_slopes, "slopes", slopes))
+    options = _attention_options(causal, _softmax_scale(softmax_scale, scale), query_position,
+                                 key_position, layout)
+    return _AttentionFunction.apply(q, k, v, _EXACT_KERNELS, alibi_slopes, options)
 
 
-def windowed_alibi_attention(q, k, v, slopes=None, *, tolerance=1e-6, causal=True, scale=0.0,
-                             query_position=0, key_position=0):
+def windowed_alibi_attention(q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor,
+                             alibi_slopes: Slopes = None, *, tolerance: float = 1e-6,
+                             causal: bool = True, softmax_scale: Optional[float] = None,
+                             query_position: int = 0, key_position: int = 0,
+                             layout: str = "bthd", slopes=_UNSET,
+                             scale=_UNSET) -> _torch.Tensor:
     """Windowed ALiBi attention with autograd: exact ALiBi except for keys certified to weigh at
     most ``tolerance``.
 
@@ -171,50 +247,72 @@ def windowed_alibi_attention(q, k, v, slopes=None, *, tolerance=1e-6, causal=Tru
     over the keys each tile of 64 query rows kept. ``tolerance=0`` is exact ALiBi. Other arguments
     and shapes as :func:`exact_alibi_attention`.
     """
-    _check_inputs(q, k, v)
-    slopes = _slopes(slopes)
-    options = _attention_options(causal, scale, query_position, key_position)
+    _check_inputs(q, k, v, layout)
+    alibi_slopes = _slopes(_renamed("alibi_slopes", alibi_slopes, "slopes", slopes))
+    options = _attention_options(causal, _softmax_scale(softmax_scale, scale), query_position,
+                                 key_position, layout)
     options.update(tolerance=float(tolerance))
-    return _AttentionFunction.apply(q, k, v, _WINDOWED_KERNELS, slopes, options)
+    return _AttentionFunction.apply(q, k, v, _WINDOWED_KERNELS, alibi_slopes, options)
 
 
-def plsh_attention(q, k, v, slopes=None, *, causal=True, scale=0.0, query_position=0,
-                   key_position=0, samples=20, seed=0, sampling="independent"):
+def plsh_attention(q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor,
+                   alibi_slopes: Slopes = None, *, causal: bool = True,
+                   softmax_scale: Optional[float] = None, query_position: int = 0,
+                   key_position: int = 0, samples: int = 20, seed: int = 0,
+                   sampling: str = "independent", layout: str = "bthd", slopes=_UNSET,
+                   scale=_UNSET) -> _torch.Tensor:
     """ALiBi attention through Positional LSH with autograd (fused kernel).
 
     The average of ``samples`` random block partitions per head, the grids
-    ``plsh.kernel_grids(slopes, samples, seed, sampling=sampling)``: with ``sampling``
-    ``"independent"`` head h uses ``plsh.RandomBinning(slopes[h], plsh.head_seed(seed, h))``;
+    ``plsh.kernel_grids(alibi_slopes, samples, seed, sampling=sampling)``: with ``sampling``
+    ``"independent"`` head h uses ``plsh.RandomBinning(alibi_slopes[h], plsh.head_seed(seed, h))``;
     ``"latin_hypercube"`` draws the partitions of a head jointly, stratified (lower error at equal
     ``samples``). The same draws serve every batch element and the backward pass. Other arguments
     and shapes as :func:`exact_alibi_attention`.
     """
-    _check_inputs(q, k, v)
-    slopes = _slopes(slopes)
-    options = _attention_options(causal, scale, query_position, key_position)
+    _check_inputs(q, k, v, layout)
+    alibi_slopes = _slopes(_renamed("alibi_slopes", alibi_slopes, "slopes", slopes))
+    options = _attention_options(causal, _softmax_scale(softmax_scale, scale), query_position,
+                                 key_position, layout)
     options.update(samples=_integer("samples", samples), seed=_integer("seed", seed),
                    sampling=str(sampling))
-    return _AttentionFunction.apply(q, k, v, _PLSH_KERNELS, slopes, options)
+    return _AttentionFunction.apply(q, k, v, _PLSH_KERNELS, alibi_slopes, options)
 
 
-def fixed_block_attention(q, k, v, block_size, *, causal=True, scale=0.0, query_position=0,
-                          key_position=0):
+def fixed_block_attention(q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor, block_size: int,
+                          *, causal: bool = True, softmax_scale: Optional[float] = None,
+                          query_position: int = 0, key_position: int = 0, layout: str = "bthd",
+                          scale=_UNSET) -> _torch.Tensor:
     """Attention within fixed blocks of ``block_size`` absolute positions, with autograd.
 
     The paper's fixed-blocks baseline: query i attends to the keys j with
-    ``i // block_size == j // block_size`` (and ``j <= i`` when causal), without bias. Shapes as
-    :func:`exact_alibi_attention`.
+    ``i // block_size == j // block_size`` (and ``j <= i`` when causal), without bias. Shapes and
+    other arguments as :func:`exact_alibi_attention`.
     """
-    _check_inputs(q, k, v)
+    _check_inputs(q, k, v, layout)
     block_size = _integer("block_size", block_size)
-    options = _attention_options(causal, scale, query_position, key_position)
+    options = _attention_options(causal, _softmax_scale(softmax_scale, scale), query_position,
+                                 key_position, layout)
     return _AttentionFunction.apply(q, k, v, _FIXED_BLOCK_KERNELS, block_size, options)
+
+
+def _heads_axis(tensor, layout):
+    """The index of the heads axis of ``tensor`` in ``layout`` (from the end: -2 or -3)."""
+    return tensor.dim() + (-2 if layout == "bthd" else -3)
+
+
+def _axis_text(tensor, layout, axis):
+    axes = _LAYOUT_AXES[layout] if tensor.dim() == 4 else _LAYOUT_AXES[layout].replace(
+        "batch, ", "")
+    return f'axis {axis} of layout "{layout}" {axes}'
 
 
 class AlibiAttention(_torch.nn.Module):
     """Attention with a positional bias computed by plsh: ``forward(q, k, v) -> out``.
 
-    Shapes as :func:`exact_alibi_attention` (q ``[B, T, H, D]``, k and v ``[B, T_k, H_kv, ...]``).
+    Shapes as :func:`exact_alibi_attention` in the module's ``layout`` (q ``[B, T, H, D]``, k and
+    v ``[B, T_k, H_kv, ...]`` for "bthd"; ``[B, H, T, D]`` for "bhtd"). A q whose heads axis does
+    not hold ``heads`` heads raises a ``ValueError`` naming the axis.
 
     method:
       ``"plsh"``   Positional LSH with ``samples`` draws (fused kernel), unbiased for ALiBi,
@@ -234,15 +332,19 @@ class AlibiAttention(_torch.nn.Module):
     module that returns (also for the other methods, which ignore it); a forward that raises
     leaves it as it was.
 
-    slopes: one per head, default ``plsh.alibi_slopes(heads)``.
+    alibi_slopes: one per head, default (None) ``plsh.alibi_slopes(heads)``; ``slopes=`` is its
+    deprecated name.
     """
 
     METHODS = ("plsh", "exact", "windowed", "fixed", "none")
     SAMPLINGS = ("independent", "latin_hypercube")
 
-    def __init__(self, heads, method="plsh", samples=20, block_size=64, seed=0, causal=True,
-                 slopes=None, sampling="independent", tolerance=1e-6):
+    def __init__(self, heads: int, method: str = "plsh", samples: int = 20, block_size: int = 64,
+                 seed: int = 0, causal: bool = True, alibi_slopes: Slopes = None,
+                 sampling: str = "independent", tolerance: float = 1e-6, *,
+                 softmax_scale: Optional[float] = None, layout: str = "bthd", slopes=_UNSET):
         super().__init__()
+        alibi_slopes = _renamed("alibi_slopes", alibi_slopes, "slopes", slopes)
         if method not in self.METHODS:
             raise ValueError(f"method must be one of {self.METHODS} (got {method!r})")
         if sampling not in self.SAMPLINGS:
@@ -268,40 +370,330 @@ class AlibiAttention(_torch.nn.Module):
         self.seed = seed
         self.causal = bool(causal)
         self.sampling = sampling
-        if slopes is None:
-            slopes = _plsh.alibi_slopes(self.heads)
-        self.slopes = [float(m) for m in slopes]
-        if len(self.slopes) != self.heads:
-            raise ValueError(f"slopes has {len(self.slopes)} entries, heads is {self.heads}")
+        self.softmax_scale = _softmax_scale(softmax_scale, _UNSET)
+        self.layout = _check_layout(layout)
+        if alibi_slopes is None:
+            alibi_slopes = _plsh.alibi_slopes(self.heads)
+        self.alibi_slopes = _slopes(alibi_slopes)
+        if len(self.alibi_slopes) != self.heads:
+            raise ValueError(f"alibi_slopes has {len(self.alibi_slopes)} entries, one per head "
+                             f"expected: heads is {self.heads}")
         self.register_buffer("training_forwards", _torch.zeros((), dtype=_torch.int64))
 
-    def extra_repr(self):
+    @property
+    def slopes(self) -> List[float]:
+        """The slopes (the older name of ``alibi_slopes``)."""
+        return self.alibi_slopes
+
+    def extra_repr(self) -> str:
         return (f"heads={self.heads}, method={self.method!r}, samples={self.samples}, "
                 f"block_size={self.block_size}, seed={self.seed}, causal={self.causal}, "
-                f"sampling={self.sampling!r}, tolerance={self.tolerance}")
+                f"sampling={self.sampling!r}, tolerance={self.tolerance}, "
+                f"layout={self.layout!r}")
 
-    def current_seed(self):
+    def current_seed(self) -> int:
         """The seed the next forward uses."""
         if self.training:
             return (self.seed + int(self.training_forwards)) % _SEED_LIMIT
         return self.seed
 
-    def forward(self, q, k, v):
-        if q.shape[-2] != self.heads:
-            raise ValueError(f"q has {q.shape[-2]} heads (shape[-2]), the module {self.heads}")
-        seed = self.current_seed()
+    def forward(self, q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor) -> _torch.Tensor:
+        """Attention of q over k and v, in the module's layout."""
+        if isinstance(q, _torch.Tensor) and q.dim() in (3, 4):
+            axis = _heads_axis(q, self.layout)
+            if q.shape[axis] != self.heads:
+                hint = ('; tensors in PyTorch SDPA\'s order [batch, heads, tokens, dim] need '
+                        'layout="bhtd"' if self.layout == "bthd" else "")
+                raise ValueError(
+                    f"q has {q.shape[axis]} heads ({_axis_text(q, self.layout, axis)}) but the "
+                    f"module has {self.heads}{hint}")
+        options = dict(causal=self.causal, softmax_scale=self.softmax_scale, layout=self.layout)
         if self.method == "plsh":
-            out = plsh_attention(q, k, v, self.slopes, causal=self.causal, samples=self.samples,
-                                 seed=seed, sampling=self.sampling)
+            out = plsh_attention(q, k, v, self.alibi_slopes, samples=self.samples,
+                                 seed=self.current_seed(), sampling=self.sampling, **options)
         elif self.method == "exact":
-            out = exact_alibi_attention(q, k, v, self.slopes, causal=self.causal)
+            out = exact_alibi_attention(q, k, v, self.alibi_slopes, **options)
         elif self.method == "windowed":
-            out = windowed_alibi_attention(q, k, v, self.slopes, tolerance=self.tolerance,
-                                           causal=self.causal)
+            out = windowed_alibi_attention(q, k, v, self.alibi_slopes, tolerance=self.tolerance,
+                                           **options)
         elif self.method == "none":
-            out = exact_alibi_attention(q, k, v, [0.0] * self.heads, causal=self.causal)
+            out = exact_alibi_attention(q, k, v, [0.0] * self.heads, **options)
         else:
-            out = fixed_block_attention(q, k, v, self.block_size, causal=self.causal)
+            out = fixed_block_attention(q, k, v, self.block_size, **options)
         if self.training:
             self.training_forwards += 1
         return out
+
+
+class MultiheadAlibiAttention(_torch.nn.Module):
+    """Multi-head attention with ALiBi by plsh, with the projections of
+    ``nn.MultiheadAttention(embed_dim, num_heads, batch_first=True)``.
+
+    ``forward(query, key=None, value=None) -> [B, T, embed_dim]`` with query ``[B, T, embed_dim]``
+    (or ``[T, embed_dim]``), key and value ``[B, T_k, embed_dim]`` (default: the query, which is
+    self-attention). Unlike ``nn.MultiheadAttention`` it returns the output only (plsh never forms
+    the attention weights) and it is causal unless ``causal=False``.
+
+    Parameters, named as ``nn.MultiheadAttention``'s: ``in_proj_weight``
+    ``[(num_heads + 2 num_kv_heads) head_dim, embed_dim]`` (the rows of q, then k, then v),
+    ``in_proj_bias`` (if ``bias``) and ``out_proj`` (an ``nn.Linear(embed_dim, embed_dim)``),
+    with ``head_dim = embed_dim // num_heads``. Both projections are initialised as
+    ``nn.Linear`` initialises its parameters (``nn.MultiheadAttention`` uses Xavier).
+
+    num_kv_heads: the heads of k and v (grouped-query attention), a divisor of ``num_heads``;
+    None means ``num_heads``.
+
+    The attention is ``self.attention``: by default ``AlibiAttention(num_heads, method, ...)`` with
+    the other arguments (see :class:`AlibiAttention`: the methods, and the seeds of Positional LSH,
+    fresh at every training forward and fixed in eval mode, counted by the buffer
+    ``attention.training_forwards``). ``attention=`` replaces it by any module that maps q, k, v
+    ``[B, T, H, D]`` to ``[B, T, H, D]``.
+
+    Example::
+
+        layer = plsh.torch.MultiheadAlibiAttention(512, 8, num_kv_heads=2, method="plsh")
+        y = layer(torch.randn(4, 1024, 512))                  # [4, 1024, 512]
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: Optional[int] = None,
+                 method: str = "plsh", *, bias: bool = True, samples: int = 20,
+                 block_size: int = 64, seed: int = 0, causal: bool = True,
+                 alibi_slopes: Slopes = None, sampling: str = "independent",
+                 tolerance: float = 1e-6, softmax_scale: Optional[float] = None,
+                 attention: Optional[_torch.nn.Module] = None, device=None, dtype=None):
+        super().__init__()
+        embed_dim, num_heads = _integer("embed_dim", embed_dim), _integer("num_heads", num_heads)
+        num_kv_heads = num_heads if num_kv_heads is None else _integer("num_kv_heads",
+                                                                         num_kv_heads)
+        if num_heads < 1 or embed_dim < 1:
+            raise ValueError(f"embed_dim and num_heads must be at least 1 (got {embed_dim} and "
+                             f"{num_heads})")
+        if embed_dim % num_heads != 0:
+            raise ValueError(f"embed_dim ({embed_dim}) must be a multiple of num_heads "
+                             f"({num_heads})")
+        if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
+        self.head_dim = embed_dim // num_heads
+        factory = {"device": device, "dtype": dtype}
+        rows = (num_heads + 2 * num_kv_heads) * self.head_dim
+        self.in_proj_weight = _torch.nn.Parameter(_torch.empty(rows, embed_dim, **factory))
+        if bias:
+            self.in_proj_bias = _torch.nn.Parameter(_torch.empty(rows, **factory))
+        else:
+            self.register_parameter("in_proj_bias", None)
+        self._reset_in_projection()
+        self.out_proj = _torch.nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        if attention is None:
+            attention = AlibiAttention(num_heads, method, samples, block_size, seed, causal,
+                                       alibi_slopes, sampling, tolerance,
+                                       softmax_scale=softmax_scale)
+        self.attention = attention
+
+    def _reset_in_projection(self):
+        """The initialisation of nn.Linear (Kaiming uniform weights, uniform bias of bound
+        1/sqrt(fan_in)), drawn in the same order from the same generator."""
+        _torch.nn.init.kaiming_uniform_(self.in_proj_weight, a=_math.sqrt(5))
+        if self.in_proj_bias is not None:
+            bound = 1 / _math.sqrt(self.embed_dim)
+            _torch.nn.init.uniform_(self.in_proj_bias, -bound, bound)
+
+    def extra_repr(self) -> str:
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+                f"num_kv_heads={self.num_kv_heads}")
+
+    def project(self, query: _torch.Tensor, key: Optional[_torch.Tensor] = None,
+                value: Optional[_torch.Tensor] = None):
+        """(q, k, v) ``[B, T, H, D]``, ``[B, T_k, H_kv, D]``, ``[B, T_k, H_kv, D]``: the input
+        projections (strided views of one product for self-attention)."""
+        for name, tensor in (("query", query), ("key", key), ("value", value)):
+            if tensor is not None and tensor.shape[-1] != self.embed_dim:
+                raise ValueError(f"{name} has {tensor.shape[-1]} features on its last axis "
+                                 f"(embed), the module embed_dim {self.embed_dim}")
+        q_rows = self.num_heads * self.head_dim
+        kv_rows = self.num_kv_heads * self.head_dim
+        weight, bias = self.in_proj_weight, self.in_proj_bias
+        if (key is None or key is query) and (value is None or value is query):
+            projected = _torch.nn.functional.linear(query, weight, bias)
+            q, k, v = projected.split([q_rows, kv_rows, kv_rows], dim=-1)
+        else:
+            key = query if key is None else key
+            value = key if value is None else value
+            w_q, w_k, w_v = weight.split([q_rows, kv_rows, kv_rows])
+            b_q, b_k, b_v = (None,) * 3 if bias is None else bias.split([q_rows, kv_rows,
+                                                                          kv_rows])
+            q = _torch.nn.functional.linear(query, w_q, b_q)
+            k = _torch.nn.functional.linear(key, w_k, b_k)
+            v = _torch.nn.functional.linear(value, w_v, b_v)
+        return (q.unflatten(-1, (self.num_heads, self.head_dim)),
+                k.unflatten(-1, (self.num_kv_heads, self.head_dim)),
+                v.unflatten(-1, (self.num_kv_heads, self.head_dim)))
+
+    def forward(self, query: _torch.Tensor, key: Optional[_torch.Tensor] = None,
+                value: Optional[_torch.Tensor] = None) -> _torch.Tensor:
+        """out_proj(attention(q, k, v)) with q, k, v from :meth:`project`."""
+        q, k, v = self.project(query, key, value)
+        out = self.attention(q, k, v)
+        return self.out_proj(out.flatten(-2))
+
+
+def _numpy_dtype(dtype):
+    """The KvCache dtype argument of plsh._plsh for a torch dtype."""
+    table = {_torch.float32: _numpy.float32, _torch.float64: _numpy.float64,
+             _torch.float16: _numpy.float16, _torch.bfloat16: "bfloat16"}
+    if dtype not in table:
+        raise TypeError(f"dtype must be torch.float32, torch.float64, torch.float16 or "
+                        f"torch.bfloat16 (got {dtype})")
+    return table[dtype]
+
+
+class KvCache:
+    """The key/value cache of :class:`plsh.KvCache` on torch tensors: incremental causal
+    decoding with Positional LSH that forgets the keys no later query can reach.
+
+    Tensors: CPU, of the cache's ``dtype`` (torch.float32, float64, float16 or bfloat16), in the
+    cache's ``layout``: "bthd" ``[T, H, D]`` or ``[1, T, H, D]``, "bhtd" ``[H, T, D]`` or
+    ``[1, H, T, D]``; read in place (no copy) and returned as new tensors of the same rank and
+    layout. No autograd: the cache is for inference.
+
+    ``append(k, v)`` adds the keys and values of the next positions; ``attend(q)`` returns the
+    outputs of the queries at the newest positions; ``decode(q, k, v)`` does both in one step.
+    ``keys()`` and ``values()`` return the resident rows; ``position``, ``resident``,
+    ``oldest_position`` and ``bytes`` (the resident size of the buffers) describe the cache.
+
+    Arguments as :class:`plsh.KvCache` (``alibi_slopes`` None means the standard slopes,
+    ``softmax_scale`` None means 1/sqrt(dim)); ``value_dim`` None means ``dim``.
+    """
+
+    def __init__(self, heads: int, kv_heads: int, dim: int, value_dim: Optional[int] = None,
+                 alibi_slopes: Slopes = None, *, samples: int = 20, seed: int = 0,
+                 sampling: str = "independent", softmax_scale: Optional[float] = None,
+                 key_position: int = 0, kernel: str = "fused",
+                 dtype: _torch.dtype = _torch.float32, layout: str = "bthd"):
+        self.layout = _check_layout(layout)
+        self.dtype = dtype
+        value_dim = dim if value_dim is None else value_dim
+        self._cache = _plsh.KvCache(heads, kv_heads, dim, value_dim, _slopes(alibi_slopes),
+                                    samples=samples, seed=seed, sampling=sampling,
+                                    softmax_scale=softmax_scale, key_position=key_position,
+                                    kernel=kernel, dtype=_numpy_dtype(dtype))
+
+    def _view(self, name, tensor):
+        """The [tokens, heads, dim] NumPy view of ``tensor`` and whether it had a batch axis."""
+        _check(name, tensor)
+        if tensor.dtype != self.dtype:
+            raise TypeError(f"{name} has dtype {tensor.dtype}, the cache {self.dtype}")
+        batched = tensor.dim() == 4
+        if batched:
+            if tensor.shape[0] != 1:
+                raise ValueError(f"{name} has batch {tensor.shape[0]} (axis 0 of layout "
+                                 f'"{self.layout}" {_LAYOUT_AXES[self.layout]}); a KvCache '
+                                 f"holds one sequence, batch 1")
+            tensor = tensor[0]
+        elif tensor.dim() != 3:
+            raise ValueError(f"{name} must have 3 or 4 dimensions {_LAYOUT_AXES[self.layout]} "
+                             f"(got {tensor.dim()})")
+        if self.layout == "bhtd":
+            tensor = tensor.transpose(0, 1)
+        return tensor, batched
+
+    def _output(self, q, batched):
+        """A new output tensor for the queries ``q`` ([T, H, D]) in the caller's layout, and the
+        [T, H, D_v] array the kernel writes."""
+        shape = (q.shape[0], q.shape[1], self._cache.value_dim)
+        if self.layout == "bhtd":
+            out = _torch.empty((shape[1], shape[0], shape[2]), dtype=self.dtype)
+            target = out.transpose(0, 1)
+        else:
+            out = _torch.empty(shape, dtype=self.dtype)
+            target = out
+        return (out.unsqueeze(0) if batched else out), _array(target)
+
+    def append(self, k: _torch.Tensor, v: _torch.Tensor) -> None:
+        """Appends the keys and values of positions ``position .. position + n - 1``."""
+        k, _ = self._view("k", k)
+        v, _ = self._view("v", v)
+        self._cache.append(_array(k), _array(v))
+
+    def attend(self, q: _torch.Tensor) -> _torch.Tensor:
+        """The outputs of the queries ``q`` at positions ``position - n .. position - 1``."""
+        q, batched = self._view("q", q)
+        out, target = self._output(q, batched)
+        self._cache.attend(_array(q), out=target)
+        return out
+
+    def decode(self, q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor) -> _torch.Tensor:
+        """One decoding step: ``append(k, v)`` then ``attend(q)``; a call that raises leaves the
+        cache as it was."""
+        q, batched = self._view("q", q)
+        k, _ = self._view("k", k)
+        v, _ = self._view("v", v)
+        out, target = self._output(q, batched)
+        self._cache.decode(_array(q), _array(k), _array(v), out=target)
+        return out
+
+    def _tensor(self, array):
+        if self.dtype == _torch.bfloat16:  # torch reads uint16 arrays as int16 only
+            tensor = _torch.from_numpy(array.view(_numpy.int16)).view(_torch.bfloat16)
+        else:
+            tensor = _torch.from_numpy(array)
+        return tensor.transpose(0, 1).contiguous() if self.layout == "bhtd" else tensor
+
+    def keys(self) -> _torch.Tensor:
+        """A copy of the resident keys, ``[resident, kv_heads, dim]`` (or ``[kv_heads, resident,
+        dim]`` in layout "bhtd")."""
+        return self._tensor(self._cache.keys())
+
+    def values(self) -> _torch.Tensor:
+        """A copy of the resident values, as :meth:`keys`."""
+        return self._tensor(self._cache.values())
+
+    @property
+    def position(self) -> int:
+        """The position of the next appended token."""
+        return self._cache.position
+
+    @property
+    def resident(self) -> int:
+        """The tokens whose keys and values the cache holds."""
+        return self._cache.resident
+
+    @property
+    def oldest_position(self) -> int:
+        """The position of the oldest resident token."""
+        return self._cache.oldest_position
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the key and value buffers (resident rows and room for later appends)."""
+        return self._cache.bytes
+
+    @property
+    def heads(self) -> int:
+        return self._cache.heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self._cache.kv_heads
+
+    @property
+    def dim(self) -> int:
+        return self._cache.dim
+
+    @property
+    def value_dim(self) -> int:
+        return self._cache.value_dim
+
+    @property
+    def alibi_slopes(self) -> List[float]:
+        return self._cache.alibi_slopes
+
+    @property
+    def options(self) -> dict:
+        """samples, seed, sampling, kernel, softmax_scale (0: 1/sqrt(dim)) and key_position."""
+        return self._cache.options
+
+    def __repr__(self) -> str:
+        return (f"KvCache(heads={self.heads}, kv_heads={self.kv_heads}, dim={self.dim}, "
+                f"value_dim={self.value_dim}, dtype={self.dtype}, layout={self.layout!r}, "
+                f"position={self.position}, resident={self.resident})")

@@ -8,13 +8,14 @@
 //
 //   py::array exact_alibi_attention(const Inputs& inputs, const Slopes& slopes,
 //                                   const AttentionArguments& attention,
-//                                   const OutputArguments& output);
+//                                   const OutputArguments& output,
+//                                   const ArrayArguments& arrays);
 //
 // and is bound with the annotations of its own arguments and its groups' in the same order:
 //
 //   def_function(m, "exact_alibi_attention", &exact_alibi_attention, Inputs::arguments(),
-//                "slopes"_a = py::none(), py::kw_only(), AttentionArguments::arguments(),
-//                OutputArguments::arguments(), "docstring");
+//                "alibi_slopes"_a = py::none(), py::kw_only(), AttentionArguments::arguments(),
+//                OutputArguments::arguments(), ArrayArguments::arguments(), "docstring");
 //
 // pybind11 checks at compile time that the annotations are as many as the flat parameters.
 
@@ -36,7 +37,7 @@ namespace plsh_python {
 
 namespace py = pybind11;
 
-// Slopes, one per query head; None means the standard ALiBi slopes.
+// Slopes (the argument alibi_slopes), one per query head; None means the standard ALiBi slopes.
 using Slopes = std::optional<std::vector<double>>;
 
 // The arrays a forward kernel reads: q [.., n_q, H, d], k [.., n_k, H_kv, d], v [.., n_k, H_kv,
@@ -65,17 +66,17 @@ struct BackwardInputs {
   py::object dout;
 };
 
-// The attention options every kernel takes (plsh::AttentionOptions): scale 0 means 1/sqrt(d);
-// the positions are the absolute positions of the first query and key rows, integers checked by
-// name (options.hpp).
+// The attention options every kernel takes (plsh::AttentionOptions): softmax_scale None means
+// 1/sqrt(d) (as in FlashAttention and PyTorch's SDPA); the positions are the absolute positions of
+// the first query and key rows, integers checked by name (options.hpp).
 struct AttentionArguments {
-  using Fields = std::tuple<bool, double, const py::object&, const py::object&>;
+  using Fields = std::tuple<bool, const py::object&, const py::object&, const py::object&>;
   static auto arguments() {
-    return std::make_tuple(py::arg("causal") = true, py::arg("scale") = 0.0,
+    return std::make_tuple(py::arg("causal") = true, py::arg("softmax_scale") = py::none(),
                            py::arg("query_position") = 0, py::arg("key_position") = 0);
   }
   bool causal;
-  double scale;
+  py::object softmax_scale;
   py::object query_position;
   py::object key_position;
 };
@@ -93,29 +94,39 @@ struct DrawArguments {
   std::string sampling;
 };
 
-// Where a forward kernel writes (None: a new array) and whether the arrays hold bfloat16 bit
-// patterns as uint16.
-struct OutputArguments {
-  using Fields = std::tuple<const py::object&, bool>;
+// How the arrays of a call are laid out and typed: `layout` "bthd" ([batch, tokens, heads, dim],
+// FlashAttention's) or "bhtd" ([batch, heads, tokens, dim], PyTorch SDPA's), both read through
+// strides; `dtype` None (the arrays' own) or "bfloat16" (uint16 arrays holding bfloat16 bit
+// patterns), the convention KvCache shares; `bfloat16=True` is the deprecated spelling of
+// dtype="bfloat16".
+struct ArrayArguments {
+  using Fields = std::tuple<const std::string&, const py::object&, bool>;
   static auto arguments() {
-    return std::make_tuple(py::arg("out") = py::none(), py::arg("bfloat16") = false);
+    return std::make_tuple(py::arg("layout") = "bthd", py::arg("dtype") = py::none(),
+                           py::arg("bfloat16") = false);
   }
-  py::object out;
+  std::string layout;
+  py::object dtype;
   bool bfloat16;
 };
 
-// Where a backward kernel writes dq, dk and dv (None: new arrays) and whether the arrays hold
-// bfloat16 bit patterns as uint16.
+// Where a forward kernel writes (None: a new array).
+struct OutputArguments {
+  using Fields = std::tuple<const py::object&>;
+  static auto arguments() { return std::make_tuple(py::arg("out") = py::none()); }
+  py::object out;
+};
+
+// Where a backward kernel writes dq, dk and dv (None: new arrays).
 struct GradientArguments {
-  using Fields = std::tuple<const py::object&, const py::object&, const py::object&, bool>;
+  using Fields = std::tuple<const py::object&, const py::object&, const py::object&>;
   static auto arguments() {
     return std::make_tuple(py::arg("dq") = py::none(), py::arg("dk") = py::none(),
-                           py::arg("dv") = py::none(), py::arg("bfloat16") = false);
+                           py::arg("dv") = py::none());
   }
   py::object dq;
   py::object dk;
   py::object dv;
-  bool bfloat16;
 };
 
 namespace detail {

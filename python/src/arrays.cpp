@@ -4,6 +4,7 @@
 #include "arrays.hpp"
 
 #include <sstream>
+#include <utility>
 
 namespace plsh_python {
 
@@ -59,6 +60,51 @@ py::dtype numpy_dtype(Storage storage) {
       return py::dtype::of<std::uint16_t>();
   }
   return py::dtype::of<float>();
+}
+
+Storage storage_of_dtype(const py::object& dtype) {
+  if (py::isinstance<py::str>(dtype) && dtype.cast<std::string>() == "bfloat16") {
+    return Storage::BFloat16;
+  }
+  std::string name = py::repr(dtype).cast<std::string>();
+  try {
+    const py::dtype type = py::dtype::from_args(dtype);
+    for (const Storage storage : {Storage::Float32, Storage::Float64, Storage::Float16}) {
+      if (type.equal(numpy_dtype(storage))) return storage;
+    }
+    name = py::str(static_cast<const py::object&>(type)).cast<std::string>();
+  } catch (const py::error_already_set&) {
+    // Not a dtype at all: named by its repr.
+  }
+  throw py::type_error(
+      "dtype must be numpy.float32, numpy.float64, numpy.float16 or \"bfloat16\" "
+      "(got " +
+      name + ")");
+}
+
+std::optional<Storage> declared_storage(const py::object& dtype, bool bfloat16) {
+  if (bfloat16) {
+    if (PyErr_WarnEx(PyExc_DeprecationWarning,
+                     "bfloat16=True is deprecated; pass dtype=\"bfloat16\"", 1) != 0) {
+      throw py::error_already_set();
+    }
+    if (!dtype.is_none() && storage_of_dtype(dtype) != Storage::BFloat16) {
+      throw py::value_error("bfloat16=True contradicts dtype=" +
+                            py::repr(dtype).cast<std::string>());
+    }
+    return Storage::BFloat16;
+  }
+  if (dtype.is_none()) return std::nullopt;
+  return storage_of_dtype(dtype);
+}
+
+AxisOrder axis_order_of(const std::string& layout) {
+  if (layout == "bthd") return AxisOrder::TokensHeads;
+  if (layout == "bhtd") return AxisOrder::HeadsTokens;
+  throw py::value_error(
+      "layout must be \"bthd\" ([batch, tokens, heads, dim], FlashAttention's) "
+      "or \"bhtd\" ([batch, heads, tokens, dim], PyTorch SDPA's) (got \"" +
+      layout + "\")");
 }
 
 bool has_storage(const py::array& array, Storage storage) {
@@ -124,11 +170,16 @@ std::pair<py::array, Layout> output_array(const py::object& out, const char* nam
 namespace {
 
 // The storage type of the first array of a call, named `name`.
-Storage first_storage(const py::array& array, const char* name, bool bfloat16) {
-  if (bfloat16) {
-    if (has_storage(array, Storage::BFloat16)) return Storage::BFloat16;
+Storage first_storage(const py::array& array, const char* name, std::optional<Storage> declared) {
+  if (declared) {
+    if (has_storage(array, *declared)) return *declared;
+    if (*declared == Storage::BFloat16) {
+      throw py::type_error(std::string(name) + " has dtype " + dtype_string(array) +
+                           "; with dtype=\"bfloat16\" the arrays hold bfloat16 bit patterns as "
+                           "uint16");
+    }
     throw py::type_error(std::string(name) + " has dtype " + dtype_string(array) +
-                         "; with bfloat16=True the arrays hold bfloat16 bit patterns as uint16");
+                         " but dtype= says " + storage_name(*declared));
   }
   for (const Storage storage : {Storage::Float32, Storage::Float64, Storage::Float16}) {
     if (has_storage(array, storage)) return storage;
@@ -140,24 +191,33 @@ Storage first_storage(const py::array& array, const char* name, bool bfloat16) {
                          "byte order (convert with " +
                          name + ".astype(" + name + ".dtype.newbyteorder(\"=\")))");
   }
-  throw py::type_error(std::string(name) + " has dtype " + dtype +
-                       "; plsh takes float32, float64, float16, or bfloat16 as uint16 bit "
-                       "patterns with bfloat16=True" +
-                       (dtype == "uint16" ? " (pass bfloat16=True if these are bfloat16)" : ""));
+  throw py::type_error(
+      std::string(name) + " has dtype " + dtype +
+      "; plsh takes float32, float64, float16, or bfloat16 as uint16 bit "
+      "patterns with dtype=\"bfloat16\"" +
+      (dtype == "uint16" ? " (pass dtype=\"bfloat16\" if these are bfloat16)" : ""));
+}
+
+const char* layout_axes(AxisOrder order, py::ssize_t rank) {
+  if (order == AxisOrder::TokensHeads) {
+    return rank == 4 ? "[batch, tokens, heads, dim]" : "[tokens, heads, dim]";
+  }
+  return rank == 4 ? "[batch, heads, tokens, dim]" : "[heads, tokens, dim]";
 }
 
 }  // namespace
 
-Arrays::Arrays(std::initializer_list<std::pair<const char*, py::object>> named, bool bfloat16) {
+Arrays::Arrays(std::initializer_list<std::pair<const char*, py::object>> named,
+               std::optional<Storage> declared, AxisOrder axis_order)
+    : order(axis_order) {
   const char* first_name = named.begin()->first;
   for (const auto& [name, object] : named) {
     py::array array = as_ndarray(object, name);
     if (arrays.empty()) {
-      storage = first_storage(array, name, bfloat16);
+      storage = first_storage(array, name, declared);
       if (array.ndim() != 3 && array.ndim() != 4) {
-        throw py::value_error(std::string(name) +
-                              " must have 3 dimensions [tokens, heads, dim] or 4 [batch, "
-                              "tokens, heads, dim] (got " +
+        throw py::value_error(std::string(name) + " must have 3 dimensions " +
+                              layout_axes(order, 3) + " or 4 " + layout_axes(order, 4) + " (got " +
                               std::to_string(array.ndim()) + ")");
       }
     } else {
@@ -177,14 +237,79 @@ Arrays::Arrays(std::initializer_list<std::pair<const char*, py::object>> named, 
                               ".shape[0] (" + std::to_string(arrays.front().shape(0)) + ")");
       }
     }
-    arrays.push_back(array);
+    arrays.push_back(order == AxisOrder::HeadsTokens ? swapped(array) : array);
+    names.push_back(name);
   }
+}
+
+py::array Arrays::swapped(const py::array& array) {
+  return py::reinterpret_borrow<py::array>(array.attr("swapaxes")(-3, -2));
 }
 
 std::vector<py::ssize_t> Arrays::shape_with_last(std::size_t i, py::ssize_t last) const {
   std::vector<py::ssize_t> shape = shape_of(arrays[i]);
   shape.back() = last;
   return shape;
+}
+
+std::vector<py::ssize_t> Arrays::in_layout(std::vector<py::ssize_t> shape) const {
+  if (order == AxisOrder::HeadsTokens) {
+    std::swap(shape[shape.size() - 3], shape[shape.size() - 2]);
+  }
+  return shape;
+}
+
+std::string Arrays::axis_text(std::size_t i, int axis) const {
+  const py::ssize_t rank = arrays[i].ndim();
+  int position = axis;  // from the end in [.., tokens, heads, dim]
+  if (order == AxisOrder::HeadsTokens && (axis == -2 || axis == -3)) position = -5 - axis;
+  static const char* const kinds[] = {"", "dim", "heads", "tokens", "batch"};
+  return "axis " + std::to_string(rank + position) + " (" + kinds[-axis] + ") of layout \"" +
+         (order == AxisOrder::TokensHeads ? "bthd\" " : "bhtd\" ") + layout_axes(order, rank);
+}
+
+void Arrays::check_attention(std::optional<std::size_t> slope_count) const {
+  const auto size = [&](std::size_t i, int axis) {
+    return arrays[i].shape(arrays[i].ndim() + axis);
+  };
+  const auto number = [](py::ssize_t value) { return std::to_string(value); };
+  const std::string hint =
+      order == AxisOrder::TokensHeads
+          ? "; tensors in PyTorch SDPA's order [batch, heads, tokens, dim] need layout=\"bhtd\""
+          : "";
+  for (const int axis : {-2, -3}) {
+    if (size(1, axis) != size(2, axis)) {
+      throw py::value_error(std::string("k and v disagree on their ") +
+                            (axis == -2 ? "heads" : "tokens") + " axis: k has " +
+                            number(size(1, axis)) + ", v has " + number(size(2, axis)) + " (" +
+                            axis_text(1, axis) + ")");
+    }
+  }
+  if (size(0, -1) != size(1, -1)) {
+    throw py::value_error("q and k disagree on their last axis (dim): q has " +
+                          number(size(0, -1)) + ", k has " + number(size(1, -1)) + " (" +
+                          axis_text(0, -1) + ")");
+  }
+  if (size(1, -2) > 0 && size(0, -2) % size(1, -2) != 0) {
+    throw py::value_error("q has " + number(size(0, -2)) + " heads and k and v have " +
+                          number(size(1, -2)) + " (" + axis_text(0, -2) +
+                          "); the heads of q must be a multiple of those of k and v "
+                          "(grouped-query attention)" +
+                          hint);
+  }
+  if (slope_count && static_cast<py::ssize_t>(*slope_count) != size(0, -2)) {
+    throw py::value_error("alibi_slopes has " + std::to_string(*slope_count) +
+                          " entries but q has " + number(size(0, -2)) + " heads (" +
+                          axis_text(0, -2) + "); give one slope per query head" + hint);
+  }
+  for (std::size_t i = 3; i < arrays.size(); ++i) {
+    const std::vector<py::ssize_t> expected = shape_with_last(0, size(2, -1));
+    if (shape(i) != expected) {
+      throw py::value_error(std::string(names[i]) + " must have the forward output's shape " +
+                            shape_string(in_layout(expected)) + ", q's with v's last axis (got " +
+                            shape_string(in_layout(shape(i))) + ")");
+    }
+  }
 }
 
 }  // namespace plsh_python

@@ -1,7 +1,8 @@
 // NumPy arrays as plsh views: the dtype and rank checks of the arguments and the batched views
 // [batch, tokens, heads, dim] the kernels of plsh/batch.hpp read and write.
 //
-// Arrays are [tokens, heads, dim] (a batch of one) or [batch, tokens, heads, dim] of float32,
+// Arrays are [tokens, heads, dim] (a batch of one) or [batch, tokens, heads, dim] (layout "bthd")
+// or with the heads and tokens axes swapped (layout "bhtd", read as a transposed view), of float32,
 // float64, float16, or bfloat16 held as uint16 bit patterns (NumPy has no bfloat16). An input is
 // read through its strides when these are positive multiples of the itemsize with a contiguous
 // last axis, otherwise through a contiguous copy; an output is a new C-contiguous array or an
@@ -17,6 +18,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -51,6 +53,20 @@ const char* storage_name(Storage storage);
 
 // The NumPy dtype holding a storage type: bfloat16 travels as its uint16 bit patterns.
 py::dtype numpy_dtype(Storage storage);
+
+// The storage a `dtype` argument names: the string "bfloat16" (arrays of uint16 bit patterns) or a
+// NumPy float dtype (float32, float64, float16); TypeError for anything else.
+Storage storage_of_dtype(const py::object& dtype);
+
+// The storage the arguments dtype (None: the arrays' own) and the deprecated bfloat16=True declare.
+std::optional<Storage> declared_storage(const py::object& dtype, bool bfloat16);
+
+// The order of the axes of a call's arrays: "bthd" [batch, tokens, heads, dim] (FlashAttention's)
+// or "bhtd" [batch, heads, tokens, dim] (PyTorch SDPA's); rank 3 drops the batch axis.
+enum class AxisOrder { TokensHeads, HeadsTokens };
+
+// "bthd" or "bhtd"; ValueError for another name.
+AxisOrder axis_order_of(const std::string& layout);
 
 bool has_storage(const py::array& array, Storage storage);
 
@@ -152,22 +168,56 @@ Output<Scalar> output_of(const py::object& out, const char* name,
 }
 
 // The arrays of one call: checks that they are ndarrays of rank 3 or 4 (all the rank of the
-// first), of one dtype float32, float64, float16, or uint16 when `bfloat16` says they hold
-// bfloat16 (TypeError naming the argument), with equal batch sizes.
+// first), of one dtype float32, float64, float16, or uint16 holding bfloat16 (TypeError naming the
+// argument; `declared` is the dtype the call declares, if any), with equal batch sizes. In layout
+// "bhtd" the arrays are kept as views with the heads and tokens axes swapped, so that every array
+// here is [batch, tokens, heads, dim] (or [tokens, heads, dim]).
 struct Arrays {
   std::vector<py::array> arrays;
+  std::vector<const char*> names;
   Storage storage = Storage::Float32;
+  AxisOrder order = AxisOrder::TokensHeads;
 
-  Arrays(std::initializer_list<std::pair<const char*, py::object>> named, bool bfloat16 = false);
+  Arrays(std::initializer_list<std::pair<const char*, py::object>> named,
+         std::optional<Storage> declared = std::nullopt, AxisOrder order = AxisOrder::TokensHeads);
 
   template <class Scalar>
   Input<Scalar> input(std::size_t i) const {
     return input_of<Scalar>(arrays[i]);
   }
 
-  // The shape of array i with its last axis replaced by `last`.
+  // The shape of array i ([.., tokens, heads, dim]) with its last axis replaced by `last`.
   std::vector<py::ssize_t> shape_with_last(std::size_t i, py::ssize_t last) const;
   std::vector<py::ssize_t> shape(std::size_t i) const { return shape_of(arrays[i]); }
+
+  // The output `out` named `name` of shape `shape` ([.., tokens, heads, dim]), checked (or new)
+  // in the call's layout; the array returned is in that layout, the view is [.., tokens, heads,
+  // dim].
+  template <class Scalar>
+  Output<Scalar> output(const py::object& out, const char* name,
+                        const std::vector<py::ssize_t>& shape) const {
+    auto [array, layout] = output_array(out, name, in_layout(shape), storage_of<Scalar>(),
+                                        sizeof(Scalar), alignof(Scalar));
+    if (order == AxisOrder::HeadsTokens) {
+      layout = layout_of<Scalar>(swapped(array));
+    }
+    return Output<Scalar>{array,
+                          view_of<Scalar>(static_cast<Scalar*>(array.mutable_data()), layout)};
+  }
+
+  // The attention checks that name axes: q [.., n_q, H, d], k [.., n_k, H_kv, d], v [.., n_k,
+  // H_kv, d_v] (arrays 0, 1, 2) with H a multiple of H_kv, and `slope_count` (if given) equal to
+  // H; for a backward call also out and dout (arrays 3, 4) of q's shape with v's last axis. A
+  // ValueError names the arrays, the axes and the layout.
+  void check_attention(std::optional<std::size_t> slope_count) const;
+
+  // `shape` ([.., tokens, heads, dim]) in the call's layout.
+  std::vector<py::ssize_t> in_layout(std::vector<py::ssize_t> shape) const;
+  // `array` with its heads and tokens axes swapped (a view).
+  static py::array swapped(const py::array& array);
+  // "axis 2 (heads) of layout "bthd" [batch, tokens, heads, dim]" for array i's axis `axis`
+  // counted from the end (-1 dim, -2 heads, -3 tokens in [.., tokens, heads, dim]).
+  std::string axis_text(std::size_t i, int axis) const;
 };
 
 }  // namespace plsh_python

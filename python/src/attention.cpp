@@ -7,6 +7,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstddef>
+#include <deque>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -21,18 +24,28 @@ namespace plsh_python {
 
 namespace {
 
+std::optional<std::size_t> slope_count(const Slopes* slopes) {
+  if (slopes == nullptr || !*slopes) return std::nullopt;
+  return (*slopes)->size();
+}
+
 // A forward kernel `run(q, k, v, out)` on the views of q, k, v and a new or given output
 // [..., n_q, H, d_v]; returns the output array.
+// `slopes` (null for a kernel without slopes) are checked against the heads of q.
 template <class Run>
-py::array forward(const Inputs& inputs, const OutputArguments& output, Run&& run) {
-  const Arrays arrays({{"q", inputs.q}, {"k", inputs.k}, {"v", inputs.v}}, output.bfloat16);
+py::array forward(const Inputs& inputs, const Slopes* slopes, const OutputArguments& output,
+                  const ArrayArguments& format, Run&& run) {
+  const Arrays arrays({{"q", inputs.q}, {"k", inputs.k}, {"v", inputs.v}},
+                      declared_storage(format.dtype, format.bfloat16),
+                      axis_order_of(format.layout));
+  arrays.check_attention(slope_count(slopes));
   const auto call = [&](auto zero) {
     using Scalar = decltype(zero);
     const Input<Scalar> q_in = arrays.input<Scalar>(0);
     const Input<Scalar> k_in = arrays.input<Scalar>(1);
     const Input<Scalar> v_in = arrays.input<Scalar>(2);
     const Output<Scalar> result =
-        output_of<Scalar>(output.out, "out", arrays.shape_with_last(0, arrays.shape(2).back()));
+        arrays.output<Scalar>(output.out, "out", arrays.shape_with_last(0, arrays.shape(2).back()));
     {
       py::gil_scoped_release release;
       run(q_in.view, k_in.view, v_in.view, result.view);
@@ -43,10 +56,10 @@ py::array forward(const Inputs& inputs, const OutputArguments& output, Run&& run
 }
 
 py::array exact_alibi_attention(const Inputs& inputs, const Slopes& slopes,
-                                const AttentionArguments& attention,
-                                const OutputArguments& output) {
+                                const AttentionArguments& attention, const OutputArguments& output,
+                                const ArrayArguments& format) {
   const auto options = options_of(attention);
-  return forward(inputs, output,
+  return forward(inputs, &slopes, output, format,
                  [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov) {
                    using Scalar = ScalarOf<decltype(ov)>;
                    plsh::exact_alibi_attention<Scalar>(
@@ -56,9 +69,9 @@ py::array exact_alibi_attention(const Inputs& inputs, const Slopes& slopes,
 
 py::array windowed_alibi_attention(const Inputs& inputs, const Slopes& slopes, double tolerance,
                                    const AttentionArguments& attention,
-                                   const OutputArguments& output) {
+                                   const OutputArguments& output, const ArrayArguments& format) {
   const auto options = options_of(attention);
-  return forward(inputs, output,
+  return forward(inputs, &slopes, output, format,
                  [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov) {
                    using Scalar = ScalarOf<decltype(ov)>;
                    plsh::windowed_alibi_attention<Scalar>(
@@ -68,22 +81,24 @@ py::array windowed_alibi_attention(const Inputs& inputs, const Slopes& slopes, d
 
 py::array plsh_attention(const Inputs& inputs, const Slopes& slopes,
                          const AttentionArguments& attention, const DrawArguments& draws,
-                         const std::string& kernel, const OutputArguments& output) {
+                         const std::string& kernel, const OutputArguments& output,
+                         const ArrayArguments& format) {
   auto options = plsh_options_of(attention, draws);
   options.kernel = kernel_of(kernel);
-  return forward(
-      inputs, output, [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov) {
-        using Scalar = ScalarOf<decltype(ov)>;
-        plsh::plsh_attention<Scalar>(qv, kv, vv, ov, slopes_or_default(slopes, qv.heads), options);
-      });
+  return forward(inputs, &slopes, output, format,
+                 [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov) {
+                   using Scalar = ScalarOf<decltype(ov)>;
+                   plsh::plsh_attention<Scalar>(qv, kv, vv, ov, slopes_or_default(slopes, qv.heads),
+                                                options);
+                 });
 }
 
 py::array fixed_block_attention(const Inputs& inputs, const py::object& block_size,
-                                const AttentionArguments& attention,
-                                const OutputArguments& output) {
+                                const AttentionArguments& attention, const OutputArguments& output,
+                                const ArrayArguments& format) {
   const auto options = options_of(attention);
   const Index size = index(block_size, "block_size");
-  return forward(inputs, output,
+  return forward(inputs, nullptr, output, format,
                  [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov) {
                    using Scalar = ScalarOf<decltype(ov)>;
                    plsh::fixed_block_attention<Scalar>(qv, kv, vv, ov, size, options);
@@ -93,21 +108,24 @@ py::array fixed_block_attention(const Inputs& inputs, const py::object& block_si
 // A backward kernel `run(q, k, v, out, dout, dq, dk, dv)` on the views of the inputs and of new
 // or given gradients; returns (dq, dk, dv).
 template <class Run>
-py::tuple backward(const BackwardInputs& inputs, const GradientArguments& gradients, Run&& run) {
+py::tuple backward(const BackwardInputs& inputs, const Slopes* slopes,
+                   const GradientArguments& gradients, const ArrayArguments& format, Run&& run) {
   const Arrays arrays({{"q", inputs.q},
                        {"k", inputs.k},
                        {"v", inputs.v},
                        {"out", inputs.out},
                        {"dout", inputs.dout}},
-                      gradients.bfloat16);
+                      declared_storage(format.dtype, format.bfloat16),
+                      axis_order_of(format.layout));
+  arrays.check_attention(slope_count(slopes));
   const auto call = [&](auto zero) {
     using Scalar = decltype(zero);
     const Input<Scalar> in[] = {arrays.input<Scalar>(0), arrays.input<Scalar>(1),
                                 arrays.input<Scalar>(2), arrays.input<Scalar>(3),
                                 arrays.input<Scalar>(4)};
-    const Output<Scalar> dq = output_of<Scalar>(gradients.dq, "dq", arrays.shape(0));
-    const Output<Scalar> dk = output_of<Scalar>(gradients.dk, "dk", arrays.shape(1));
-    const Output<Scalar> dv = output_of<Scalar>(gradients.dv, "dv", arrays.shape(2));
+    const Output<Scalar> dq = arrays.output<Scalar>(gradients.dq, "dq", arrays.shape(0));
+    const Output<Scalar> dk = arrays.output<Scalar>(gradients.dk, "dk", arrays.shape(1));
+    const Output<Scalar> dv = arrays.output<Scalar>(gradients.dv, "dv", arrays.shape(2));
     {
       py::gil_scoped_release release;
       run(in[0].view, in[1].view, in[2].view, in[3].view, in[4].view, dq.view, dk.view, dv.view);
@@ -119,9 +137,10 @@ py::tuple backward(const BackwardInputs& inputs, const GradientArguments& gradie
 
 py::tuple exact_alibi_attention_backward(const BackwardInputs& inputs, const Slopes& slopes,
                                          const AttentionArguments& attention,
-                                         const GradientArguments& gradients) {
+                                         const GradientArguments& gradients,
+                                         const ArrayArguments& format) {
   const auto options = options_of(attention);
-  return backward(inputs, gradients,
+  return backward(inputs, &slopes, gradients, format,
                   [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov,
                       const auto& dov, const auto& dqv, const auto& dkv, const auto& dvv) {
                     using Scalar = ScalarOf<decltype(dqv)>;
@@ -133,9 +152,10 @@ py::tuple exact_alibi_attention_backward(const BackwardInputs& inputs, const Slo
 
 py::tuple windowed_alibi_attention_backward(const BackwardInputs& inputs, const Slopes& slopes,
                                             double tolerance, const AttentionArguments& attention,
-                                            const GradientArguments& gradients) {
+                                            const GradientArguments& gradients,
+                                            const ArrayArguments& format) {
   const auto options = options_of(attention);
-  return backward(inputs, gradients,
+  return backward(inputs, &slopes, gradients, format,
                   [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov,
                       const auto& dov, const auto& dqv, const auto& dkv, const auto& dvv) {
                     using Scalar = ScalarOf<decltype(dqv)>;
@@ -147,9 +167,10 @@ py::tuple windowed_alibi_attention_backward(const BackwardInputs& inputs, const 
 
 py::tuple plsh_attention_backward(const BackwardInputs& inputs, const Slopes& slopes,
                                   const AttentionArguments& attention, const DrawArguments& draws,
-                                  const GradientArguments& gradients) {
+                                  const GradientArguments& gradients,
+                                  const ArrayArguments& format) {
   const auto options = plsh_options_of(attention, draws);
-  return backward(inputs, gradients,
+  return backward(inputs, &slopes, gradients, format,
                   [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov,
                       const auto& dov, const auto& dqv, const auto& dkv, const auto& dvv) {
                     using Scalar = ScalarOf<decltype(dqv)>;
@@ -161,10 +182,11 @@ py::tuple plsh_attention_backward(const BackwardInputs& inputs, const Slopes& sl
 
 py::tuple fixed_block_attention_backward(const BackwardInputs& inputs, const py::object& block_size,
                                          const AttentionArguments& attention,
-                                         const GradientArguments& gradients) {
+                                         const GradientArguments& gradients,
+                                         const ArrayArguments& format) {
   const auto options = options_of(attention);
   const Index size = index(block_size, "block_size");
-  return backward(inputs, gradients,
+  return backward(inputs, nullptr, gradients, format,
                   [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov,
                       const auto& dov, const auto& dqv, const auto& dkv, const auto& dvv) {
                     using Scalar = ScalarOf<decltype(dqv)>;
@@ -178,51 +200,74 @@ py::tuple fixed_block_attention_backward(const BackwardInputs& inputs, const py:
 void bind_attention(py::module_& m) {
   using namespace pybind11::literals;
   const auto none = py::none();
+  // The arguments every kernel shares, said once in every docstring.
+  const std::string common =
+      "\n\nq [B, T, H, D] (or [T, H, D]), k [B, T_k, H_kv, D], v [B, T_k, H_kv, D_v] with H a "
+      "multiple of H_kv (grouped-query attention), all of one dtype: float32, float64, float16, or "
+      "uint16 bfloat16 bit patterns with dtype=\"bfloat16\" (16-bit types computed in float32). "
+      "layout=\"bhtd\" takes every array (outputs and gradients too) as [B, H, T, D], PyTorch "
+      "SDPA's order, read through its strides without a copy. alibi_slopes: one slope per query "
+      "head, None for the standard ALiBi slopes alibi_slopes(H) (plsh's default; FlashAttention's "
+      "None means no bias: pass [0.0] * H for that). softmax_scale None means 1/sqrt(D). "
+      "query_position, key_position: absolute positions of the first query and key rows. Results "
+      "are new arrays or the out= (dq=, dk=, dv=) arrays; a shape that does not fit raises a "
+      "ValueError naming the axes.";
+  const auto doc = [&](const char* text) {
+    // pybind11 keeps the pointer: the docstrings live as long as the module.
+    static std::deque<std::string> texts;
+    texts.push_back(std::string(text) + common);
+    return texts.back().c_str();
+  };
   def_function(m, "exact_alibi_attention", &exact_alibi_attention, Inputs::arguments(),
-               "slopes"_a = none, py::kw_only(), AttentionArguments::arguments(),
-               OutputArguments::arguments(),
-               "Exact ALiBi attention. q [.., n_q, H, d], k [.., n_k, H_kv, d], v [.., n_k, H_kv, "
-               "d_v] -> out [.., n_q, H, d_v]; slopes=None means alibi_slopes(H); scale 0 means "
-               "1/sqrt(d).");
-  def_function(m, "windowed_alibi_attention", &windowed_alibi_attention, Inputs::arguments(),
-               "slopes"_a = none, "tolerance"_a = 1e-6, py::kw_only(),
-               AttentionArguments::arguments(), OutputArguments::arguments(),
-               "ALiBi attention that drops only keys it certifies to weigh at most `tolerance`: "
-               "for every query row the exact-ALiBi weight of all its dropped keys is at most "
-               "`tolerance`, so each output entry is within 2 tolerance max|v| of exact ALiBi. "
-               "tolerance 0 is exact ALiBi.");
-  def_function(m, "plsh_attention", &plsh_attention, Inputs::arguments(), "slopes"_a = none,
+               "alibi_slopes"_a = none, py::kw_only(), AttentionArguments::arguments(),
+               OutputArguments::arguments(), ArrayArguments::arguments(),
+               doc("Exact ALiBi attention: softmax(softmax_scale q k^T - m_h |i - j|) v per head, "
+                   "-> out [B, T, H, D_v]."));
+  def_function(
+      m, "windowed_alibi_attention", &windowed_alibi_attention, Inputs::arguments(),
+      "alibi_slopes"_a = none, "tolerance"_a = 1e-6, py::kw_only(), AttentionArguments::arguments(),
+      OutputArguments::arguments(), ArrayArguments::arguments(),
+      doc("ALiBi attention that drops only keys it certifies to weigh at most `tolerance`: "
+          "for every query row the exact-ALiBi weight of all its dropped keys is at most "
+          "`tolerance`, so each output entry is within 2 tolerance max|v| of exact "
+          "ALiBi. tolerance 0 is exact ALiBi."));
+  def_function(m, "plsh_attention", &plsh_attention, Inputs::arguments(), "alibi_slopes"_a = none,
                py::kw_only(), AttentionArguments::arguments(), DrawArguments::arguments(),
-               "kernel"_a = "fused", OutputArguments::arguments(),
-               "ALiBi attention through Positional LSH: `samples` random block partitions per "
-               "head, the grids kernel_grids(slopes, samples, seed, sampling=sampling): sampling "
-               "\"independent\" (head h uses RandomBinning(slopes[h], head_seed(seed, h))) or "
-               "\"latin_hypercube\" (the draws of a head stratified jointly; lower error at equal "
-               "samples); kernel \"fused\" or \"passes\". Every batch element uses the same "
-               "draws.");
+               "kernel"_a = "fused", OutputArguments::arguments(), ArrayArguments::arguments(),
+               doc("ALiBi attention through Positional LSH: `samples` random block partitions per "
+                   "head, the grids kernel_grids(slopes, samples, seed, sampling=sampling): "
+                   "sampling \"independent\" (head h uses RandomBinning(slopes[h], "
+                   "head_seed(seed, h))) or \"latin_hypercube\" (the draws of a head stratified "
+                   "jointly; lower error at equal samples); kernel \"fused\" or \"passes\". Every "
+                   "batch element uses the same draws."));
   def_function(m, "fixed_block_attention", &fixed_block_attention, Inputs::arguments(),
                "block_size"_a, py::kw_only(), AttentionArguments::arguments(),
-               OutputArguments::arguments(),
-               "Attention within fixed blocks of `block_size` absolute positions.");
+               OutputArguments::arguments(), ArrayArguments::arguments(),
+               doc("Attention within fixed blocks of `block_size` absolute positions (no bias)."));
   def_function(m, "exact_alibi_attention_backward", &exact_alibi_attention_backward,
-               BackwardInputs::arguments(), "slopes"_a = none, py::kw_only(),
+               BackwardInputs::arguments(), "alibi_slopes"_a = none, py::kw_only(),
                AttentionArguments::arguments(), GradientArguments::arguments(),
-               "Gradients (dq, dk, dv) of exact ALiBi attention given its output `out` and the "
-               "gradient `dout` of a loss with respect to it.");
+               ArrayArguments::arguments(),
+               doc("Gradients (dq, dk, dv) of exact ALiBi attention given its output `out` and the "
+                   "gradient `dout` of a loss with respect to it."));
   def_function(m, "windowed_alibi_attention_backward", &windowed_alibi_attention_backward,
-               BackwardInputs::arguments(), "slopes"_a = none, "tolerance"_a = 1e-6, py::kw_only(),
-               AttentionArguments::arguments(), GradientArguments::arguments(),
-               "Gradients (dq, dk, dv) of windowed_alibi_attention as computed: exact ALiBi over "
-               "the keys each query tile kept (the forward's certificate, evaluated again).");
+               BackwardInputs::arguments(), "alibi_slopes"_a = none, "tolerance"_a = 1e-6,
+               py::kw_only(), AttentionArguments::arguments(), GradientArguments::arguments(),
+               ArrayArguments::arguments(),
+               doc("Gradients (dq, dk, dv) of windowed_alibi_attention as computed: exact ALiBi "
+                   "over the keys each query tile kept (the forward's certificate, evaluated "
+                   "again)."));
   def_function(m, "plsh_attention_backward", &plsh_attention_backward, BackwardInputs::arguments(),
-               "slopes"_a = none, py::kw_only(), AttentionArguments::arguments(),
+               "alibi_slopes"_a = none, py::kw_only(), AttentionArguments::arguments(),
                DrawArguments::arguments(), GradientArguments::arguments(),
-               "Gradients (dq, dk, dv) of plsh_attention with the same slopes, samples, seed and "
-               "sampling.");
+               ArrayArguments::arguments(),
+               doc("Gradients (dq, dk, dv) of plsh_attention with the same alibi_slopes, samples, "
+                   "seed and sampling."));
   def_function(m, "fixed_block_attention_backward", &fixed_block_attention_backward,
                BackwardInputs::arguments(), "block_size"_a, py::kw_only(),
                AttentionArguments::arguments(), GradientArguments::arguments(),
-               "Gradients (dq, dk, dv) of fixed_block_attention with the same block size.");
+               ArrayArguments::arguments(),
+               doc("Gradients (dq, dk, dv) of fixed_block_attention with the same block size."));
 }
 
 }  // namespace plsh_python

@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <memory>
 #include <mutex>
@@ -38,6 +39,14 @@ class KvCacheBase {
   virtual Index oldest_position() const = 0;
   virtual std::size_t bytes() const = 0;
   virtual py::dtype dtype() const = 0;
+  virtual py::array keys() const = 0;
+  virtual py::array values() const = 0;
+  virtual Index heads() const = 0;
+  virtual Index kv_heads() const = 0;
+  virtual Index dim() const = 0;
+  virtual Index value_dim() const = 0;
+  virtual std::vector<double> slopes() const = 0;
+  virtual plsh::PlshOptions options() const = 0;
 };
 
 template <class Scalar>
@@ -98,12 +107,38 @@ class KvCacheOf : public KvCacheBase {
     return locked([&] { return cache_.bytes(); });
   }
   py::dtype dtype() const override { return numpy_dtype(storage_of<Scalar>()); }
+  py::array keys() const override {
+    return locked([&] { return copy_of(cache_.keys()); });
+  }
+  py::array values() const override {
+    return locked([&] { return copy_of(cache_.values()); });
+  }
+  Index heads() const override { return cache_.heads(); }
+  Index kv_heads() const override { return cache_.kv_heads(); }
+  Index dim() const override { return cache_.dim(); }
+  Index value_dim() const override { return cache_.value_dim(); }
+  std::vector<double> slopes() const override { return cache_.slopes(); }
+  plsh::PlshOptions options() const override { return cache_.options(); }
 
  private:
   template <class F>
   auto locked(F&& f) const {
     const std::lock_guard<std::mutex> lock(mutex_);
     return f();
+  }
+
+  // A new array [tokens, heads, dim] holding the rows of `view`.
+  static py::array copy_of(const plsh::HeadsView<const Scalar>& view) {
+    py::array array(numpy_dtype(storage_of<Scalar>()),
+                    std::vector<py::ssize_t>{view.tokens, view.heads, view.dim});
+    auto* data = static_cast<Scalar*>(array.mutable_data());
+    for (Index t = 0; t < view.tokens; ++t) {
+      for (Index h = 0; h < view.heads; ++h) {
+        const Scalar* row = view.data + t * view.token_stride + h * view.head_stride;
+        std::copy(row, row + view.dim, data + (t * view.heads + h) * view.dim);
+      }
+    }
+    return array;
   }
 
   // The arrays of a call: ndarrays of the cache's dtype (TypeError naming the first that is not)
@@ -115,7 +150,7 @@ class KvCacheOf : public KvCacheBase {
       throw py::type_error(std::string(name) + " must have the cache's dtype " +
                            dtype_name<Scalar>() + " (got " + dtype_string(first) + ")");
     }
-    Arrays arrays(named, storage_of<Scalar>() == Storage::BFloat16);
+    Arrays arrays(named, storage_of<Scalar>());
     if (arrays.arrays.front().ndim() != 3) {
       throw py::value_error("KvCache takes arrays of 3 dimensions [tokens, heads, dim] (got " +
                             std::to_string(arrays.arrays.front().ndim()) + ")");
@@ -139,13 +174,15 @@ class KvCacheOf : public KvCacheBase {
 // The KvCache of `dtype` (a NumPy float dtype or "bfloat16") with these shapes and options.
 std::unique_ptr<KvCacheBase> make_kv_cache(
     const py::object& heads_arg, const py::object& kv_heads_arg, const py::object& dim_arg,
-    const py::object& value_dim_arg, const Slopes& slopes, const DrawArguments& draws, double scale,
-    const py::object& key_position, const std::string& kernel, const py::object& dtype) {
+    const py::object& value_dim_arg, const Slopes& slopes, const DrawArguments& draws,
+    const py::object& softmax_scale, const py::object& key_position, const std::string& kernel,
+    const py::object& dtype) {
   const Index heads = index(heads_arg, "heads");
   const Index kv_heads = index(kv_heads_arg, "kv_heads");
   const Index dim = index(dim_arg, "dim");
   const Index value_dim = index(value_dim_arg, "value_dim");
-  auto options = plsh_options_of(AttentionArguments{true, scale, py::int_(0), key_position}, draws);
+  auto options =
+      plsh_options_of(AttentionArguments{true, softmax_scale, py::int_(0), key_position}, draws);
   options.kernel = kernel_of(kernel);
   const std::vector<double> slope_list = slopes_or_default(slopes, heads);
   const auto make = [&](auto scalar) -> std::unique_ptr<KvCacheBase> {
@@ -153,17 +190,7 @@ std::unique_ptr<KvCacheBase> make_kv_cache(
     return std::make_unique<KvCacheOf<Scalar>>(heads, kv_heads, dim, value_dim, slope_list,
                                                options);
   };
-  if (py::isinstance<py::str>(dtype) && dtype.cast<std::string>() == "bfloat16") {
-    return make(Eigen::bfloat16());
-  }
-  const py::dtype type = py::dtype::from_args(dtype);
-  for (const Storage storage : {Storage::Float32, Storage::Float64, Storage::Float16}) {
-    if (type.equal(numpy_dtype(storage))) {
-      return dispatch(storage, [&](auto scalar) { return make(scalar); });
-    }
-  }
-  throw py::type_error("dtype must be float32, float64, float16 or \"bfloat16\" (got " +
-                       py::str(static_cast<const py::object&>(type)).cast<std::string>() + ")");
+  return dispatch(storage_of_dtype(dtype), [&](auto scalar) { return make(scalar); });
 }
 
 }  // namespace
@@ -177,16 +204,19 @@ void bind_kv_cache(py::module_& m) {
       "later query can reach. append(k, v) with k [n, kv_heads, dim], v [n, kv_heads, "
       "value_dim]; attend(q) for the queries at the newest positions, q [n, heads, dim] -> [n, "
       "heads, value_dim]; decode(q, k, v) both in one step. samples, seed and sampling choose "
-      "the draws as in plsh_attention. dtype float32, float64, float16, or \"bfloat16\" "
-      "(arrays of uint16 bit patterns): the 16-bit types store the cache in half the bytes and "
-      "compute in float32.");
+      "the draws as in plsh_attention. alibi_slopes None means the standard slopes "
+      "alibi_slopes(heads); softmax_scale None means 1/sqrt(dim). dtype numpy.float32, "
+      "numpy.float64, numpy.float16, or \"bfloat16\" (arrays of uint16 bit patterns, the "
+      "convention of the kernels' dtype=\"bfloat16\"): the 16-bit types store the cache in half "
+      "the bytes and compute in float32.");
   std::apply(
       [&](const auto&... annotation) {
         kv_cache.def(py::init(flatten(&make_kv_cache)), annotation...);
       },
-      annotations("heads"_a, "kv_heads"_a, "dim"_a, "value_dim"_a, "slopes"_a = none, py::kw_only(),
-                  DrawArguments::arguments(), "scale"_a = 0.0, "key_position"_a = 0,
-                  "kernel"_a = "fused", "dtype"_a = py::module_::import("numpy").attr("float32")));
+      annotations("heads"_a, "kv_heads"_a, "dim"_a, "value_dim"_a, "alibi_slopes"_a = none,
+                  py::kw_only(), DrawArguments::arguments(), "softmax_scale"_a = none,
+                  "key_position"_a = 0, "kernel"_a = "fused",
+                  "dtype"_a = py::module_::import("numpy").attr("float32")));
   kv_cache
       .def("append", &KvCacheBase::append, "k"_a, "v"_a,
            "Appends the keys and values of positions position .. position + n - 1 (k [n, "
@@ -204,9 +234,35 @@ void bind_kv_cache(py::module_& m) {
                              "Bytes of the key and value buffers (resident rows and room for "
                              "later appends); half as many for float16 and bfloat16 as for "
                              "float32.")
-      .def_property_readonly("position", &KvCacheBase::position)
-      .def_property_readonly("resident", &KvCacheBase::resident)
-      .def_property_readonly("oldest_position", &KvCacheBase::oldest_position)
+      .def("keys", &KvCacheBase::keys,
+           "A copy of the resident keys [resident, kv_heads, dim], positions oldest_position .. "
+           "position - 1.")
+      .def("values", &KvCacheBase::values,
+           "A copy of the resident values [resident, kv_heads, value_dim].")
+      .def_property_readonly("position", &KvCacheBase::position,
+                             "The position of the next appended token (tokens appended so far).")
+      .def_property_readonly("resident", &KvCacheBase::resident,
+                             "The number of tokens whose keys and values the cache holds.")
+      .def_property_readonly("oldest_position", &KvCacheBase::oldest_position,
+                             "The position of the oldest resident token.")
+      .def_property_readonly("heads", &KvCacheBase::heads)
+      .def_property_readonly("kv_heads", &KvCacheBase::kv_heads)
+      .def_property_readonly("dim", &KvCacheBase::dim)
+      .def_property_readonly("value_dim", &KvCacheBase::value_dim)
+      .def_property_readonly("alibi_slopes", &KvCacheBase::slopes, "The slopes, one per head.")
+      .def_property_readonly(
+          "options",
+          [](const KvCacheBase& cache) {
+            const plsh::PlshOptions options = cache.options();
+            return py::dict(
+                "samples"_a = options.samples, "seed"_a = options.seed,
+                "sampling"_a = options.sampling == plsh::Sampling::LatinHypercube
+                                   ? "latin_hypercube"
+                                   : "independent",
+                "kernel"_a = options.kernel == plsh::Kernel::Passes ? "passes" : "fused",
+                "softmax_scale"_a = options.scale, "key_position"_a = options.key_position);
+          },
+          "The options the cache was made with (softmax_scale 0 meaning 1/sqrt(dim)).")
       .def_property_readonly("dtype", &KvCacheBase::dtype,
                              "The NumPy dtype of the cache's arrays (uint16 for bfloat16).");
 }

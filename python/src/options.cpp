@@ -12,6 +12,18 @@ std::uint64_t seed_of(const py::handle& value, const char* name) {
   return integer<std::uint64_t>(value, name);
 }
 
+double softmax_scale_of(const py::object& softmax_scale) {
+  if (softmax_scale.is_none()) return 0.0;
+  if (py::isinstance<py::bool_>(softmax_scale) ||
+      !(py::isinstance<py::float_>(softmax_scale) || PyIndex_Check(softmax_scale.ptr()) ||
+        py::hasattr(softmax_scale, "__float__"))) {
+    throw py::type_error("softmax_scale must be None or a number (got " +
+                         py::str(py::type::of(softmax_scale).attr("__name__")).cast<std::string>() +
+                         ")");
+  }
+  return py::float_(softmax_scale).cast<double>();
+}
+
 std::vector<double> slopes_or_default(const Slopes& slopes, Index heads) {
   if (slopes) return *slopes;
   // q.heads < 1 is reported by the kernel.

@@ -58,11 +58,16 @@ plsh::Kernel kernel_of(const std::string& kernel);
 // "independent" or "latin_hypercube"; ValueError for another name.
 plsh::Sampling sampling_of(const std::string& sampling);
 
-// `options` (AttentionOptions or PlshOptions) with causal, scale and the positions of `arguments`.
+// softmax_scale as the kernels' scale: None is 0, which plsh reads as 1/sqrt(d); a number is taken
+// as it is (the kernels reject a non-finite or negative one). TypeError for another type.
+double softmax_scale_of(const py::object& softmax_scale);
+
+// `options` (AttentionOptions or PlshOptions) with causal, the scale and the positions of
+// `arguments`.
 template <class Options = plsh::AttentionOptions>
 Options options_of(const AttentionArguments& arguments, Options options = Options()) {
   options.causal = arguments.causal;
-  options.scale = arguments.scale;
+  options.scale = softmax_scale_of(arguments.softmax_scale);
   options.query_position = index(arguments.query_position, "query_position");
   options.key_position = index(arguments.key_position, "key_position");
   return options;

@@ -64,17 +64,18 @@ def fixed_log_factor(block_size):
     return factor
 
 
-def reference_attention(q, k, v, log_factor, causal=True, scale=0.0, query_position=0,
+def reference_attention(q, k, v, log_factor, causal=True, softmax_scale=None, query_position=0,
                         key_position=0):
-    """Dense float64 attention with logits scale q.k + log_factor(h, i, j); rank 3 or 4."""
+    """Dense float64 attention with logits softmax_scale q.k + log_factor(h, i, j) (scale None:
+    1/sqrt(d)); rank 3 or 4."""
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     if q.ndim == 4:
-        return np.stack([reference_attention(q[b], k[b], v[b], log_factor, causal, scale,
+        return np.stack([reference_attention(q[b], k[b], v[b], log_factor, causal, softmax_scale,
                                              query_position, key_position)
                          for b in range(q.shape[0])])
     n_q, heads, dim = q.shape
     n_k, kv_heads, value_dim = v.shape
-    scale = scale if scale != 0 else 1.0 / math.sqrt(dim)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(dim)
     i = query_position + np.arange(n_q)[:, None]
     j = key_position + np.arange(n_k)[None, :]
     out = np.zeros((n_q, heads, value_dim))

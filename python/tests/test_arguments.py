@@ -19,12 +19,12 @@ def empty_batch_cases():
     out = np.zeros((0, 5, 4, 6), np.float32)
     nan = float("nan")
     return [
-        ("heads", lambda: plsh.exact_alibi_attention(odd_q, k, v), "multiple of k.heads"),
-        ("dims", lambda: plsh.exact_alibi_attention(q, narrow_k, v), "k.dim must equal q.dim"),
+        ("heads", lambda: plsh.exact_alibi_attention(odd_q, k, v), "the heads of q must be a multiple of those of k and v"),
+        ("dims", lambda: plsh.exact_alibi_attention(q, narrow_k, v), "q and k disagree on their last axis"),
         ("slopes", lambda: plsh.windowed_alibi_attention(q, k, v, [0.5, nan, 0.1, 0.2]),
          r"slopes\[1\] must be finite"),
         ("samples", lambda: plsh.plsh_attention(q, k, v, samples=0), "options.samples"),
-        ("scale", lambda: plsh.fixed_block_attention(q, k, v, 4, scale=nan),
+        ("scale", lambda: plsh.fixed_block_attention(q, k, v, 4, softmax_scale=nan),
          "options.scale must be finite"),
         ("position", lambda: plsh.plsh_attention(q, k, v, query_position=-100),
          "options.query_position"),
@@ -90,16 +90,16 @@ def test_dtype_errors_name_the_argument(inputs):
     with pytest.raises(TypeError, match=r"^q has dtype int64; plsh takes float32, float64, "
                                         r"float16, or bfloat16 as uint16"):
         plsh.plsh_attention(q.astype(np.int64), k, v)
-    with pytest.raises(TypeError, match=r"^q has dtype uint16; .*pass bfloat16=True"):
+    with pytest.raises(TypeError, match=r'^q has dtype uint16; .*pass dtype="bfloat16"'):
         plsh.exact_alibi_attention(q.astype(np.uint16), k, v)
-    with pytest.raises(TypeError, match=r"^q has dtype float32; with bfloat16=True the arrays "
+    with pytest.raises(TypeError, match=r'^q has dtype float32; with dtype="bfloat16" the arrays '
                                         r"hold bfloat16 bit patterns as uint16"):
-        plsh.exact_alibi_attention(q.astype(np.float32), k, v, bfloat16=True)
+        plsh.exact_alibi_attention(q.astype(np.float32), k, v, dtype="bfloat16")
     with pytest.raises(TypeError, match=r"^k has dtype float64 but q has float16"):
         plsh.exact_alibi_attention(q.astype(np.float16), k, v)
     with pytest.raises(TypeError, match=r"^v has dtype float16 but q has bfloat16"):
         plsh.exact_alibi_attention(q.astype(np.uint16), k.astype(np.uint16), v.astype(np.float16),
-                                   bfloat16=True)
+                                   dtype="bfloat16")
     with pytest.raises(TypeError, match=r"^out must have dtype float16 like q \(got float32\)"):
         plsh.exact_alibi_attention(q.astype(np.float16), k.astype(np.float16),
                                    v.astype(np.float16), out=np.empty((2, 40, 4, 6), np.float32))
@@ -127,15 +127,17 @@ def test_rank_and_shape_errors_name_the_argument(inputs):
         plsh.exact_alibi_attention(q, k[0], v)
     with pytest.raises(ValueError, match=r"^v.shape\[0\] \(batch, 1\) must equal q.shape\[0\] \(2\)"):
         plsh.exact_alibi_attention(q, k, v[:1])
-    with pytest.raises(ValueError, match=r"^exact_alibi_attention: k.dim must equal q.dim$"):
+    with pytest.raises(ValueError, match=r"^q and k disagree on their last axis \(dim\): q has 8, "
+                                         r"k has 5 \(axis 3 \(dim\) of layout \"bthd\""):
         plsh.exact_alibi_attention(q, k[..., :5], v)
-    with pytest.raises(ValueError, match=r"q.heads must be a multiple of k.heads"):
+    with pytest.raises(ValueError, match=r"^q has 3 heads and k and v have 2 \(axis 2 \(heads\)"):
         plsh.plsh_attention(q[..., :3, :], k, v)
-    with pytest.raises(ValueError, match=r"^v.tokens must equal k.tokens|v.tokens must equal"):
+    with pytest.raises(ValueError, match=r"^k and v disagree on their tokens axis: k has 40, v has 5"):
         plsh.fixed_block_attention(q, k, v[:, :5], 4)
     with pytest.raises(ValueError, match=r"^out must have shape \(2, 40, 4, 6\) \(got \(2, 40, 4, 5\)\)"):
         plsh.exact_alibi_attention(q, k, v, out=np.empty((2, 40, 4, 5)))
-    with pytest.raises(ValueError, match=r"dout.dim must equal out.dim"):
+    with pytest.raises(ValueError, match=r"^dout must have the forward output's shape "
+                                         r"\(2, 40, 4, 6\), q's with v's last axis"):
         plsh.exact_alibi_attention_backward(q, k, v, q[..., :6], q[..., :5])
     with pytest.raises(ValueError, match=r"^dq must have shape"):
         plsh.plsh_attention_backward(q, k, v, q[..., :6], q[..., :6], dq=np.empty(k.shape))
@@ -171,8 +173,7 @@ def test_out_errors(inputs):
 
 def test_option_errors_are_value_errors_with_the_cpp_message(inputs):
     q, k, v = inputs
-    with pytest.raises(ValueError, match=r"^exact_alibi_attention: slopes.size\(\) \(3\) must "
-                                         r"equal q.heads \(4\)$"):
+    with pytest.raises(ValueError, match=r"^alibi_slopes has 3 entries but q has 4 heads"):
         plsh.exact_alibi_attention(q, k, v, [0.1, 0.2, 0.3])
     with pytest.raises(ValueError, match=r"slopes\[1\] must be finite and non-negative"):
         plsh.plsh_attention(q, k, v, [0.1, -0.2, 0.3, 0.4])
@@ -196,7 +197,7 @@ def test_option_errors_are_value_errors_with_the_cpp_message(inputs):
     with pytest.raises(ValueError, match=r"options.key_position \+ k.tokens must lie in \[0, kMaxPosition = 2\^53\]"):
         plsh.plsh_attention_backward(q, k, v, q[..., :6], q[..., :6], key_position=-1)
     with pytest.raises(ValueError, match=r"options.scale must be finite"):
-        plsh.exact_alibi_attention(q, k, v, scale=math.inf)
+        plsh.exact_alibi_attention(q, k, v, softmax_scale=math.inf)
     with pytest.raises(ValueError, match=r"^fixed_block_attention: block_size must be at least 1"):
         plsh.fixed_block_attention(q, k, v, 0)
     with pytest.raises(ValueError, match=r"tolerance must lie in \[0, 1\]"):

@@ -1,5 +1,5 @@
 """Tests of the NumPy API of plsh in float16 and bfloat16 (uint16 bit patterns with
-bfloat16=True), computed in float32: the float32 kernels on rounded inputs, and the error against
+dtype="bfloat16"), computed in float32: the float32 kernels on rounded inputs, and the error against
 float32 inputs."""
 
 import numpy as np
@@ -16,13 +16,13 @@ HALF_TYPES = ["float16", "bfloat16"]
 def test_half_forward_is_the_float32_kernel_on_rounded_inputs(name, storage, inputs):
     stored = [to_storage(x, storage) for x in inputs]
     rounded = [from_storage(x, storage) for x in stored]
-    bfloat16 = storage == "bfloat16"
+    dtype = "bfloat16" if storage == "bfloat16" else None
     for options in (dict(query_position=4), dict(causal=False, key_position=3)):
-        result = call_forward(name, *stored, bfloat16=bfloat16, **options)
+        result = call_forward(name, *stored, dtype=dtype, **options)
         assert result.dtype == stored[0].dtype and result.shape == (2, 40, 4, 6)
         assert_rounded(result, call_forward(name, *rounded, **options), storage, name)
         out = np.zeros_like(result)
-        call_forward(name, *stored, bfloat16=bfloat16, out=out, **options)
+        call_forward(name, *stored, dtype=dtype, out=out, **options)
         np.testing.assert_array_equal(out, result)
 
 
@@ -36,7 +36,8 @@ def test_half_backward_is_the_float32_kernel_on_rounded_inputs(method, storage, 
     dout = np.random.default_rng(5).standard_normal(out.shape)
     stored = [to_storage(x, storage) for x in (*inputs, out, dout)]
     rounded = [from_storage(x, storage) for x in stored]
-    grads = backward(*stored, query_position=6, bfloat16=storage == "bfloat16")
+    grads = backward(*stored, query_position=6,
+                     dtype="bfloat16" if storage == "bfloat16" else None)
     expected = backward(*rounded, query_position=6)
     for name, result, reference in zip(("dq", "dk", "dv"), grads, expected):
         assert result.dtype == stored[0].dtype and result.shape == reference.shape
@@ -51,7 +52,7 @@ def test_half_error_against_float32_inputs(storage):
     q, k, v = random_inputs((1, 256, 4, 32), kv_heads=2, value_dim=32, seed=7, dtype=np.float32)
     expected = plsh.exact_alibi_attention(q, k, v)
     result = plsh.exact_alibi_attention(*(to_storage(x, storage) for x in (q, k, v)),
-                                        bfloat16=storage == "bfloat16")
+                                        dtype="bfloat16" if storage == "bfloat16" else None)
     error = (np.linalg.norm(from_storage(result, storage) - expected) /
              np.linalg.norm(expected))
     assert error <= 4 * UNIT_ROUNDOFF[storage], f"{error / UNIT_ROUNDOFF[storage]} u"

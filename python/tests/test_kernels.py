@@ -49,8 +49,9 @@ def test_forward_kernels_against_dense_references(dtype, causal, positions):
 
 def test_scale_and_default_slopes(inputs):
     q, k, v = inputs
-    result = plsh.exact_alibi_attention(q, k, v, scale=0.3)
-    expected = reference_attention(q, k, v, alibi_log_factor(plsh.alibi_slopes(4)), scale=0.3)
+    result = plsh.exact_alibi_attention(q, k, v, softmax_scale=0.3)
+    expected = reference_attention(q, k, v, alibi_log_factor(plsh.alibi_slopes(4)),
+                                   softmax_scale=0.3)
     np.testing.assert_allclose(result, expected, rtol=0, atol=1e-12)
 
 
@@ -91,13 +92,13 @@ def test_fused_and_passes_agree_to_rounding(inputs):
 # Backward kernels
 # ---------------------------------------------------------------------------------------------
 
-def reference_backward(q, k, v, dout, log_factor, causal=True, scale=0.0, query_position=0,
+def reference_backward(q, k, v, dout, log_factor, causal=True, softmax_scale=None, query_position=0,
                        key_position=0):
     """Dense float64 gradients (dq, dk, dv) of reference_attention, rank 3."""
     n_q, heads, dim = q.shape
     n_k, kv_heads, _ = v.shape
     group = heads // kv_heads
-    scale = scale if scale != 0 else 1.0 / math.sqrt(dim)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(dim)
     i = query_position + np.arange(n_q)[:, None]
     j = key_position + np.arange(n_k)[None, :]
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
@@ -124,7 +125,7 @@ def reference_backward(q, k, v, dout, log_factor, causal=True, scale=0.0, query_
 def test_backward_kernels_against_dense_reference(method):
     q, k, v = random_inputs((33, 4, 6), kv_heads=2, value_dim=5, n_k=40, seed=8)
     dout = np.random.default_rng(9).standard_normal((33, 4, 5))
-    options = dict(causal=True, query_position=12, key_position=3, scale=0.4)
+    options = dict(causal=True, query_position=12, key_position=3, softmax_scale=0.4)
     slopes = [0.3, 0.1, 0.05, 0.0]
     if method == "exact":
         out = plsh.exact_alibi_attention(q, k, v, slopes, **options)

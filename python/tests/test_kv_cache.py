@@ -67,7 +67,7 @@ def test_kv_cache_out_and_errors():
         plsh.KvCache(3, 2, 4, 4)
     with pytest.raises(ValueError, match=r"^KvCache: slopes.size\(\) \(1\) must equal"):
         plsh.KvCache(2, 1, 4, 4, [0.1])
-    with pytest.raises(TypeError, match=r'^dtype must be float32, float64, float16 or "bfloat16" '
+    with pytest.raises(TypeError, match=r'^dtype must be numpy.float32, numpy.float64, numpy.float16 or "bfloat16" '
                                         r'\(got int32\)'):
         plsh.KvCache(2, 1, 4, 4, dtype=np.int32)
     with pytest.raises(ValueError, match=r"kernel must be"):

@@ -24,12 +24,12 @@ def random_tensors(batch=2, n=24, heads=4, kv_heads=2, dim=8, value_dim=6, n_k=N
     return [t.requires_grad_(requires_grad) for t in tensors]
 
 
-def dense_alibi(q, k, v, slopes, causal=True, scale=0.0, query_position=0, key_position=0,
+def dense_alibi(q, k, v, slopes, causal=True, softmax_scale=None, query_position=0, key_position=0,
                 log_counts=None):
     """ALiBi as PyTorch users write it (Press et al.): softmax(q k^T scale - m |i - j|) v, causal;
     with `log_counts` [H, n_q, n_k] the bias is log c instead (Positional LSH's mean mask)."""
     heads, kv_heads = q.shape[-2], k.shape[-2]
-    scale = scale if scale != 0 else 1.0 / math.sqrt(q.shape[-1])
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     qh = q.transpose(-2, -3)  # [B, H, n, d]
     kh = k.transpose(-2, -3).repeat_interleave(heads // kv_heads, dim=-3)
     vh = v.transpose(-2, -3).repeat_interleave(heads // kv_heads, dim=-3)
@@ -57,7 +57,7 @@ def log_counts(slopes, samples, seed, n_q, n_k, query_position=0, key_position=0
         return torch.from_numpy(np.log(counts / samples))
 
 
-OPTIONS = dict(causal=True, scale=0.0, query_position=7, key_position=2)
+OPTIONS = dict(causal=True, softmax_scale=None, query_position=7, key_position=2)
 
 # The draws of each Positional LSH method of the tests.
 SAMPLING = {"plsh": "independent", "plsh latin": "latin_hypercube"}
@@ -113,7 +113,7 @@ def test_results_equal_the_cpp_kernels_bit_for_bit(method):
 @pytest.mark.parametrize("method", ["exact", "plsh", "plsh latin"])
 def test_gradcheck_with_grouped_heads_and_offsets(method):
     q, k, v = random_tensors(batch=2, n=6, heads=4, kv_heads=2, dim=3, value_dim=2, n_k=8, seed=3)
-    options = dict(causal=True, scale=0.7, query_position=5, key_position=1)
+    options = dict(causal=True, softmax_scale=0.7, query_position=5, key_position=1)
     if method == "exact":
         def function(q, k, v):
             return pt.exact_alibi_attention(q, k, v, [0.5, 0.3, 0.2, 0.1], **options)
@@ -198,7 +198,7 @@ def test_fixed_block_gradcheck_with_grouped_heads_and_offsets():
     q, k, v = random_tensors(batch=2, n=6, heads=4, kv_heads=2, dim=3, value_dim=2, n_k=8, seed=4)
 
     def function(q, k, v):
-        return pt.fixed_block_attention(q, k, v, 3, causal=True, scale=0.7, query_position=5,
+        return pt.fixed_block_attention(q, k, v, 3, causal=True, softmax_scale=0.7, query_position=5,
                                         key_position=1)
 
     assert torch.autograd.gradcheck(function, (q, k, v), eps=1e-6, atol=1e-7, rtol=1e-5)
@@ -223,9 +223,12 @@ def test_errors():
             pt.plsh_attention(q.cuda(), k, v)
     with pytest.raises(ValueError, match=r"^q must have 3 dimensions"):
         pt.exact_alibi_attention(q[0, 0], k, v)
-    with pytest.raises(ValueError, match=r"^plsh_attention: k.dim must equal q.dim$"):
+    with pytest.raises(ValueError, match=r"^q and k disagree on their last axis \(dim\): q has 8, "
+                                         r"k has 5 \(axis 3 \(dim\) of layout \"bthd\""):
         pt.plsh_attention(q, k[..., :5], v)
-    with pytest.raises(ValueError, match=r"slopes.size\(\) \(2\) must equal q.heads \(4\)"):
+    with pytest.raises(ValueError, match=r"^alibi_slopes has 2 entries but q has 4 heads \(axis 2 "
+                                         r"\(heads\) of layout \"bthd\" \[batch, tokens, heads, "
+                                         r"dim\]\); give one slope per query head"):
         pt.exact_alibi_attention(q, k, v, [0.1, 0.2])
     with pytest.raises(ValueError, match=r'^sampling must be "independent" or "latin_hypercube" '
                                          r'\(got "stratified"\)$'):
@@ -277,7 +280,7 @@ def test_alibi_attention_module_seed_wraps_and_counts_only_forwards_that_return(
     assert module.current_seed() == 0
     assert torch.equal(module(q, k, v), pt.plsh_attention(q, k, v, samples=3, seed=0))
     assert int(module.training_forwards) == 2
-    with pytest.raises(ValueError, match=r"k.dim must equal q.dim"):
+    with pytest.raises(ValueError, match=r"q and k disagree on their last axis \(dim\)"):
         module(q, k[..., :5], v)
     assert int(module.training_forwards) == 2
 
@@ -339,7 +342,7 @@ def test_alibi_attention_module_methods():
     with torch.no_grad():
         assert torch.equal(pt.AlibiAttention(4, "fixed", block_size=8)(q, k, v),
                            pt.fixed_block_attention(q, k, v, 8))
-    custom = pt.AlibiAttention(4, "exact", slopes=[0.5, 0.5, 0.1, 0.1], causal=False)
+    custom = pt.AlibiAttention(4, "exact", alibi_slopes=[0.5, 0.5, 0.1, 0.1], causal=False)
     assert torch.equal(custom(q, k, v),
                        pt.exact_alibi_attention(q, k, v, [0.5, 0.5, 0.1, 0.1], causal=False))
     # Gradients flow through the module.
@@ -350,9 +353,12 @@ def test_alibi_attention_module_methods():
         pt.AlibiAttention(4, method="dense")
     with pytest.raises(ValueError, match=r"heads must be at least 1"):
         pt.AlibiAttention(0)
-    with pytest.raises(ValueError, match=r"slopes has 2 entries, heads is 4"):
-        pt.AlibiAttention(4, slopes=[0.1, 0.2])
-    with pytest.raises(ValueError, match=r"q has 4 heads \(shape\[-2\]\), the module 2"):
+    with pytest.raises(ValueError, match=r"alibi_slopes has 2 entries, one per head expected: "
+                                         r"heads is 4"):
+        pt.AlibiAttention(4, alibi_slopes=[0.1, 0.2])
+    with pytest.raises(ValueError, match=r'q has 4 heads \(axis 2 of layout "bthd" \[batch, tokens, '
+                                         r'heads, dim\]\) but the module has 2; tensors in '
+                                         r'PyTorch SDPA\'s order'):
         pt.AlibiAttention(2)(q, k, v)
 
 
