@@ -2,7 +2,9 @@
 
 The model has no positional embedding: position enters only through the attention, so the
 attention variant is the only difference between the runs of one seed (same initialisation,
-same data order, same optimiser). Variants:
+same data order, same optimiser). Each block's attention layer is
+plsh.torch.MultiheadAlibiAttention (q/k/v and output projections) around the dispatcher
+Attention below, which runs the variant's kernel. Variants:
 
   none   plsh.torch.exact_alibi_attention with slopes 0 (plain causal attention, no bias)
   alibi  plsh.torch.exact_alibi_attention with the standard ALiBi slopes (Press et al.)
@@ -24,7 +26,8 @@ prefix of the validation text cut into non-overlapping windows of length L, 2L a
 same bytes at every length); the loss is averaged over all positions of every window, in
 nats per byte.
 
-Usage (from the repository root, after `bash scripts/python.sh build`):
+Usage (from the repository root, after `bash scripts/python.sh build`, which installs plsh into
+build/python-venv and copies it to build/python):
   PYTHONPATH=build/python /usr/bin/python3 examples/python/lm.py --variant plsh --seed 1 \
       --out docs/training/runs/plsh-s1.json
 examples/python/compare.py runs all variants and writes docs/training/.
@@ -243,25 +246,52 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
+    """Pre-LayerNorm block: x + attn(norm1(x)), then x + mlp(norm2(x)).
+
+    attn is plsh.torch.MultiheadAlibiAttention with the dispatcher `attention` as its attention:
+    in_proj_weight [3 d_model, d_model] (q, k, v rows) and out_proj, initialised as nn.Linear
+    (the parameters, their order and their initial values of the fused nn.Linear qkv and proj
+    that the blocks had before; load_state_dict reads checkpoints with those names too).
+    """
+
     def __init__(self, d_model, heads, attention):
         super().__init__()
+        from plsh.torch import MultiheadAlibiAttention
+
         self.heads = heads
         self.norm1 = nn.LayerNorm(d_model)
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-        self.proj = nn.Linear(d_model, d_model)
+        self.attn = MultiheadAlibiAttention(d_model, heads, attention=attention)
         self.norm2 = nn.LayerNorm(d_model)
         self.mlp = nn.Sequential(
             nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)
         )
-        self.attention = attention
+
+    @property
+    def attention(self):
+        return self.attn.attention
+
+    def qkv(self, x):
+        """The q, k, v projections of x, [..., 3 d_model] (q, then k, then v; qk_dump.py)."""
+        return F.linear(x, self.attn.in_proj_weight, self.attn.in_proj_bias)
 
     def forward(self, x):
-        batch, tokens, d_model = x.shape
-        qkv = self.qkv(self.norm1(x)).view(batch, tokens, 3, self.heads, d_model // self.heads)
-        q, k, v = qkv.unbind(2)  # each [B, T, H, D], strided views
-        a = self.attention(q, k, v).reshape(batch, tokens, d_model)
-        x = x + self.proj(a)
+        x = x + self.attn(self.norm1(x))
         return x + self.mlp(self.norm2(x))
+
+
+# Checkpoints written before the blocks used MultiheadAlibiAttention.
+OLD_KEYS = [(re.compile(r"^(blocks\.[0-9]+\.)qkv\.(weight|bias)$"), r"\1attn.in_proj_\2"),
+            (re.compile(r"^(blocks\.[0-9]+\.)proj\."), r"\1attn.out_proj."),
+            (re.compile(r"^(blocks\.[0-9]+\.)attention\."), r"\1attn.attention.")]
+
+
+def rename_old_keys(state_dict, prefix, *unused):
+    for key in list(state_dict):
+        name = key[len(prefix):]
+        for pattern, replacement in OLD_KEYS:
+            name = pattern.sub(replacement, name)
+        if prefix + name != key:
+            state_dict[prefix + name] = state_dict.pop(key)
 
 
 class ByteLM(nn.Module):
@@ -278,13 +308,14 @@ class ByteLM(nn.Module):
         ]
         self.blocks = nn.ModuleList(Block(args.d_model, args.heads, a) for a in attentions)
         self.norm = nn.LayerNorm(args.d_model)
+        self._register_load_state_dict_pre_hook(rename_old_keys)
         for name, p in self.named_parameters():
             if name.endswith("weight") and p.dim() == 2:
                 nn.init.normal_(p, std=0.02)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
         for block in self.blocks:  # scaled residual projections (GPT-2)
-            for p in (block.proj.weight, block.mlp[2].weight):
+            for p in (block.attn.out_proj.weight, block.mlp[2].weight):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * args.layers))
 
     def attentions(self):
