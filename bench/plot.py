@@ -13,6 +13,9 @@ plsh_accuracy (--json=FILE), and writes:
                     n^2 (dashed, labelled so).
   error_vs_time.png relative error against exact ALiBi versus time per call (log-log): the
                     accuracy trade-off of each method.
+  frontier.png      from plsh_frontier's JSON (--frontier): relative error against time per call
+                    (log-log), one panel per input set, one curve per method family, points
+                    labelled by their parameter (tolerance, s or block size).
 
 With repetitions (--benchmark_repetitions=R) the median aggregate is used, or the median of the
 repetitions when only those were written. --bench may be given several times: a benchmark found
@@ -208,20 +211,109 @@ def plot_error_vs_time(pyplot, accuracy, clock, path):
     print(f"wrote {path}")
 
 
+FRONTIER_SETS = ["normal", "peaked", "trained"]
+FRONTIER_FAMILIES = [("exact", "exact (float)"), ("windowed", "windowed, certified tolerance"),
+                     ("fused", "Positional LSH fused, independent, s"),
+                     ("fused_lhs", "Positional LSH fused, Latin hypercube, s"),
+                     ("fixed_blocks", "fixed blocks, b")]
+
+
+def read_frontier(path, clock):
+    """{set: {family: [(parameter, seconds, relative_error, n, dim)]}} from plsh_frontier's JSON
+    (frontier/<set>/<family>/<parameter>): the median aggregate when written, else the median of
+    the runs."""
+    with open(path) as file:
+        report = json.load(file)
+    medians, runs = {}, {}
+    for entry in report.get("benchmarks", []):
+        if entry.get("error_occurred"):
+            continue
+        name = entry.get("run_name", entry["name"])
+        if entry.get("run_type") == "aggregate":
+            if entry.get("aggregate_name") == "median":
+                medians[name] = entry
+        else:
+            runs.setdefault(name, []).append(entry)
+    frontier = {}
+    for name in set(medians) | set(runs):
+        parts = name.split("/")
+        if len(parts) < 4 or parts[0] != "frontier":
+            continue
+        chosen = [medians[name]] if name in medians else runs[name]
+        seconds = statistics.median(
+            entry[clock + "_time"] * TIME_UNIT_SECONDS[entry.get("time_unit", "ns")]
+            for entry in chosen)
+        first = chosen[0]
+        frontier.setdefault(parts[1], {}).setdefault(parts[2], []).append(
+            (parts[3], seconds, first["relative_error"], int(first["n"]), int(first["dim"])))
+    return frontier
+
+
+def parameter_order(parameter):
+    try:
+        return float(parameter)
+    except ValueError:
+        return 0.0
+
+
+def plot_frontier(pyplot, frontier, clock, path):
+    from matplotlib import ticker
+    sets = [name for name in FRONTIER_SETS if name in frontier]
+    if not sets:
+        print(f"plot.py: no frontier benchmark in the input; {path} not written", file=sys.stderr)
+        return
+    figure, panels = pyplot.subplots(1, len(sets), figsize=(6 * len(sets), 5.5), squeeze=False)
+    for axes, name in zip(panels[0], sets):
+        families = frontier[name]
+        shape = None
+        for family, label in FRONTIER_FAMILIES:
+            points = sorted(families.get(family, []), key=lambda p: parameter_order(p[0]))
+            if not points:
+                continue
+            shape = points[0][3:]
+            times = [1e3 * point[1] for point in points]
+            errors = [point[2] for point in points]
+            style = dict(STYLE[family])
+            if family == "exact":
+                style["linestyle"] = "none"
+            axes.loglog(times, errors, label=label, **style)
+            if family != "exact":
+                # Alternate above and below: neighbouring points of a curve may nearly coincide.
+                for index, (time, error, point) in enumerate(zip(times, errors, points)):
+                    axes.annotate(point[0], (time, error), textcoords="offset points",
+                                  xytext=(3, 4 if index % 2 == 0 else -10), fontsize="x-small")
+        axes.set_xlabel(f"time per call, ms (median {'processor' if clock == 'cpu' else 'wall'}"
+                        " time, 1 thread)")
+        axes.set_ylabel("relative Frobenius error vs exact ALiBi (double)")
+        n, dim = shape
+        axes.set_title(f"{name}: n = {n}, 8 heads, d = {dim}")
+        axes.grid(True, which="both", alpha=0.3)
+        for axis in (axes.xaxis, axes.yaxis):
+            axis.set_major_formatter(ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+        axes.xaxis.set_minor_formatter(ticker.NullFormatter())
+    handles, labels = panels[0][0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize="small")
+    figure.tight_layout(rect=(0, 0.06, 1, 1))
+    figure.savefig(path, dpi=110)
+    pyplot.close(figure)
+    print(f"wrote {path}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bench", action="append",
                         help="plsh_bench JSON output (may be repeated; later files win)")
     parser.add_argument("--accuracy", help="plsh_accuracy --json output")
+    parser.add_argument("--frontier", help="plsh_frontier JSON output")
     parser.add_argument("--out-dir", default=".", help="where the PNG files go (default: .)")
     parser.add_argument("--samples", type=int, default=20,
                         help="number of samples s of the PLSH curves in time_vs_n.png")
     parser.add_argument("--clock", choices=["real", "cpu"], default="real",
                         help="benchmark time to plot (default: real, the wall time)")
     arguments = parser.parse_args()
-    if not arguments.bench and not arguments.accuracy:
-        parser.error("give --bench FILE, --accuracy FILE, or both")
+    if not arguments.bench and not arguments.accuracy and not arguments.frontier:
+        parser.error("give --bench FILE, --accuracy FILE, --frontier FILE, or several")
 
     pyplot = load_matplotlib()
     os.makedirs(arguments.out_dir, exist_ok=True)
@@ -234,6 +326,9 @@ def main():
             accuracy = json.load(file)
         plot_error_vs_time(pyplot, accuracy, arguments.clock,
                            os.path.join(arguments.out_dir, "error_vs_time.png"))
+    if arguments.frontier:
+        plot_frontier(pyplot, read_frontier(arguments.frontier, arguments.clock), arguments.clock,
+                      os.path.join(arguments.out_dir, "frontier.png"))
 
 
 if __name__ == "__main__":

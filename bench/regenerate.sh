@@ -12,14 +12,20 @@
 #            docs/bench/decode.json. A few minutes.
 #   mpi      mpi_bench (build/mpi, PLSH_MPI=ON): the bytes each rank receives on 2 and 4 ranks ->
 #            docs/bench/mpi-bytes-2.txt, mpi-bytes-4.txt. Seconds once built; needs mpirun.
+#   frontier plsh_frontier, time and error of every method on the normal, peaked and trained
+#            input sets, 3 repetitions -> docs/bench/frontier.json, then docs/bench/frontier.png.
+#            About 5 minutes on one core. The trained set is docs/accuracy/qkv.bin (part qkv).
+#   qkv      the trained set: examples/python/qk_dump.py --qkv-out -> docs/accuracy/qkv.bin and
+#            qkv.json, from build/accuracy/alibi-s1.pt, which is trained first (as
+#            docs/accuracy/regenerate.sh attention does, a few minutes) when it is missing.
 #   plots    bench/plot.py over the JSON above -> docs/bench/time_vs_n.png, error_vs_time.png
-#            (processor time; needs python3-matplotlib).
+#            and frontier.png (processor time; needs python3-matplotlib).
 #   report   bench/report.py: the tables of README.md and docs/*.md, from the files above.
 #
 # Benchmarks run with OMP_NUM_THREADS=1 (fused_threads sets its own). Environment: PLSH_JOBS
-# (build jobs, default 2), PLSH_BENCH_ARGS (extra plsh_bench arguments, e.g.
-# --benchmark_repetitions=3), PLSH_PYTHON (default /usr/bin/python3, whose matplotlib Debian
-# installs).
+# (build jobs, default 2), PLSH_BUILD_DIR (default build/release), PLSH_BENCH_ARGS (extra
+# plsh_bench arguments, e.g. --benchmark_repetitions=3), PLSH_FRONTIER_ARGS (extra plsh_frontier
+# arguments), PLSH_PYTHON (default /usr/bin/python3, whose matplotlib Debian installs).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -32,16 +38,16 @@ if ((${#parts[@]} == 0)); then
 fi
 for part in "${parts[@]}"; do
   case "${part}" in
-    kernels | long | decode | mpi | plots | report) ;;
+    kernels | long | decode | mpi | frontier | qkv | plots | report) ;;
     *)
-      echo "usage: bench/regenerate.sh [kernels|long|decode|mpi|plots|report]..." >&2
+      echo "usage: bench/regenerate.sh [kernels|long|decode|mpi|frontier|qkv|plots|report]..." >&2
       exit 2
       ;;
   esac
 done
 
 out=docs/bench
-build_dir=build/release
+build_dir=${PLSH_BUILD_DIR:-build/release}
 jobs=${PLSH_JOBS:-2}
 python=${PLSH_PYTHON:-/usr/bin/python3}
 mkdir -p "${out}"
@@ -91,10 +97,35 @@ for part in "${parts[@]}"; do
           tee "${out}/mpi-bytes-${ranks}.txt"
       done
       ;;
+    frontier)
+      build_bench plsh_frontier
+      # shellcheck disable=SC2086 # PLSH_FRONTIER_ARGS is a list of arguments
+      OMP_NUM_THREADS=1 "${build_dir}/bench/plsh_frontier" --benchmark_min_time=1 \
+        --benchmark_repetitions=3 --benchmark_out="${out}/frontier.json" \
+        --benchmark_out_format=json ${PLSH_FRONTIER_ARGS:-}
+      "${python}" bench/plot.py --frontier "${out}/frontier.json" --clock cpu --out-dir "${out}"
+      ;;
+    qkv)
+      work=build/accuracy
+      mkdir -p "${work}"
+      bash scripts/python.sh build
+      if [[ ! -f "${work}/alibi-s1.pt" ]]; then
+        PYTHONPATH=build/python "${python}" examples/python/lm.py --variant alibi --seed 1 \
+          --eval-bytes 16384 --data-cache "${work}/bible.txt" --save "${work}/alibi-s1.pt" \
+          --out "${work}/alibi-s1.json" | tee "${work}/train.log"
+      fi
+      PYTHONPATH=build/python "${python}" examples/python/qk_dump.py \
+        --checkpoint "${work}/alibi-s1.pt" --length 2048 --data-cache "${work}/bible.txt" \
+        --out "${work}/qk.bin" --qkv-out docs/accuracy/qkv.bin
+      ;;
     plots)
       # bench.json last: where both files hold a benchmark, the kernels part's run is drawn.
+      frontier=()
+      if [[ -f "${out}/frontier.json" ]]; then
+        frontier=(--frontier "${out}/frontier.json")
+      fi
       "${python}" bench/plot.py --bench "${out}/scaling.json" --bench "${out}/bench.json" \
-        --accuracy "${out}/accuracy.json" --clock cpu --out-dir "${out}"
+        --accuracy "${out}/accuracy.json" "${frontier[@]}" --clock cpu --out-dir "${out}"
       ;;
     report)
       "${python}" bench/report.py

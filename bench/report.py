@@ -17,6 +17,8 @@ Sources (a missing source leaves a line saying which command writes it):
     docs/bench/bench.json          plsh_bench, every family (bench/regenerate.sh kernels)
     docs/bench/scaling.json        plsh_bench, the long families up to 2^20 (bench/regenerate.sh long)
     docs/bench/accuracy.json       plsh_accuracy --n=4096 (bench/regenerate.sh kernels)
+    docs/bench/frontier.json       plsh_frontier, time and error on three input sets
+                                   (bench/regenerate.sh frontier)
     docs/bench/decode.json         plsh_bench, the decoding families (bench/regenerate.sh decode);
                                    docs/bench/bench.json's decode_* entries when it is missing
     docs/bench/mpi-bytes-<P>.txt   mpirun -np P mpi_bench bytes 16 20 (bench/regenerate.sh mpi)
@@ -154,40 +156,129 @@ def accuracy_methods():
     return data, {(m["method"], m["parameter"]): m for m in data["methods"]}
 
 
+FRONTIER_COMMAND = "bash bench/regenerate.sh frontier"
+FRONTIER_SOURCE = "docs/bench/frontier.json"
+FRONTIER_SETS = ["normal", "peaked", "trained"]
+FRONTIER_FAMILIES = [("exact", "exact, float"), ("windowed", "windowed, tolerance"),
+                     ("fused", "fused, s"), ("fused_lhs", "fused, Latin hypercube, s"),
+                     ("fixed_blocks", "fixed blocks, b")]
+
+
+class Frontier:
+    """plsh_frontier's runs: processor time (the median over repetitions) and the errors of
+    frontier/<set>/<family>/<parameter>."""
+
+    def __init__(self):
+        self.runs = Runs([FRONTIER_SOURCE], FRONTIER_COMMAND)
+        if not self.runs.names("frontier/"):
+            raise Missing(f"no frontier/ entries in `{FRONTIER_SOURCE}`: `{FRONTIER_COMMAND}` "
+                          "writes them.")
+
+    def seconds(self, input_set, method):
+        return self.runs.seconds(f"frontier/{input_set}/{method}", "cpu_time")
+
+    def speedup(self, input_set, method):
+        """Processor time of exact (float) over this method's, on the same set in the same run."""
+        exact = self.seconds(input_set, "exact/float")
+        seconds = self.seconds(input_set, method)
+        return exact / seconds if exact and seconds else None
+
+    def error(self, input_set, method, counter="relative_error"):
+        return (self.runs.get(f"frontier/{input_set}/{method}") or {}).get(counter)
+
+    def methods(self):
+        """family/parameter of every method, in FRONTIER_FAMILIES order, parameters as listed
+        by Runs.names (tolerances falling, s and b rising)."""
+        found = {name.split("/", 2)[2] for name in self.runs.names("frontier/")}
+        ordered = []
+        for family, _ in FRONTIER_FAMILIES:
+            names = self.runs.names(f"frontier/normal/{family}/")
+            ordered += [n.split("/", 2)[2] for n in names if n.split("/", 2)[2] in found]
+        return ordered
+
+    def shape(self, input_set):
+        entry = self.runs.get(f"frontier/{input_set}/exact/float") or {}
+        return int(entry.get("n", 0)), int(entry.get("dim", 0))
+
+    def repetitions(self):
+        entry = self.runs.get("frontier/normal/exact/float") or {}
+        return entry.get("repetitions", 1)
+
+    def source(self):
+        return describe_context(self.runs.context, FRONTIER_SOURCE)
+
+
+def times_faster(value):
+    if value is None:
+        return "—"
+    return f"{value:.2g}×" if value < 10 else f"{value:.0f}×"
+
+
 def which_kernel():
-    """README: which kernel for what."""
-    runs = Runs(["docs/bench/bench.json"], KERNEL_COMMAND)
-    data, methods = accuracy_methods()
-    n = 16384
-    exact = runs.seconds(f"exact/{n}")
+    """README: which kernel for what, from the frontier (normal and trained sets)."""
+    frontier = Frontier()
     rows = [
-        ("exact ALiBi", "`exact_alibi_attention`", f"exact/{n}", ("exact", ""),
-         "the reference; short sequences; anything that must be exact"),
-        ("windowed ALiBi, tolerance 1e-6", "`windowed_alibi_attention`", f"windowed/{n}",
-         ("windowed", "tolerance=1e-06"),
-         "serving a trained ALiBi model on ordinary logits (see the caveat below)"),
-        ("Positional LSH, fused, s = 20", "`plsh_attention`", f"fused/{n}/20", ("fused", "s=20"),
-         "training with Positional LSH (the paper's estimator); the longest contexts; decoding "
-         "with a bounded cache (`KvCache`); MPI with a halo that does not grow with n"),
-        ("Positional LSH, passes, s = 20", "`plsh_attention`, `Kernel::Passes`",
-         f"passes/{n}/20", ("passes", "s=20"),
-         "the paper's form: every block through a regular attention kernel of your own"),
-        ("fixed blocks, b = 64", "`fixed_block_attention`", f"fixed_blocks/{n}",
-         ("fixed_blocks", "b=64"), "the paper's baseline; not ALiBi"),
+        ("exact results", "`exact_alibi_attention`", "exact/float"),
+        ("a guaranteed tolerance (each row drops keys of exact-ALiBi weight ≤ 1e-3)",
+         "`windowed_alibi_attention`, tolerance 1e-3", "windowed/1e-3"),
+        ("the fastest guaranteed pass", "`windowed_alibi_attention`, tolerance 1e-1",
+         "windowed/1e-1"),
+        ("long contexts, fast: near-linear time, a bounded decoding cache, an MPI halo independent of n",
+         "`plsh_attention`, s = 20", "fused/20"),
+        ("training with bias-free blocks, as in the paper",
+         "`plsh_attention`, Latin hypercube, s = 100", "fused_lhs/100"),
+        ("a baseline (not ALiBi)", "`fixed_block_attention`, b = 64", "fixed_blocks/64"),
     ]
     body = []
-    for label, call, bench_name, accuracy_key, use in rows:
-        seconds = runs.seconds(bench_name)
-        speedup = f"{exact / seconds:.1f}×" if seconds and exact else "—"
-        error = methods.get(accuracy_key, {}).get("relative_error")
-        body.append((label, call, ms(seconds), speedup, fmt(error, 2), use))
-    header = ["kernel", "call", f"ms, n = {n}", "faster than exact", "error, n = 4096",
-              "use it for"]
-    caption = (f"Time per call on 1 thread from {describe_context(runs.context, 'docs/bench/bench.json')}; "
-               f"error: relative Frobenius error against exact ALiBi in double, "
-               f"`docs/bench/accuracy.json` (q, k uniform in [−{data['query_key_range']:g}, "
-               f"{data['query_key_range']:g}]).")
-    return table(header, body, ["---", "---", "---:", "---:", "---:", "---"]) + "\n\n" + caption
+    for use, call, method in rows:
+        cells = [use, call]
+        for input_set in ("normal", "trained"):
+            cells += [times_faster(frontier.speedup(input_set, method)),
+                      fmt(frontier.error(input_set, method), 2)]
+        body.append(cells)
+    (n, dim), (trained_n, trained_dim) = frontier.shape("normal"), frontier.shape("trained")
+    header = ["for", "kernel", "speed-up, N(0, 1)", "error, N(0, 1)", "speed-up, trained",
+              "error, trained"]
+    caption = (f"Speed-up: processor time of exact ALiBi (float) over the kernel's, 1 thread; "
+               f"error: relative Frobenius error against exact ALiBi in double. 8 heads, causal, "
+               f"float; N(0, 1): q, k, v normal, n = {n}, d = {dim}; trained: the q, k, v of the "
+               f"miniature model of [docs/accuracy](docs/accuracy/README.md), n = {trained_n}, "
+               f"d = {trained_dim}. From {frontier.source()}.")
+    return table(header, body, ["---", "---", "---:", "---:", "---:", "---:"]) + "\n\n" + caption
+
+
+def frontier_table():
+    """docs/performance.md: every method of plsh_frontier on the three input sets."""
+    frontier = Frontier()
+    labels = dict(FRONTIER_FAMILIES)
+    body = []
+    for method in frontier.methods():
+        family, parameter = method.split("/")
+        cells = [labels[family].split(",")[0] if family != "fused_lhs"
+                 else "fused, Latin hypercube",
+                 "" if family == "exact" else parameter]
+        for input_set in FRONTIER_SETS:
+            seconds = frontier.seconds(input_set, method)
+            speedup = frontier.speedup(input_set, method)
+            cells += [f"{ms(seconds)} ({times_faster(speedup)})" if seconds else "—",
+                      fmt(frontier.error(input_set, method), 2),
+                      fmt(frontier.error(input_set, method, "largest_row_error"), 2)]
+        body.append(cells)
+    header = ["method", "parameter"]
+    for input_set in FRONTIER_SETS:
+        n, dim = frontier.shape(input_set)
+        header += [f"{input_set} (n = {n}, d = {dim}): ms (faster than exact)", "error",
+                   "largest row error"]
+    exact_entry = frontier.runs.get("frontier/normal/exact/float") or {}
+    loaded = (exact_entry.get("real_time", 0) > 1.3 * exact_entry.get("cpu_time", 1))
+    note = (" The machine was shared during the run (wall time well above processor time)."
+            if loaded else "")
+    return (table(header, body, ["---", "---"] + ["---:"] * (3 * len(FRONTIER_SETS)))
+            + f"\n\nProcessor time per call, 1 thread, median of {frontier.repetitions()} "
+            f"repetitions, and the speed-up against exact ALiBi in float on the same set; error: "
+            f"relative Frobenius error against exact ALiBi in double; largest row error: the "
+            f"largest ‖o_i − o*_i‖ / ‖o*_i‖ over rows and heads. From {frontier.source()}."
+            + note)
 
 
 def time_per_call():
@@ -482,6 +573,7 @@ def torch_speed():
 
 TABLES = {
     "which-kernel": which_kernel,
+    "frontier": frontier_table,
     "time-per-call": time_per_call,
     "threads": threads,
     "accuracy-time": accuracy_time,
