@@ -14,7 +14,9 @@
 #            ctest -L mpi (mpirun on 1, 2 and 4 ranks, the installed mpi component, the bytes
 #            acceptance); installs libopenmpi-dev and openmpi-bin, skipped with a message when
 #            they cannot be had. The release and asan phases build with PLSH_MPI=OFF.
-#   python   the Python module for Debian's /usr/bin/python3 in build/python, its pytest suite
+#   python   the Python package for Debian's /usr/bin/python3, installed by
+#            `pip install --no-build-isolation .` into the virtual environment build/python-venv
+#            (--system-site-packages), its pytest suite against the installed package
 #            (scripts/python.sh test), and the training comparison's quick mode
 #   fuzz     tests/fuzz/run.sh: the libFuzzer target (clang++, ASan, UBSan) on the regression
 #            inputs, then PLSH_FUZZ_SECONDS (default 60) of fuzzing from tests/fuzz/corpus
@@ -160,7 +162,7 @@ mpi_phase() {
 
 python_phase() {
   bash scripts/python.sh test
-  PYTHONPATH=build/python /usr/bin/python3 examples/python/compare.py --quick
+  build/python-venv/bin/python examples/python/compare.py --quick
 }
 
 for phase in "${phases[@]}"; do
