@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include <plsh/alibi.hpp>
@@ -207,6 +208,47 @@ TEST_CASE("windowed ALiBi keeps a far attention sink that exact ALiBi weighs", "
   }
 }
 
+TEST_CASE("windowed ALiBi keeps its guarantee on adversarial inputs", "[windowed]") {
+  // Large logits (q and k scaled by 3), keys of equal norm (the bound is tight for none of them),
+  // zero keys (every score 0: only the distance decays), and a sink key far back, at tolerances
+  // from 1e-1 to 1e-8.
+  const Index n = 400;
+  const Shape shape{n, n, 2, 1, 8, 4};
+  const std::vector<double> slopes{0.25, 1.0 / 64};
+  std::vector<std::pair<const char*, Problem<double>>> cases;
+  cases.emplace_back("q, k scaled by 3", Problem<double>(shape, 3410, Layout::Packed, 9.0, 3.0));
+  Problem<double> equal(shape, 3411);
+  for (Index t = 0; t < n; ++t) {
+    double norm = 0;
+    for (Index e = 0; e < 8; ++e) norm += equal.k.at(t, 0, e) * equal.k.at(t, 0, e);
+    for (Index e = 0; e < 8; ++e) equal.k.at(t, 0, e) *= 4 / std::sqrt(norm);
+  }
+  cases.emplace_back("keys of equal norm", equal);
+  Problem<double> zero(shape, 3412);
+  zero.k.fill(0.0);
+  cases.emplace_back("zero keys", zero);
+  Problem<double> sink(shape, 3413, Layout::Packed, 1.0, 1.0);
+  for (Index t = 0; t < n; ++t)
+    for (Index h = 0; h < 2; ++h) sink.q.at(t, h, 0) = 2.0;
+  sink.k.at(0, 0, 0) = 15.0 * std::sqrt(8.0);  // scores 30
+  cases.emplace_back("a sink at key 0", sink);
+  for (const auto& [name, problem] : cases) {
+    INFO(name);
+    for (const double tolerance : {1e-1, 1e-2, 1e-4, 1e-6, 1e-8}) {
+      for (const bool causal : {true, false}) {
+        plsh::AttentionOptions options;
+        options.causal = causal;
+        check_windowed(problem, slopes, tolerance, options);
+      }
+    }
+  }
+  // Float: the same large logits rounded, at the tolerances float can tell apart.
+  const Problem<float> rounded(shape, 3410, Layout::Packed, 9.0, 3.0);
+  for (const double tolerance : {1e-1, 1e-3, 1e-5}) {
+    check_windowed(rounded, slopes, tolerance, plsh::AttentionOptions{});
+  }
+}
+
 TEST_CASE("windowed ALiBi with tolerance 0 is the exact kernel, bit for bit", "[windowed]") {
   Problem<float> problem(Shape{257, 257, 4, 2, 16, 8}, 3400);
   Buffer<float> exact = problem.output();
@@ -339,11 +381,12 @@ TEST_CASE("windowed ALiBi's backward equals central finite differences of its fo
       return sum;
     };
     GradientProblem<double> probe = p;
+    // Every 7th element of each input (a few hundred per tensor, in every query tile).
     const auto check = [&](Buffer<double>& input, const Buffer<double>& gradient,
                            const char* name) {
       double largest = 0;
       double error = 0;
-      for (std::size_t i = 0; i < input.storage.size(); ++i) {
+      for (std::size_t i = 0; i < input.storage.size(); i += 7) {
         const double original = input.storage[i];
         input.storage[i] = original + step;
         const double plus = loss(probe);

@@ -177,6 +177,7 @@ class WindowedLogits : public AlibiLogits<Scalar> {
   /// first row of a tile.
   Block queries_of_keys(Index h, Index first_key, Index cols) const {
     const Block alibi = AlibiLogits<Scalar>::queries_of_keys(h, first_key, cols);
+    if (alibi.begin >= alibi.end) return alibi;
     Index begin = std::max(alibi.begin, first_key - reach_);
     begin -= (begin - options_.query_position) % kQueryTile;
     const Index end = std::min(alibi.end, first_key + cols + reach_ + kQueryTile);
