@@ -12,7 +12,10 @@
 ///   against 128 keys): what Eigen reaches on those small shapes, before softmax.
 /// - `regular/n`: unbiased causal attention, exact_alibi_attention with every slope 0.
 /// - `exact/n`: plsh::exact_alibi_attention.
-/// - `windowed/n`: plsh::windowed_alibi_attention, tolerance 1e-6.
+/// - `windowed/n`, `windowed_1e3/n`: plsh::windowed_alibi_attention, tolerance 1e-6 and 1e-3.
+/// - `truncated/n`, `truncated_1e3/n`: plsh::truncated_alibi_attention (the factor-only band, no
+///   guarantee) at factor tolerance 1e-6 and 1e-3: with the windowed families, the cost of the
+///   certificate.
 /// - `passes/n/s`, `fused/n/s`: plsh::plsh_attention with Kernel::Passes / Kernel::Fused.
 /// - `fixed_blocks/n`: plsh::fixed_block_attention, block size 64.
 /// - `fused_threads/16384/20/t`: the fused kernel with t OpenMP threads (OpenMP builds only).
@@ -159,12 +162,13 @@ double alibi_entries(Index n, const std::vector<double>& slopes) {
 /// of the kernel, without output), the masked part of the diagonal tile included.
 double windowed_entries(const plsh::HeadsView<const float>& q,
                         const plsh::HeadsView<const float>& k,
-                        const plsh::HeadsView<const float>& v) {
+                        const plsh::HeadsView<const float>& v,
+                        double tolerance = kWindowTolerance) {
   std::vector<plsh::Block> kept;
   plsh::AttentionOptions options;  // causal
   plsh::detail::batched_windowed_alibi_attention<float>(
       plsh::detail::batch_of_one(q), plsh::detail::batch_of_one(k), plsh::detail::batch_of_one(v),
-      nullptr, plsh::alibi_slopes(q.heads), kWindowTolerance, options, {}, &kept);
+      nullptr, plsh::alibi_slopes(q.heads), tolerance, options, {}, &kept);
   const Index tiles = (q.tokens + plsh::detail::kQueryTile - 1) / plsh::detail::kQueryTile;
   double entries = 0;
   for (std::size_t i = 0; i < kept.size(); ++i) {
@@ -243,6 +247,14 @@ double fused_entries(Index n, const std::vector<double>& slopes,
 double count_entries(const std::string& family, Index n, Index samples) {
   const std::vector<double> slopes = plsh::alibi_slopes(kHeads);
   if (family == "regular" || family == "exact") return alibi_entries(n, slopes);
+  if (family == "truncated" || family == "truncated_1e3") {
+    const double tolerance = family == "truncated" ? kWindowTolerance : 1e-3;
+    double entries = 0;
+    for (const double slope : slopes) {
+      entries += causal_span_entries(n, plsh::detail::factor_window(slope, tolerance));
+    }
+    return entries;
+  }
   if (family == "fixed_blocks") {
     return pass_entries(n, std::vector<std::vector<plsh::Grid>>(
                                slopes.size(), {plsh::fixed_grid(kFixedBlockSize)}));
@@ -292,9 +304,11 @@ template <class Kernel>
 void attention_benchmark(benchmark::State& state, const std::string& family, Index n, Index samples,
                          Kernel kernel) {
   Problem& inputs = problem(n);
-  const double entries = family == "windowed"
-                             ? windowed_entries(inputs.queries(), inputs.keys(), inputs.values())
-                             : cached_entries(family, n, samples);
+  const double entries =
+      family == "windowed" ? windowed_entries(inputs.queries(), inputs.keys(), inputs.values())
+      : family == "windowed_1e3"
+          ? windowed_entries(inputs.queries(), inputs.keys(), inputs.values(), 1e-3)
+          : cached_entries(family, n, samples);
   touch_pages(inputs.q, inputs.k, inputs.v, inputs.out);
   for (auto _ : state) {
     kernel(inputs);
@@ -587,6 +601,31 @@ bool register_benchmarks() {
                                                   slopes, kWindowTolerance);
           });
         }));
+  }
+  // The certified window and the factor-only band at the same tolerances (the cost of the
+  // certificate): windowed_1e3 and truncated_1e3 at 1e-3, truncated at kWindowTolerance.
+  const std::tuple<const char*, double, bool> window_families[] = {
+      {"windowed_1e3", 1e-3, true},
+      {"truncated", kWindowTolerance, false},
+      {"truncated_1e3", 1e-3, false}};
+  for (const auto& [family, tolerance, certified] : window_families) {
+    for (const Index n : kLengths) {
+      const std::string name = family;
+      const double tol = tolerance;
+      const bool guaranteed = certified;
+      configure(benchmark::RegisterBenchmark(
+          name_of(name, n).c_str(), [n, slopes, name, tol, guaranteed](benchmark::State& state) {
+            attention_benchmark(state, name, n, 0, [&](Problem& p) {
+              if (guaranteed) {
+                plsh::windowed_alibi_attention<float>(p.queries(), p.keys(), p.values(), p.output(),
+                                                      slopes, tol);
+              } else {
+                plsh::truncated_alibi_attention<float>(p.queries(), p.keys(), p.values(),
+                                                       p.output(), slopes, tol);
+              }
+            });
+          }));
+    }
   }
   const std::pair<const char*, plsh::Kernel> plsh_families[] = {{"passes", plsh::Kernel::Passes},
                                                                 {"fused", plsh::Kernel::Fused}};

@@ -524,3 +524,40 @@ TEST_CASE("batched windowed ALiBi's backward equals the unbatched calls", "[wind
   CHECK(dk == stack(&P::dk));
   CHECK(dv == stack(&P::dv));
 }
+
+TEST_CASE("truncated ALiBi keeps the keys of its factor window, and has no guarantee",
+          "[windowed][truncated]") {
+  for (const bool causal : {true, false}) {
+    plsh::AttentionOptions options;
+    options.causal = causal;
+    for (const double tolerance : {0.0, 1e-3, 1e-6, 1.0}) {
+      INFO((causal ? "causal" : "bidirectional") << ", factor tolerance " << tolerance);
+      Problem<double> problem(Shape{257, 257, 4, 2, 16, 12}, 4000);
+      Buffer<double> expected = problem.output();
+      plsh::reference::truncated_alibi_attention(problem.q.in(), problem.k.in(), problem.v.in(),
+                                                 expected.view, plsh::alibi_slopes(4), tolerance,
+                                                 options);
+      plsh::truncated_alibi_attention<double>(problem.q.in(), problem.k.in(), problem.v.in(),
+                                              problem.out.view, plsh::alibi_slopes(4), tolerance,
+                                              options);
+      CHECK(plsh_test::max_abs_difference(problem.out.in(), expected.in()) <= 1e-11);
+    }
+  }
+  // The sink of the test above: the factor window drops it, and the error is far above the
+  // factor tolerance; the certified window keeps it.
+  const Index n = 1500;
+  Problem<double> problem(Shape{n, n, 4, 4, 16, 4}, 3300);
+  for (Index t = 0; t < n; ++t)
+    for (Index h = 0; h < 4; ++h) problem.q.at(t, h, 0) = 2.0;
+  for (Index h = 0; h < 4; ++h) problem.k.at(0, h, 0) = 60.0;
+  Buffer<double> exact = problem.output();
+  plsh::exact_alibi_attention<double>(problem.q.in(), problem.k.in(), problem.v.in(), exact.view,
+                                      plsh::alibi_slopes(4));
+  plsh::truncated_alibi_attention<double>(problem.q.in(), problem.k.in(), problem.v.in(),
+                                          problem.out.view, plsh::alibi_slopes(4), 1e-6);
+  CHECK(plsh_test::max_abs_difference(problem.out.in(), exact.in()) > 0.1);
+  REQUIRE_THROWS_WITH(
+      plsh::truncated_alibi_attention<double>(problem.q.in(), problem.k.in(), problem.v.in(),
+                                              problem.out.view, plsh::alibi_slopes(4), 2.0),
+      Catch::Contains("truncated_alibi_attention") && Catch::Contains("factor_tolerance"));
+}

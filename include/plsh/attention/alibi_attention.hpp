@@ -80,6 +80,14 @@ void batched_exact_alibi_attention(const BatchedHeadsView<const Scalar>& q,
   });
 }
 
+/// The keys truncated_alibi_attention keeps: \f$e^{-m r} \ge \text{tolerance} \iff r \le
+/// \ln(1/\text{tolerance})/m\f$.
+inline Index factor_window(double slope, double tolerance) {
+  if (slope == 0 || tolerance == 0) return kNoWindow;
+  const double window = std::floor(std::log(1.0 / tolerance) / slope);
+  return window >= static_cast<double>(kNoWindow) ? kNoWindow : static_cast<Index>(window);
+}
+
 /// Keys of the sequence that the caller does not hold (the sequence-parallel kernel's halo):
 /// `before` key rows before the first held one and `after` after the last, of norms at most
 /// `norm[g]` for key/value head g. windowed_rows counts them in its certificate but cannot visit
@@ -191,6 +199,34 @@ void windowed_alibi_attention(HeadsView<const detail::NonDeduced<Scalar>> q,
   detail::batched_windowed_alibi_attention<Scalar>(detail::batch_of_one(q), detail::batch_of_one(k),
                                                    detail::batch_of_one(v), &batched_out, slopes,
                                                    tolerance, options);
+}
+
+/// ALiBi truncated where the factor \f$e^{-m_h|p_i - p_j|}\f$ falls below `factor_tolerance`:
+/// head h keeps \f$|p_i - p_j| \le \lfloor \ln(1/\text{factor\_tolerance}) / m_h \rfloor\f$ and
+/// skips whole key tiles outside that band. **No bound on the error:** a dropped key that scores
+/// far above the kept ones (an attention sink, a copied span) keeps a large weight under exact
+/// ALiBi, so the output can be far from exact ALiBi at any `factor_tolerance`. It is the cheapest
+/// band, for comparison and for logits known to be flat; windowed_alibi_attention is the kernel
+/// whose tolerance is a guarantee. `factor_tolerance = 0` is exact ALiBi.
+///
+/// Arguments as exact_alibi_attention; \param factor_tolerance in [0, 1].
+template <class Scalar>
+void truncated_alibi_attention(HeadsView<const detail::NonDeduced<Scalar>> q,
+                               HeadsView<const detail::NonDeduced<Scalar>> k,
+                               HeadsView<const detail::NonDeduced<Scalar>> v, HeadsView<Scalar> out,
+                               const std::vector<double>& slopes, double factor_tolerance,
+                               const AttentionOptions& options = {}) {
+  const char* function = "truncated_alibi_attention";
+  detail::validate_attention(function, q, k, v, out, options);
+  detail::validate_slopes(function, slopes, q.heads);
+  detail::require(factor_tolerance >= 0 && factor_tolerance <= 1, function,
+                  "factor_tolerance must lie in [0, 1]");
+  detail::linear_bias_attention(
+      detail::batch_of_one(q), detail::batch_of_one(k), detail::batch_of_one(v),
+      detail::batch_of_one(out), options, [&](Index h) {
+        const double slope = slopes[static_cast<std::size_t>(h)];
+        return detail::LinearBias{slope, detail::factor_window(slope, factor_tolerance)};
+      });
 }
 
 }  // namespace plsh

@@ -154,6 +154,25 @@ void windowed_alibi_attention(const HeadsView<const Scalar>& q, const HeadsView<
   factor_attention(q, k, v, out, options, windowed_log_factor(slopes, window, options, k.tokens));
 }
 
+/// ALiBi without the keys whose factor \f$e^{-m|p_i - p_j|}\f$ is below `factor_tolerance`
+/// (truncated_alibi_attention): the keys with \f$|p_i - p_j| \le \lfloor
+/// \ln(1/\text{factor\_tolerance})/m\rfloor\f$, every key when m or the tolerance is 0.
+template <class Scalar>
+void truncated_alibi_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
+                               const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
+                               const std::vector<double>& slopes, double factor_tolerance,
+                               const AttentionOptions& options = {}) {
+  detail::validate_slopes("reference::truncated_alibi_attention", slopes, q.heads);
+  const auto row_log_factor = alibi_row_log_factor(slopes, options, k.tokens);
+  factor_attention(q, k, v, out, options, [&](Index h, Index i, Index j) {
+    const double slope = slopes[static_cast<std::size_t>(h)];
+    const bool kept = slope == 0 || factor_tolerance == 0 ||
+                      static_cast<double>(i > j ? i - j : j - i) <=
+                          std::floor(std::log(1.0 / factor_tolerance) / slope);
+    return kept ? row_log_factor(h, i, j) : detail::kMasked;
+  });
+}
+
 /// The log-factor \f$\log \hat K_{ij} = \log(c_{ij}/s)\f$ as a function `(h, p_i, p_j)`, with
 /// \f$c_{ij}\f$ the number of grids of `grids[h]` in which the positions share a block: their bins
 /// \f$\lfloor (p - \text{shift})/\text{pitch} \rfloor\f$ are equal (detail::same_bin).
