@@ -301,3 +301,44 @@ def test_multihead_alibi_attention_state_dict_round_trips_and_seeds_per_step():
     copy.eval()
     assert torch.equal(copy(x), layer(x))
     assert int(copy.attention.training_forwards) == 3
+
+
+@torch.no_grad()
+def test_cached_exact_generation_equals_recomputation():
+    """Greedy decoding of a small random model of MultiheadAlibiAttention layers (exact ALiBi):
+    keys and values of the past kept as tensors and one query per step give the tokens (and,
+    to rounding, the logits) of recomputing the whole prefix at every step."""
+    torch.manual_seed(3)
+    vocabulary, embed, layers = 11, 16, 2
+    table = torch.nn.Embedding(vocabulary, embed, dtype=torch.float64)
+    blocks = [pt.MultiheadAlibiAttention(embed, 4, 2, method="exact", dtype=torch.float64).eval()
+              for _ in range(layers)]
+
+    def full(tokens):
+        h = table(torch.tensor([tokens]))
+        for block in blocks:
+            h = h + block(h)
+        return (h @ table.weight.t())[0, -1]
+
+    keys, values = [[] for _ in blocks], [[] for _ in blocks]
+
+    def step(token, position):
+        h = table(torch.tensor([[token]]))
+        for block, k_list, v_list in zip(blocks, keys, values):
+            q, k, v = block.project(h)
+            k_list.append(k)
+            v_list.append(v)
+            out = pt.exact_alibi_attention(q, torch.cat(k_list, 1), torch.cat(v_list, 1),
+                                           query_position=position)
+            h = h + block.out_proj(out.flatten(-2))
+        return (h @ table.weight.t())[0, -1]
+
+    tokens = [1, 4, 2]
+    for position, token in enumerate(tokens[:-1]):
+        step(token, position)
+    for _ in range(40):
+        cached = step(tokens[-1], len(tokens) - 1)
+        recomputed = full(tokens)
+        torch.testing.assert_close(cached, recomputed, rtol=1e-12, atol=1e-12)
+        assert int(cached.argmax()) == int(recomputed.argmax())
+        tokens.append(int(cached.argmax()))
