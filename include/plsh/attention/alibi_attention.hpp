@@ -35,6 +35,23 @@
 namespace plsh {
 namespace detail {
 
+/// Calls `body(b, h, tile, row_begin, row_end)` for every (batch element, head, query tile of
+/// kQueryTile rows) in one parallel region; later tiles first (under causal masking they see more
+/// keys).
+template <class Scalar, class Body>
+void for_each_query_tile(const BatchedHeadsView<const Scalar>& q,
+                         const BatchedHeadsView<const Scalar>& k,
+                         const BatchedHeadsView<const Scalar>& v, Body&& body) {
+  const Index tiles = (q.tokens + kQueryTile - 1) / kQueryTile;
+  const Index element_jobs = q.heads * tiles;
+  const double work = static_cast<double>(q.batch) * attention_work(q[0], k[0], v[0]);
+  parallel_for(q.batch * element_jobs, work, [&](Index job) {
+    const Index tile = tiles - 1 - job % tiles;
+    body(job / element_jobs, (job % element_jobs) / tiles, tile, tile * kQueryTile,
+         std::min(q.tokens, (tile + 1) * kQueryTile));
+  });
+}
+
 /// Runs the tiled core for every (batch element, head, query tile), with `bias_of(h)` the
 /// LinearBias of head h; one parallel region for the whole batch. Grouped heads: query head h
 /// reads key/value head `h / (H / H_kv)`.
@@ -48,18 +65,10 @@ void linear_bias_attention(const BatchedHeadsView<const Scalar>& q,
   AttentionOptions resolved = options;
   resolved.scale = resolved_scale(options, q.dim);
   const Index group = q.heads / k.heads;
-  const Index tiles = (q.tokens + kQueryTile - 1) / kQueryTile;
-  const Index element_jobs = q.heads * tiles;
-  const double work = static_cast<double>(q.batch) * attention_work(q[0], k[0], v[0]);
-  parallel_for(q.batch * element_jobs, work, [&](Index job) {
-    const Index b = job / element_jobs;
-    const Index h = (job % element_jobs) / tiles;
-    // Later tiles see more keys under causal masking: hand them out first.
-    const Index tile = tiles - 1 - job % tiles;
+  for_each_query_tile(q, k, v, [&](Index b, Index h, Index, Index row_begin, Index row_end) {
     HeadMap<Scalar> out_head = out[b].head(h);
     attend_rows<Scalar>(q[b].head(h), k[b].head(h / group), v[b].head(h / group), resolved,
-                        bias_of(h), tile * kQueryTile, std::min(q.tokens, (tile + 1) * kQueryTile),
-                        out_head, nullptr);
+                        bias_of(h), row_begin, row_end, out_head, nullptr);
   });
 }
 
@@ -137,24 +146,17 @@ void batched_windowed_alibi_attention(
                                                 converted_rows<Scalar>().key);
   });
   const Index group = q.heads / k.heads;
-  const Index element_jobs = q.heads * tiles;
-  const double work = static_cast<double>(q.batch) * attention_work(q[0], k[0], v[0]);
-  parallel_for(q.batch * element_jobs, work, [&](Index job) {
-    const Index b = job / element_jobs;
-    const Index h = (job % element_jobs) / tiles;
-    // Later tiles see more keys under causal masking: hand them out first.
-    const Index tile = tiles - 1 - job % tiles;
-    const Index row_begin = tile * kQueryTile;
+  for_each_query_tile(q, k, v, [&](Index b, Index h, Index tile, Index row_begin, Index row_end) {
     std::optional<HeadMap<Scalar>> out_head;
     if (out != nullptr) out_head.emplace((*out)[b].head(h));
     Block visited;
     windowed_rows<Scalar>(q[b].head(h), k[b].head(h / group), v[b].head(h / group), resolved,
                           slopes[static_cast<std::size_t>(h)], tolerance,
                           bounds[static_cast<std::size_t>(b * k.heads + h / group)], row_begin,
-                          std::min(q.tokens, row_begin + kQueryTile),
-                          out_head ? &*out_head : nullptr, visited);
-    if (kept != nullptr)
+                          row_end, out_head ? &*out_head : nullptr, visited);
+    if (kept != nullptr) {
       (*kept)[static_cast<std::size_t>((b * q.heads + h) * tiles + tile)] = visited;
+    }
   });
 }
 

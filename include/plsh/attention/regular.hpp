@@ -154,6 +154,28 @@ void apply_linear_bias(Eigen::Map<RowMatrix<Scalar>>& scores, Index distance, bo
   }
 }
 
+/// Key rows `[begin, end)` of `k`, `v` into the running softmax of a tile whose scaled query rows
+/// (first at position `first_query`) are in `workspace.query`, kKeyTile keys at a time: the
+/// scores, apply_linear_bias, the softmax update.
+template <class Storage>
+void attend_keys(const ConstHeadMap<Storage>& k, const ConstHeadMap<Storage>& v,
+                 const AttentionOptions& options, const LinearBias& bias, const KeySpan& span,
+                 Index first_query, Index begin, Index end,
+                 TileWorkspace<Compute<Storage>>& workspace, ConvertedRows<Storage>& converted) {
+  using Scalar = Compute<Storage>;
+  const Index rows = workspace.query.rows();
+  const std::size_t needed = static_cast<std::size_t>(rows * kKeyTile);
+  if (workspace.scores.size() < needed) workspace.scores.resize(needed);
+  for (Index c0 = begin; c0 < end; c0 += kKeyTile) {
+    const Index cols = std::min(kKeyTile, end - c0);
+    Eigen::Map<RowMatrix<Scalar>> scores(workspace.scores.data(), rows, cols);
+    multiply_transposed(workspace.query, compute_rows(k, c0, cols, converted.key), scores);
+    apply_linear_bias(scores, first_query - (options.key_position + c0), options.causal, bias, span,
+                      workspace.offsets);
+    workspace.softmax.update(scores, compute_rows(v, c0, cols, converted.value));
+  }
+}
+
 /// Query rows `[row_begin, row_end)` of `q` against the visible keys of `k`, `v`: writes those
 /// rows of `out` and, when `lse` is not null, `lse[row_begin..row_end)`. `options.scale` must be
 /// resolved (non-zero). Inputs and output in the storage type, arithmetic and lse in the compute
@@ -179,16 +201,7 @@ void attend_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
   if (key_begin < key_end) {
     workspace.query.noalias() =
         compute_rows(q, row_begin, rows, converted.query) * static_cast<Scalar>(options.scale);
-    const std::size_t needed = static_cast<std::size_t>(rows * kKeyTile);
-    if (workspace.scores.size() < needed) workspace.scores.resize(needed);
-    for (Index c0 = key_begin; c0 < key_end; c0 += kKeyTile) {
-      const Index cols = std::min(kKeyTile, key_end - c0);
-      Eigen::Map<RowMatrix<Scalar>> scores(workspace.scores.data(), rows, cols);
-      multiply_transposed(workspace.query, compute_rows(k, c0, cols, converted.key), scores);
-      apply_linear_bias(scores, first_query - (options.key_position + c0), options.causal, bias,
-                        span, workspace.offsets);
-      workspace.softmax.update(scores, compute_rows(v, c0, cols, converted.value));
-    }
+    attend_keys(k, v, options, bias, span, first_query, key_begin, key_end, workspace, converted);
   }
   Scalar* row_lse = lse == nullptr ? nullptr : lse + row_begin;
   workspace.softmax.finish(converted.result.bind(out, row_begin, rows), row_lse);

@@ -211,8 +211,6 @@ void windowed_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& 
   if (key_end > 0) {
     workspace.query.noalias() =
         compute_rows(q, row_begin, rows, converted.query) * static_cast<Scalar>(options.scale);
-    const std::size_t needed = static_cast<std::size_t>(rows * kKeyTile);
-    if (workspace.scores.size() < needed) workspace.scores.resize(needed);
     std::vector<double> row_norm(static_cast<std::size_t>(rows));
     std::vector<double> shift(static_cast<std::size_t>(rows));
     std::vector<Scalar> lse(static_cast<std::size_t>(rows));
@@ -223,14 +221,7 @@ void windowed_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& 
           slope == 0 ? 0.0 : slope * static_cast<double>(nearest_key_distance(span, r));
     }
     const auto visit = [&](Index begin, Index end) {
-      for (Index c0 = begin; c0 < end; c0 += kKeyTile) {
-        const Index cols = std::min(kKeyTile, end - c0);
-        Eigen::Map<RowMatrix<Scalar>> scores(workspace.scores.data(), rows, cols);
-        multiply_transposed(workspace.query, compute_rows(k, c0, cols, converted.key), scores);
-        apply_linear_bias(scores, first_query - (options.key_position + c0), options.causal, bias,
-                          span, workspace.offsets);
-        workspace.softmax.update(scores, compute_rows(v, c0, cols, converted.value));
-      }
+      attend_keys(k, v, options, bias, span, first_query, begin, end, workspace, converted);
     };
     visit(lo, hi);
     while (lo > 0 || hi < key_end) {

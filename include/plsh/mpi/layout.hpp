@@ -95,6 +95,26 @@ inline Block key_rows(Index begin, Index end, Index key_position, Index tokens) 
   return intersect(Block{begin - key_position, end - key_position}, Block{0, tokens});
 }
 
+/// `interval(first, last)` (key positions `[begin, end)` that queries at positions
+/// `[first, last]` reach) for every rank's chunk, as key rows; an empty chunk reaches none.
+template <class Interval>
+std::vector<Block> reachable_per_rank(const ChunkLayout& layout, const AttentionOptions& options,
+                                      Interval&& interval) {
+  std::vector<Block> reachable;
+  for (int r = 0; r < layout.ranks(); ++r) {
+    const Block chunk = layout.chunk(r);
+    if (chunk.begin == chunk.end) {
+      reachable.push_back(Block{0, 0});
+      continue;
+    }
+    const Block positions =
+        interval(options.query_position + chunk.begin, options.query_position + chunk.end - 1);
+    reachable.push_back(
+        key_rows(positions.begin, positions.end, options.key_position, layout.tokens()));
+  }
+  return reachable;
+}
+
 /// The key rows that the queries of every rank's chunk reach in Positional LSH with the draws
 /// `grids` (see the file comment); `options` positions are those of token 0.
 inline std::vector<Block> plsh_reachable_keys(const ChunkLayout& layout,
@@ -103,52 +123,34 @@ inline std::vector<Block> plsh_reachable_keys(const ChunkLayout& layout,
   const Index n = layout.tokens();
   const Index first = std::min(options.query_position, options.key_position);
   const Index last = std::max(options.query_position, options.key_position) + n;
-  std::vector<Block> reachable;
-  for (int r = 0; r < layout.ranks(); ++r) {
-    const Block chunk = layout.chunk(r);
-    if (chunk.begin == chunk.end) {
-      reachable.push_back(Block{0, 0});
-      continue;
-    }
-    const Index query_begin = options.query_position + chunk.begin;
-    const Index query_end = options.query_position + chunk.end;
-    Index begin = query_begin;
-    Index end = query_end;
+  return reachable_per_rank(layout, options, [&](Index query_first, Index query_last) {
+    Block keys{query_first, query_last + 1};
     for (const std::vector<Grid>& head : grids) {
       for (const Grid& grid : head) {
-        begin = std::min(begin, grid_block(grid, query_begin, first, last).begin);
-        if (!options.causal) end = std::max(end, grid_block(grid, query_end - 1, first, last).end);
+        keys.begin = std::min(keys.begin, grid_block(grid, query_first, first, last).begin);
+        if (!options.causal) {
+          keys.end = std::max(keys.end, grid_block(grid, query_last, first, last).end);
+        }
       }
     }
-    reachable.push_back(key_rows(begin, end, options.key_position, n));
-  }
-  return reachable;
+    return keys;
+  });
 }
 
 /// The key rows that the queries of every rank's chunk reach in windowed ALiBi: `window`
 /// positions beyond each query's nearest key, before (and, bidirectional, after) the chunk.
 inline std::vector<Block> windowed_reachable_keys(const ChunkLayout& layout, Index window,
                                                   const AttentionOptions& options) {
-  const Index n = layout.tokens();
   const Index first_key = options.key_position;
-  const Index last_key = options.key_position + n - 1;
-  std::vector<Block> reachable;
-  for (int r = 0; r < layout.ranks(); ++r) {
-    const Block chunk = layout.chunk(r);
-    if (chunk.begin == chunk.end) {
-      reachable.push_back(Block{0, 0});
-      continue;
-    }
-    // p - (distance to the nearest key) grows with p, and so does p + that distance; rows beyond
-    // the keys reach the last key (the first, for rows before them).
-    const Index first = options.query_position + chunk.begin;
-    const Index last = options.query_position + chunk.end - 1;
+  const Index last_key = options.key_position + layout.tokens() - 1;
+  // p - (distance to the nearest key) grows with p, and so does p + that distance; rows beyond
+  // the keys reach the last key (the first, for rows before them).
+  return reachable_per_rank(layout, options, [&](Index first, Index last) {
     const Index begin = (first > last_key ? last_key : first) - window;
     const Index end =
         options.causal ? last + 1 : (last < first_key ? first_key : last) + window + 1;
-    reachable.push_back(key_rows(begin, end, options.key_position, n));
-  }
-  return reachable;
+    return Block{begin, end};
+  });
 }
 
 /// The reach of windowed_alibi_attention's certificate (attention/windowed.hpp) from bounds all
