@@ -3,9 +3,10 @@
 #
 #   bench/regenerate.sh [part]...     (no part: kernels plots report)
 #
-#   kernels  plsh_bench, the kernel families (gemm, regular, exact, windowed, passes, fused,
-#            fixed_blocks, fused_threads) -> docs/bench/bench.json; plsh_accuracy --n=4096 ->
-#            docs/bench/accuracy.json and accuracy.md. About 8 minutes on one core.
+#   kernels  plsh_bench, the kernel families (gemm, regular, exact, windowed, windowed_1e3,
+#            truncated, truncated_1e3, passes, fused, fixed_blocks, fused_threads) ->
+#            docs/bench/bench.json; plsh_accuracy --n=4096 -> docs/bench/accuracy.json and
+#            accuracy.md. About 10 minutes on one core.
 #   long     plsh_bench, the long families (n = 2^16, 2^18, 2^20) and exact/65536 ->
 #            docs/bench/scaling.json. Several minutes; about 9 GiB of memory.
 #   decode   plsh_bench, the decoding families (decode_plsh, decode_exact, team_step) ->
@@ -71,7 +72,7 @@ for part in "${parts[@]}"; do
   case "${part}" in
     kernels)
       build_bench plsh_bench plsh_accuracy
-      run_bench '^(gemm|gemm_tile|regular|exact|windowed|passes|fused|fixed_blocks|fused_threads)/' \
+      run_bench '^(gemm|gemm_tile|regular|exact|windowed|windowed_1e3|truncated|truncated_1e3|passes|fused|fixed_blocks|fused_threads)/' \
         "${out}/bench.json"
       OMP_NUM_THREADS=1 "${build_dir}/bench/plsh_accuracy" --n=4096 --json="${out}/accuracy.json" |
         tee "${out}/accuracy.md"
