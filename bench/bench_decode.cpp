@@ -196,20 +196,32 @@ double team_rounds_per_microsecond() {
   return rate;
 }
 
-/// One iteration: a step of `work_us` microseconds of arithmetic on 1 thread, or its two halves
-/// on the calling thread and a helper of the team (`work_us` 0: two empty parts).
-void team_step(benchmark::State& state, double work_us, int threads) {
-  const std::int64_t rounds =
-      static_cast<std::int64_t>(work_us * team_rounds_per_microsecond() + 0.5);
-  const std::int64_t half = rounds / 2;
-  // Each part's result on its own cache line, so that the parts share no line.
+/// The two halves of a step of `work_us` microseconds of arithmetic: `part(index)` computes half
+/// `index` (nothing for `work_us` 0), each result on its own cache line so that the parts share
+/// no line.
+class StepHalves {
+ public:
+  explicit StepHalves(double work_us)
+      : rounds_(static_cast<std::int64_t>(work_us * team_rounds_per_microsecond() + 0.5)) {}
+
+  void part(int index) {
+    const std::int64_t half = rounds_ / 2;
+    if (rounds_ > 0) results_[index].value = team_arithmetic(index == 0 ? half : rounds_ - half);
+  }
+
+ private:
   struct alignas(64) Result {
     float value = 0;
   };
-  Result results[2];
-  const auto part = [&](int index) {
-    if (rounds > 0) results[index].value = team_arithmetic(index == 0 ? half : rounds - half);
-  };
+  std::int64_t rounds_;
+  Result results_[2];
+};
+
+/// One iteration: a step of `work_us` microseconds of arithmetic on 1 thread, or its two halves
+/// on the calling thread and a helper of the team (`work_us` 0: two empty parts).
+void team_step(benchmark::State& state, double work_us, int threads) {
+  StepHalves halves(work_us);
+  const auto part = [&](int index) { halves.part(index); };
   for (auto _ : state) {
     if (threads == 1) {
       part(0);
@@ -218,7 +230,7 @@ void team_step(benchmark::State& state, double work_us, int threads) {
       state.SkipWithError("the helper team is in use or cannot start its threads");
       break;
     }
-    benchmark::DoNotOptimize(results);
+    benchmark::DoNotOptimize(halves);
   }
   state.counters["threads"] = threads;
   state.counters["work_us"] = work_us;
@@ -228,20 +240,11 @@ void team_step(benchmark::State& state, double work_us, int threads) {
 /// team_step's two halves in an OpenMP parallel region of 2 threads (`work_us` 0: two empty
 /// parts).
 void omp_step(benchmark::State& state, double work_us) {
-  const std::int64_t rounds =
-      static_cast<std::int64_t>(work_us * team_rounds_per_microsecond() + 0.5);
-  const std::int64_t half = rounds / 2;
-  struct alignas(64) Result {
-    float value = 0;
-  };
-  Result results[2];
+  StepHalves halves(work_us);
   for (auto _ : state) {
 #pragma omp parallel num_threads(2)
-    {
-      const int index = omp_get_thread_num();
-      if (rounds > 0) results[index].value = team_arithmetic(index == 0 ? half : rounds - half);
-    }
-    benchmark::DoNotOptimize(results);
+    halves.part(omp_get_thread_num());
+    benchmark::DoNotOptimize(halves);
   }
   state.counters["threads"] = 2;
   state.counters["work_us"] = work_us;

@@ -55,6 +55,11 @@ struct UnseenNan {
     problem.k.view.data[45 * 8 + 1] = std::numeric_limits<double>::quiet_NaN();
     options.causal = true;
   }
+
+  /// The dense errors of the clean problem: what the NaN must not change.
+  plsh::AttentionError expected(double slope, const std::vector<Grid>& grids) const {
+    return plsh::dense_attention_error<double>(clean.q.view, clean.k.view, slope, grids, options);
+  }
 };
 
 Eigen::VectorXd test_vector(Index n, std::uint64_t seed) {
@@ -321,13 +326,9 @@ TEST_CASE("a NaN in q or k gives NaN norms, not an exception", "[attention_error
   {
     INFO("NaN in a key no query sees");
     const UnseenNan unseen;
-    const Problem<double>& clean = unseen.clean;
-    const Problem<double>& problem = unseen.problem;
-    const plsh::AttentionOptions& options = unseen.options;
-    const plsh::AttentionError expected =
-        plsh::dense_attention_error<double>(clean.q.view, clean.k.view, slope, grids, options);
-    const plsh::AttentionError dense =
-        plsh::dense_attention_error<double>(problem.q.view, problem.k.view, slope, grids, options);
+    const plsh::AttentionError expected = unseen.expected(slope, grids);
+    const plsh::AttentionError dense = plsh::dense_attention_error<double>(
+        unseen.problem.q.view, unseen.problem.k.view, slope, grids, unseen.options);
     CHECK(dense.max == expected.max);
     CHECK(dense.frobenius == expected.frobenius);
     CHECK(dense.spectral == Approx(expected.spectral).epsilon(1e-14));
@@ -391,13 +392,9 @@ TEST_CASE("a NaN in q or k gives a NaN spectral norm and a status, not an except
   {
     INFO("NaN in a key no query sees");
     const UnseenNan unseen;
-    const Problem<double>& clean = unseen.clean;
-    const Problem<double>& problem = unseen.problem;
-    const plsh::AttentionOptions& options = unseen.options;
-    const plsh::AttentionError expected =
-        plsh::dense_attention_error<double>(clean.q.view, clean.k.view, slope, grids, options);
-    const plsh::AttentionErrorNorms norms =
-        plsh::attention_error<double>(problem.q.view, problem.k.view, slope, grids, options);
+    const plsh::AttentionError expected = unseen.expected(slope, grids);
+    const plsh::AttentionErrorNorms norms = plsh::attention_error<double>(
+        unseen.problem.q.view, unseen.problem.k.view, slope, grids, unseen.options);
     REQUIRE(norms.spectral.converged);
     CHECK(norms.spectral.finite);
     CHECK(norms.spectral.value == Approx(expected.spectral).epsilon(1e-9));

@@ -27,11 +27,13 @@
 #include "metrics.hpp"
 #include "error_norms.hpp"
 
-// Attention kernels: online softmax, regular, exact and windowed ALiBi, Positional LSH (passes
-// and fused), backward, and the dense references they are tested against.
+// Attention kernels: online softmax, regular, the certified window, exact, windowed and truncated
+// ALiBi, Positional LSH (passes and fused), backward, and the dense references they are tested
+// against.
 #include "attention/options.hpp"
 #include "attention/online_softmax.hpp"
 #include "attention/regular.hpp"
+#include "attention/windowed.hpp"
 #include "attention/alibi_attention.hpp"
 #include "attention/plsh_attention.hpp"
 #include "attention/backward.hpp"

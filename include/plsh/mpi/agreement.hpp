@@ -6,7 +6,9 @@
 /// per rank before any key row is sent: whether each rank's own argument checks passed, its query
 /// count (the chunk layout), its storage type, and a hash of its heads, sizes, options and slopes.
 /// When one rank's arguments are wrong or the ranks disagree, every rank throws
-/// std::invalid_argument. Tested in tests/mpi/test_mpi.cpp ([mismatch] and argument tests).
+/// std::invalid_argument. The windowed kernel also agrees on the largest query and key norms over
+/// the ranks (agree_on_norms, one all-reduce), from which every rank derives the same halo.
+/// Tested in tests/mpi/test_mpi.cpp ([mismatch], argument and windowed tests).
 
 #include <mpi.h>
 
