@@ -309,7 +309,7 @@ TEST_CASE("16-bit fused kernel: keys converted once per span or chunk by chunk i
       HalfBuffer<Eigen::bfloat16> in_place(problem.out);
       HalfBuffer<Eigen::bfloat16> packed(problem.out);
       plsh::detail::fused_attention<Eigen::bfloat16>(q.in(), k.in(), v.in(), in_place.view, grids,
-                                                     slopes, base, 0);
+                                                     slopes, base, 0.0, 0);
       plsh::detail::fused_attention<Eigen::bfloat16>(q.in(), k.in(), v.in(), packed.view, grids,
                                                      slopes, base);
       Index differing = 0;

@@ -304,7 +304,7 @@ TEST_CASE("Fused packs the keys of each span of a head's rows: the same as in pl
     Buffer<float> in_place = packed.output();
     const auto grids = plsh::detail::kernel_grids(slopes, options, "fused_attention");
     plsh::detail::fused_attention<float>(packed.q.in(), packed.k.in(), packed.v.in(), in_place.view,
-                                         grids, slopes, base, 0);
+                                         grids, slopes, base, 0.0, 0);
     const double packed_error = plsh_test::max_abs_difference(packed.out.in(), passes.in());
     const double head_major_error = plsh_test::max_abs_difference(head_major.out.in(), passes.in());
     const double in_place_error = plsh_test::max_abs_difference(in_place.in(), passes.in());

@@ -48,6 +48,12 @@ struct PlshOptions : AttentionOptions {
   std::uint64_t seed = 0;  ///< head h draws with head_seed(seed, h)
   Kernel kernel = Kernel::Fused;
   Sampling sampling = Sampling::Independent;  ///< how the s partitions of a head are drawn
+  /// The near-field estimator (attention/near_field.hpp): head h takes the exact factor
+  /// \f$e^{-m_h|p_i - p_j|}\f$ where it is at least `near_field`, the mean of its block masks
+  /// beyond; same mean, no variance near the diagonal. In [0, 1]; 0: the block masks everywhere.
+  /// The fused kernel, its backward, the references and the MPI kernels honour it; Kernel::Passes
+  /// and KvCache reject a non-zero value.
+  double near_field = 0;
 };
 
 }  // namespace plsh

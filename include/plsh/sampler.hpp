@@ -239,6 +239,8 @@ inline std::vector<std::vector<Grid>> kernel_grids(const std::vector<double>& sl
                                                    const char* function) {
   require_samples(options.samples, function, "options.samples");
   require_sampling(options.sampling, function, "options.sampling");
+  require(options.near_field >= 0 && options.near_field <= 1, function,
+          "options.near_field must be in [0, 1] (0: no near field)");
   return head_grids(slopes, options.samples, options.seed, options.sampling, function);
 }
 
@@ -265,8 +267,8 @@ inline std::vector<std::vector<Grid>> draw_head_grids(const std::vector<double>&
 /// A caller can reproduce or inspect a kernel's blocks with them.
 ///
 /// \param slopes one per head, finite and non-negative. \param options only `samples` (1 to
-/// kMaxSamples), `seed` and `sampling` are read.
-/// \throws std::invalid_argument for a bad slope, `samples` or `sampling`.
+/// kMaxSamples), `seed` and `sampling` are read (and `near_field` checked: in [0, 1]).
+/// \throws std::invalid_argument for a bad slope, `samples`, `sampling` or `near_field`.
 inline std::vector<std::vector<Grid>> kernel_grids(const std::vector<double>& slopes,
                                                    const PlshOptions& options) {
   return detail::kernel_grids(slopes, options, "kernel_grids");

@@ -60,6 +60,7 @@
 #include "../tensor.hpp"
 #include "alibi_attention.hpp"
 #include "block_counts.hpp"
+#include "near_field.hpp"
 #include "options.hpp"
 #include "regular.hpp"
 
@@ -206,18 +207,21 @@ class WindowedLogits : public AlibiLogits<Scalar> {
 };
 
 /// Logits of the fused Positional LSH kernel: \f$S_{ij} + \log c_{ij}\f$ over the union of the
-/// blocks of each row, with the draws of plsh_attention.
+/// blocks of each row, with the draws of plsh_attention, and \f$S_{ij} + \log s - m|p_i - p_j|\f$
+/// in the near field of PlshOptions::near_field `near_field` (near_field.hpp).
 template <class Scalar>
 class PlshLogits {
  public:
   PlshLogits(const std::vector<double>& slopes, const std::vector<std::vector<Grid>>& grids,
-             const AttentionOptions& options, const PositionRange& range, Index queries, Index keys)
+             const AttentionOptions& options, const PositionRange& range, Index queries, Index keys,
+             double near_field = 0)
       : slopes_(slopes),
         grids_(grids),
         options_(options),
         range_(range),
         query_end_(options.query_position + queries),
-        key_end_(options.key_position + keys) {}
+        key_end_(options.key_position + keys),
+        near_field_(near_field) {}
 
   Index query_tile(Index h) const { return fused_tile_rows(slopes_[static_cast<std::size_t>(h)]); }
 
@@ -233,17 +237,24 @@ class PlshLogits {
   Block prepare_rows(Index, Index h, Index first_query, Index rows,
                      BackwardWorkspace<Scalar>& workspace) const {
     return workspace.block_counts.prepare(grids_[static_cast<std::size_t>(h)], range_, first_query,
-                                          rows, options_.key_position, key_end_, options_.causal);
+                                          rows, options_.key_position, key_end_, options_.causal,
+                                          near(h));
   }
 
   /// Query positions that share a block with a key of `[first_key, first_key + cols)` in some
-  /// draw: from the block of the first key to the block of the last, over the draws.
+  /// draw, or lie within the near field's reach of one: from the block of the first key to the
+  /// block of the last, over the draws, widened by the reach.
   Block queries_of_keys(Index h, Index first_key, Index cols) const {
     Index begin = std::numeric_limits<Index>::max();
     Index end = std::numeric_limits<Index>::min();
     for (const Grid& grid : grids_[static_cast<std::size_t>(h)]) {
       begin = std::min(begin, grid_block(grid, first_key, range_.first, range_.last).begin);
       end = std::max(end, grid_block(grid, first_key + cols - 1, range_.first, range_.last).end);
+    }
+    const Index reach = near(h).reach;
+    if (reach >= 0) {
+      begin = std::min(begin, first_key - reach);
+      end = std::max(end, first_key + cols + reach);
     }
     begin = std::max(begin, options_.query_position);
     if (options_.causal) begin = std::max(begin, first_key);
@@ -259,12 +270,17 @@ class PlshLogits {
   }
 
  private:
+  NearField near(Index h) const {
+    return head_near_field(slopes_[static_cast<std::size_t>(h)], near_field_, range_);
+  }
+
   const std::vector<double>& slopes_;
   const std::vector<std::vector<Grid>>& grids_;
   AttentionOptions options_;
   PositionRange range_;
   Index query_end_;
   Index key_end_;
+  double near_field_;
 };
 
 /// \f$dS = P\circ(dP - D)\f$ in place of the weights P (rows of a tile), exactly 0 where
@@ -513,8 +529,8 @@ void batched_windowed_alibi_attention_backward(
   attention_backward(q, k, v, out, dout, dq, dk, dv, resolved, logits);
 }
 
-/// Both sweeps with the Positional LSH logits of `grids` (one list of draws per head); the tile
-/// heights come from `slopes`.
+/// Both sweeps with the Positional LSH logits of `grids` (one list of draws per head) and the near
+/// field `near_field` (PlshOptions::near_field); the tile heights come from `slopes`.
 template <class Scalar>
 void block_counts_backward(const BatchedHeadsView<const Scalar>& q,
                            const BatchedHeadsView<const Scalar>& k,
@@ -524,11 +540,11 @@ void block_counts_backward(const BatchedHeadsView<const Scalar>& q,
                            const BatchedHeadsView<Scalar>& dq, const BatchedHeadsView<Scalar>& dk,
                            const BatchedHeadsView<Scalar>& dv, const std::vector<double>& slopes,
                            const std::vector<std::vector<Grid>>& grids,
-                           const AttentionOptions& options) {
+                           const AttentionOptions& options, double near_field = 0) {
   AttentionOptions resolved = options;
   resolved.scale = resolved_scale(options, q.dim);
   const PlshLogits<Compute<Scalar>> logits(slopes, grids, resolved, position_range(q, k, options),
-                                           q.tokens, k.tokens);
+                                           q.tokens, k.tokens, near_field);
   attention_backward(q, k, v, out, dout, dq, dk, dv, resolved, logits);
 }
 
@@ -546,7 +562,7 @@ void batched_plsh_attention_backward(
                     memory_of(q));
   validate_slopes(function, slopes, q.heads);
   const auto grids = kernel_grids(slopes, options, function);
-  block_counts_backward(q, k, v, out, dout, dq, dk, dv, slopes, grids, options);
+  block_counts_backward(q, k, v, out, dout, dq, dk, dv, slopes, grids, options, options.near_field);
 }
 
 /// fixed_block_attention_backward on a checked batch: the checks of one element, then both

@@ -6,7 +6,9 @@
 /// \f[ c_{ij} = \#\{t < s : p_i \text{ and } p_j \text{ lie in one block of draw } t\}, \f]
 /// 0 after the query's position when causal. The fused forward weighs its scores by them
 /// (\f$c_{ij} e^{S_{ij}}\f$, fused_rows.hpp) and the backward adds \f$\log c_{ij}\f$ to its
-/// logits (backward.hpp): one implementation serves both.
+/// logits (backward.hpp): one implementation serves both. With a near field (near_field.hpp) the
+/// keys within its reach of a row take the index s + 1 + d of the weight \f$s e^{-m d}\f$
+/// instead of their count.
 ///
 /// Per tile, the draws' blocks become runs of rows that share a block (tile_block_runs: O(s)
 /// block look-ups and O(s rows) bin tests), sorted into events by row (O(runs + rows)); a chunk
@@ -25,6 +27,7 @@
 #include "../partition.hpp"
 #include "../sampler.hpp"
 #include "../tensor.hpp"
+#include "near_field.hpp"
 #include "online_softmax.hpp"
 #include "regular.hpp"
 
@@ -121,16 +124,29 @@ inline Block tile_block_runs(const std::vector<Grid>& grids, const PositionRange
 template <class Scalar>
 class BlockCounts {
  public:
-  /// Prepares the tile of `rows` query rows from `first_position`, keys `[key_begin, key_end)`;
-  /// returns the union of the keys they see.
+  /// Prepares the tile of `rows` query rows from `first_position`, keys `[key_begin, key_end)`,
+  /// with the head's near field `near` (none by default); returns the union of the keys they see.
   Block prepare(const std::vector<Grid>& grids, const PositionRange& range, Index first_position,
-                Index rows, Index key_begin, Index key_end, bool causal) {
-    const Index samples = static_cast<Index>(grids.size());
-    fill_log_counts(log_count_, samples);
+                Index rows, Index key_begin, Index key_end, bool causal, NearField near = {}) {
+    samples_ = static_cast<Index>(grids.size());
+    fill_log_weights(log_count_, table_key_, samples_, near.slope, near.reach);
+    reach_ = near.reach;
     first_position_ = first_position;
     causal_ = causal;
     runs_.clear();
     union_ = tile_block_runs(grids, range, first_position, rows, key_begin, key_end, causal, runs_);
+    if (reach_ >= 0) {
+      // The near keys of the rows: [first - w, last + w], up to the last row when causal.
+      const Index near_begin = std::max(first_position - reach_, key_begin);
+      const Index last_position = first_position + rows - 1;
+      const Index near_end =
+          std::min(causal ? last_position + 1 : last_position + reach_ + 1, key_end);
+      if (near_begin < near_end) {
+        union_ = union_.begin < union_.end
+                     ? Block{std::min(union_.begin, near_begin), std::max(union_.end, near_end)}
+                     : Block{near_begin, near_end};
+      }
+    }
     // Events by row: a run adds 1 from its first row and -1 from its past-the-end row (rows
     // past the tile are never reached).
     event_start_.assign(static_cast<std::size_t>(rows + 2), 0);
@@ -172,10 +188,57 @@ class BlockCounts {
     if (prefix_) difference_.assign(static_cast<std::size_t>(cols + 1), 0);
   }
 
-  /// The counts \f$c_{ij}\f$ of row `r` (the rows of a chunk in increasing order, from 0) over
-  /// the chunk's keys, valid until the next call; `limit` is set to the number of leading keys
-  /// the row may see (causal), the counts past it are to be taken as 0.
+  /// The weight indices of row `r` (the rows of a chunk in increasing order, from 0) over the
+  /// chunk's keys, valid until the next call: the counts \f$c_{ij}\f$, except s + 1 + d for a key
+  /// at distance d in the near field. `limit` is set to the number of leading keys the row may see
+  /// (causal), the indices past it are to be taken as 0.
   const int* next_row(Index r, Index& limit) {
+    const Index cols = static_cast<Index>(counts_.size());
+    limit = causal_ ? std::clamp<Index>(first_position_ + r + 1 - chunk_begin_, 0, cols) : cols;
+    const int* count = next_counts(r);
+    if (reach_ < 0) return count;
+    // The near keys' indices over a copy of the counts (the direct walk goes on from them).
+    const Index position = first_position_ + r;
+    const Index begin = std::clamp<Index>(position - reach_ - chunk_begin_, 0, cols);
+    const Index end = std::clamp<Index>(position + reach_ + 1 - chunk_begin_, 0, cols);
+    if (begin >= end) return count;
+    shown_.assign(count, count + cols);
+    for (Index c = begin; c < end; ++c) {
+      const Index distance = std::abs(position - chunk_begin_ - c);
+      shown_[static_cast<std::size_t>(c)] = static_cast<int>(samples_ + 1 + distance);
+    }
+    return shown_.data();
+  }
+
+  /// The largest weight index (the last entry of log_counts()), after prepare().
+  Index max_index() const { return static_cast<Index>(log_count_.size()) - 1; }
+
+  /// The logarithms of the weights by index (fill_log_weights), after prepare().
+  const Scalar* log_counts() const { return log_count_.data(); }
+
+  /// Adds the log weights \f$\log(s \hat K_{ij})\f$ (\f$\log c_{ij}\f$ beyond the near field)
+  /// to a chunk of logits of the prepared rows whose keys are `[chunk_begin, chunk_begin + cols)`;
+  /// entries of weight 0 become \f$-\infty\f$, whatever the score was. Chunks may come in any
+  /// order.
+  void add_log_counts(Eigen::Map<RowMatrix<Scalar>>& scores, Index chunk_begin) {
+    constexpr Scalar kMinusInfinity = -std::numeric_limits<Scalar>::infinity();
+    const Index cols = scores.cols();
+    start_chunk(chunk_begin, cols);
+    const Scalar* log_count = log_count_.data();
+    for (Index r = 0; r < scores.rows(); ++r) {
+      Index limit = 0;
+      const int* count = next_row(r, limit);
+      Scalar* row = scores.row(r).data();
+      for (Index c = 0; c < limit; ++c) {
+        row[c] = count[c] == 0 ? kMinusInfinity : row[c] + log_count[count[c]];
+      }
+      for (Index c = limit; c < cols; ++c) row[c] = kMinusInfinity;
+    }
+  }
+
+ private:
+  /// The counts \f$c_{ij}\f$ of row `r` over the chunk's keys (row r - 1's plus row r's events).
+  int* next_counts(Index r) {
     const Index cols = static_cast<Index>(counts_.size());
     int* count = counts_.data();
     const Index events_end = event_start_[static_cast<std::size_t>(r + 1)];
@@ -199,33 +262,9 @@ class BlockCounts {
         for (Index c = begin; c < end; ++c) count[c] += event.delta;
       }
     }
-    limit = causal_ ? std::clamp<Index>(first_position_ + r + 1 - chunk_begin_, 0, cols) : cols;
     return count;
   }
 
-  /// \f$\log c\f$ for c = 0 .. s (\f$-\infty\f$ for 0), after prepare().
-  const Scalar* log_counts() const { return log_count_.data(); }
-
-  /// Adds \f$\log c_{ij}\f$ to a chunk of logits of the prepared rows whose keys are
-  /// `[chunk_begin, chunk_begin + cols)`; entries with \f$c_{ij} = 0\f$ become \f$-\infty\f$,
-  /// whatever the score was. Chunks may come in any order.
-  void add_log_counts(Eigen::Map<RowMatrix<Scalar>>& scores, Index chunk_begin) {
-    constexpr Scalar kMinusInfinity = -std::numeric_limits<Scalar>::infinity();
-    const Index cols = scores.cols();
-    start_chunk(chunk_begin, cols);
-    const Scalar* log_count = log_count_.data();
-    for (Index r = 0; r < scores.rows(); ++r) {
-      Index limit = 0;
-      const int* count = next_row(r, limit);
-      Scalar* row = scores.row(r).data();
-      for (Index c = 0; c < limit; ++c) {
-        row[c] = count[c] == 0 ? kMinusInfinity : row[c] + log_count[count[c]];
-      }
-      for (Index c = limit; c < cols; ++c) row[c] = kMinusInfinity;
-    }
-  }
-
- private:
   /// A run entering (delta 1) or leaving (delta -1) the rows: keys `[begin, end)`.
   struct Event {
     Index begin;
@@ -241,7 +280,11 @@ class BlockCounts {
   std::vector<Index> event_start_;  // events of row r: [event_start_[r], event_start_[r + 1])
   std::vector<Index> fill_;         // counting-sort cursors
   std::vector<int> counts_;         // c_ij of the current row over the chunk's keys
-  std::vector<Scalar> log_count_;   // log(c) for c = 0..s, log(0) = -inf
+  std::vector<Scalar> log_count_;   // log weights by index (fill_log_weights), log(0) = -inf
+  std::vector<double> table_key_;   // (s, slope, reach) of log_count_
+  std::vector<int> shown_;          // a row's indices with its near keys (reach_ >= 0)
+  Index samples_ = 0;
+  Index reach_ = -1;  // the near field's reach, -1: none
   Index chunk_begin_ = 0;
   bool prefix_ = false;          // the chunk's counts are prefix sums of difference_
   std::vector<int> difference_;  // [cols + 1]: the rows' events so far as +-1 at their ends

@@ -35,6 +35,7 @@
 #include "arch/avx512/causal_rows.hpp"
 #include "block_counts.hpp"
 #include "fused_rows.hpp"
+#include "near_field.hpp"
 #include "options.hpp"
 
 namespace plsh {
@@ -66,16 +67,21 @@ struct SpanKeys {
 
 /// The keys that query rows `[row_begin, row_end)` of a head may see: from the first row's
 /// earliest block start to the last row's latest block end (to the last row itself when
-/// causal), cut to the keys `[key_begin, key_end)`. Every row's blocks lie inside, blocks
-/// being intervals in the order of the positions. O(s) calls of grid_block.
+/// causal), and the keys within the reach of the near field `near`, cut to the keys
+/// `[key_begin, key_end)`. Every row's blocks lie inside, blocks being intervals in the order of
+/// the positions. O(s) calls of grid_block.
 inline Block span_keys(const std::vector<Grid>& grids, const PositionRange& range,
                        Index first_position, Index last_position, Index key_begin, Index key_end,
-                       bool causal) {
+                       bool causal, NearField near = {}) {
   Index begin = last_position + 1;
   Index end = causal ? last_position + 1 : first_position;
   for (const Grid& grid : grids) {
     begin = std::min(begin, grid_block(grid, first_position, range.first, range.last).begin);
     if (!causal) end = std::max(end, grid_block(grid, last_position, range.first, range.last).end);
+  }
+  if (near.reach >= 0) {
+    begin = std::min(begin, first_position - near.reach);
+    if (!causal) end = std::max(end, last_position + near.reach + 1);
   }
   begin = std::max(begin, key_begin);
   end = std::min(end, key_end);
@@ -98,12 +104,12 @@ template <class Storage>
 void fused_span(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
                 const ConstHeadMap<Storage>& v, const std::vector<Grid>& grids, double slope,
                 const AttentionOptions& options, const PositionRange& range, Index row_begin,
-                Index row_end, HeadMap<Storage>& out, Index max_packed_keys) {
+                Index row_end, HeadMap<Storage>& out, Index max_packed_keys, NearField near = {}) {
   using Scalar = Compute<Storage>;
   const Index height = fused_tile_rows(slope);
   const Block keys = span_keys(grids, range, options.query_position + row_begin,
                                options.query_position + row_end - 1, options.key_position,
-                               options.key_position + k.rows(), options.causal);
+                               options.key_position + k.rows(), options.causal, near);
   const Index key_count = keys.end - keys.begin;
   const auto tiles = [&](const auto& key_rows, const auto& value_rows, const AttentionOptions& at) {
     // Every tile's keys lie among the span's: their values are tested for finiteness once here
@@ -118,14 +124,14 @@ void fused_span(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
     if constexpr (kCausalRows<Scalar>) {
       if (at.causal && slope * kCausalRowsReach > 1) {
         fused_causal_rows<Storage>(q, key_rows, value_rows, grids, at, range, row_begin, row_end,
-                                   out, finite_values);
+                                   out, finite_values, near);
         return;
       }
     }
 #endif
     for (Index r0 = row_begin; r0 < row_end; r0 += height) {
       fused_rows<Storage>(q, key_rows, value_rows, grids, at, range, r0,
-                          std::min(row_end, r0 + height), out, finite_values);
+                          std::min(row_end, r0 + height), out, finite_values, near);
     }
   };
   const bool strided = k.outerStride() != k.cols() || v.outerStride() != v.cols();
@@ -144,14 +150,16 @@ void fused_span(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
 
 /// The fused kernel: parallel over (batch element, span of fused_span_rows query rows, head) in
 /// one parallel region (fused_span, packing at most `max_packed_keys` keys per job); the grids are
-/// shared by the batch elements. Consecutive jobs take the heads of one span in turn: in a
-/// token-major tensor their rows share pages, which the first job brings in.
+/// shared by the batch elements. `near_field` is PlshOptions::near_field (0: none). Consecutive
+/// jobs take the heads of one span in turn: in a token-major tensor their rows share pages, which
+/// the first job brings in.
 template <class Storage>
 void fused_attention(const BatchedHeadsView<const Storage>& q,
                      const BatchedHeadsView<const Storage>& k,
                      const BatchedHeadsView<const Storage>& v, const BatchedHeadsView<Storage>& out,
                      const std::vector<std::vector<Grid>>& grids, const std::vector<double>& slopes,
-                     const AttentionOptions& options, Index max_packed_keys = kFusedSpanKeys) {
+                     const AttentionOptions& options, double near_field = 0,
+                     Index max_packed_keys = kFusedSpanKeys) {
   if (q.batch == 0 || q.tokens == 0) return;
   AttentionOptions resolved = options;
   resolved.scale = resolved_scale(options, q.dim);
@@ -166,10 +174,11 @@ void fused_attention(const BatchedHeadsView<const Storage>& q,
     const Index h = job % q.heads;
     const Index row_begin = job % element_jobs / q.heads * span_rows;
     HeadMap<Storage> out_head = out[b].head(h);
+    const double slope = slopes[static_cast<std::size_t>(h)];
     fused_span<Storage>(q[b].head(h), k[b].head(h / group), v[b].head(h / group),
-                        grids[static_cast<std::size_t>(h)], slopes[static_cast<std::size_t>(h)],
-                        resolved, range, row_begin, std::min(q.tokens, row_begin + span_rows),
-                        out_head, max_packed_keys);
+                        grids[static_cast<std::size_t>(h)], slope, resolved, range, row_begin,
+                        std::min(q.tokens, row_begin + span_rows), out_head, max_packed_keys,
+                        head_near_field(slope, near_field, range));
   });
 }
 
@@ -179,9 +188,10 @@ template <class Scalar>
 void fused_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
                      const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
                      const std::vector<std::vector<Grid>>& grids, const std::vector<double>& slopes,
-                     const AttentionOptions& options, Index max_packed_keys = kFusedSpanKeys) {
+                     const AttentionOptions& options, double near_field = 0,
+                     Index max_packed_keys = kFusedSpanKeys) {
   fused_attention(batch_of_one(q), batch_of_one(k), batch_of_one(v), batch_of_one(out), grids,
-                  slopes, options, max_packed_keys);
+                  slopes, options, near_field, max_packed_keys);
 }
 
 }  // namespace detail

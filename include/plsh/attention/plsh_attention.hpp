@@ -52,12 +52,15 @@ void batched_plsh_attention(const BatchedHeadsView<const Scalar>& q,
   static_assert(sizeof...(RegularKernel) <= 1, "at most one regular kernel");
   validate_plsh("plsh_attention", q[0], k[0], v[0], out[0], slopes, options, memory_of(q));
   const auto grids = kernel_grids(slopes, options, "plsh_attention");
+  const bool passes = sizeof...(RegularKernel) == 1 || options.kernel == Kernel::Passes;
+  require(!passes || options.near_field == 0, "plsh_attention",
+          "options.near_field needs the fused kernel (the pass kernel evaluates block masks only)");
   if constexpr (sizeof...(RegularKernel) == 1) {
     pass_attention(q, k, v, out, grids, options, kernel...);
-  } else if (options.kernel == Kernel::Passes) {
+  } else if (passes) {
     pass_attention(q, k, v, out, grids, options, RegularAttention{});
   } else {
-    fused_attention(q, k, v, out, grids, slopes, options);
+    fused_attention(q, k, v, out, grids, slopes, options, options.near_field);
   }
 }
 

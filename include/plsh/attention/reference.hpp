@@ -29,6 +29,7 @@
 #include "../partition.hpp"
 #include "../sampler.hpp"
 #include "../tensor.hpp"
+#include "near_field.hpp"
 #include "options.hpp"
 
 namespace plsh {
@@ -202,15 +203,41 @@ void mask_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scal
   factor_attention(q, k, v, out, options, mean_mask_log_factor(grids));
 }
 
-/// Positional LSH with the grids plsh_attention draws for `options.seed`.
+/// The log-factor of the near-field estimator (near_field.hpp) as a function `(h, p_i, p_j)`:
+/// \f$-m_h|p_i - p_j|\f$ within the reach of head h's near field for `near_field` (in a call over
+/// the positions `range`), mean_mask_log_factor beyond. `grids` and `slopes` must outlive the
+/// returned function.
+inline auto near_field_log_factor(const std::vector<std::vector<Grid>>& grids,
+                                  const std::vector<double>& slopes, double near_field,
+                                  const detail::PositionRange& range) {
+  std::vector<Index> reach;
+  for (const double slope : slopes) {
+    reach.push_back(detail::head_near_field(slope, near_field, range).reach);
+  }
+  return [&grids, &slopes, reach, blocks = mean_mask_log_factor(grids)](Index h, Index i, Index j) {
+    const Index distance = std::abs(i - j);
+    if (distance <= reach[static_cast<std::size_t>(h)]) {
+      return -slopes[static_cast<std::size_t>(h)] * static_cast<double>(distance);
+    }
+    return blocks(h, i, j);
+  };
+}
+
+/// Positional LSH with the grids plsh_attention draws for `options.seed`, and the near field of
+/// `options.near_field` (near_field_log_factor).
 template <class Scalar>
 void plsh_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
                     const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
                     const std::vector<double>& slopes, const PlshOptions& options = {}) {
   detail::validate_slopes("reference::plsh_attention", slopes, q.heads);
-  detail::require_samples(options.samples, "reference::plsh_attention", "options.samples");
-  mask_attention(q, k, v, out, detail::kernel_grids(slopes, options, "reference::plsh_attention"),
-                 options);
+  const auto grids = detail::kernel_grids(slopes, options, "reference::plsh_attention");
+  if (options.near_field == 0) {
+    mask_attention(q, k, v, out, grids, options);
+    return;
+  }
+  factor_attention(q, k, v, out, options,
+                   near_field_log_factor(grids, slopes, options.near_field,
+                                         detail::position_range(q, k, options)));
 }
 
 /// The log-factor of fixed blocks of `block_size` as a function `(h, p_i, p_j)`: 0 when
@@ -310,7 +337,8 @@ void windowed_alibi_attention_backward(
 }
 
 /// Backward of Positional LSH with the grids plsh_attention draws for `options.seed`:
-/// \f$F_{ij} = c_{ij}/s\f$, the mean block mask.
+/// \f$F_{ij} = c_{ij}/s\f$, the mean block mask, with the near field of `options.near_field`
+/// (near_field_log_factor).
 template <class Scalar>
 void plsh_attention_backward(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
                              const HeadsView<const Scalar>& v, const HeadsView<const Scalar>& dout,
@@ -318,9 +346,10 @@ void plsh_attention_backward(const HeadsView<const Scalar>& q, const HeadsView<c
                              const HeadsView<Scalar>& dv, const std::vector<double>& slopes,
                              const PlshOptions& options = {}) {
   detail::validate_slopes("reference::plsh_attention_backward", slopes, q.heads);
-  detail::require_samples(options.samples, "reference::plsh_attention_backward", "options.samples");
   const auto grids = detail::kernel_grids(slopes, options, "reference::plsh_attention_backward");
-  factor_attention_backward(q, k, v, dout, dq, dk, dv, options, mean_mask_log_factor(grids));
+  factor_attention_backward(q, k, v, dout, dq, dk, dv, options,
+                            near_field_log_factor(grids, slopes, options.near_field,
+                                                  detail::position_range(q, k, options)));
 }
 
 /// Backward of fixed blocks of `block_size` (fixed_block_log_factor).

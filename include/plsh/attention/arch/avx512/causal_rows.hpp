@@ -33,6 +33,7 @@
 #include "../../../sampler.hpp"
 #include "../../../tensor.hpp"
 #include "../../fused_rows.hpp"
+#include "../../near_field.hpp"
 #include "../../online_softmax.hpp"
 #include "../../options.hpp"
 
@@ -65,7 +66,8 @@ struct CausalRowsWorkspace {
   AlignedVector<std::int64_t> begin;   // [draw]: start of the block that holds the current row
   AlignedVector<std::int64_t> tile;    // [row of the tile][draw]: each row's starts
   std::vector<Index> smallest;         // [row of the tile]: each row's smallest start
-  std::vector<float> log_count;        // log(c) for c = 0..s
+  std::vector<float> log_count;        // log weights by index (fill_log_weights)
+  std::vector<double> table_key;       // (s, slope, reach) of log_count
   AlignedVector<float> query;          // the tile's query rows in float, scaled
   AlignedVector<float> weights;        // one row's scores, then weights
   AlignedVector<float> sum;            // one row's weighted sum of values
@@ -86,12 +88,14 @@ struct CausalRowsWorkspace {
 /// kCausalTileRows rows with a row wider than kCausalRowKeys keys goes to fused_rows, and so does a
 /// row that sees a non-finite value (unless `finite_values`, the value rows are scanned for them
 /// first). Key and value rows in float or, read in place, in a 16-bit type (converted in registers:
-/// the same floats as fused_span's packed copy).
+/// the same floats as fused_span's packed copy). With a near field `near` (near_field.hpp) a row
+/// also sees the keys within its reach w, whose index is s + 1 + d at distance d.
 template <class Storage, class KeyStorage>
 void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeyStorage>& k,
                        const ConstHeadMap<KeyStorage>& v, const std::vector<Grid>& grids,
                        const AttentionOptions& options, const PositionRange& range, Index row_begin,
-                       Index row_end, HeadMap<Storage>& out, bool finite_values) {
+                       Index row_end, HeadMap<Storage>& out, bool finite_values,
+                       NearField near = {}) {
   static thread_local CausalRowsWorkspace scratch;
   const Index samples = static_cast<Index>(grids.size());
   const Index draws = (samples + 7) / 8 * 8;
@@ -99,8 +103,13 @@ void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeySto
   const Index value_dim = v.cols();
   const Index key_begin = options.key_position;
   const Index key_end = options.key_position + k.rows();
-  fill_log_counts(scratch.log_count, samples);
-  const LogCountLookup log_count(scratch.log_count.data(), samples);
+  fill_log_weights(scratch.log_count, scratch.table_key, samples, near.slope, near.reach);
+  const LogCountLookup log_count(scratch.log_count.data(),
+                                 static_cast<Index>(scratch.log_count.size()) - 1);
+  // A row at p sees from its smallest start, or from p - w with a near field of reach w.
+  const auto first_key_of = [&](Index smallest_start, Index p) {
+    return near.reach >= 0 ? std::min(smallest_start, p - near.reach) : smallest_start;
+  };
   for (auto* vector : {&scratch.pitch, &scratch.shift, &scratch.bin}) {
     vector->resize(static_cast<std::size_t>(draws));
   }
@@ -154,7 +163,7 @@ void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeySto
   // the rows that see none are those of clean values, bit for bit.
   scratch.bad.clear();
   if (!finite_values) {
-    const Index low = std::max(smallest, key_begin);
+    const Index low = std::max(first_key_of(smallest, first_position), key_begin);
     const Index high = std::min(options.query_position + row_end, key_end);
     for (Index j = low; j < high; ++j) {
       if (!all_finite(v.row(j - key_begin).template cast<float>())) scratch.bad.push_back(j);
@@ -172,11 +181,12 @@ void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeySto
       if (r != row_begin) smallest = advance(p);
       std::copy(scratch.begin.begin(), scratch.begin.end(),
                 scratch.tile.begin() + static_cast<std::ptrdiff_t>((r - r0) * draws));
-      scratch.smallest[static_cast<std::size_t>(r - r0)] = smallest;
-      widest = std::max(widest, std::min(p + 1, key_end) - std::max(smallest, key_begin));
+      scratch.smallest[static_cast<std::size_t>(r - r0)] = first_key_of(smallest, p);
+      widest = std::max(widest,
+                        std::min(p + 1, key_end) - std::max(first_key_of(smallest, p), key_begin));
     }
     if (widest > kCausalRowKeys) {
-      fused_rows<Storage>(q, k, v, grids, options, range, r0, r1, out, finite_values);
+      fused_rows<Storage>(q, k, v, grids, options, range, r0, r1, out, finite_values, near);
       continue;
     }
     // The tile's query rows first, in one loop of independent loads.
@@ -202,12 +212,14 @@ void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeySto
       }
       const auto bad = std::lower_bound(scratch.bad.begin(), scratch.bad.end(), first);
       if (bad != scratch.bad.end() && *bad < first + count) {
-        fused_rows<Storage>(q, k, v, grids, options, range, r, r + 1, out, false);
+        fused_rows<Storage>(q, k, v, grids, options, range, r, r + 1, out, false, near);
         continue;
       }
       // Pass 1, 16 keys at a time in registers: the logits S + log c_j, c_j = #{t : b_t <=
-      // first + j} (at least 1: the keys start at the smallest start), their maximum, whether a
-      // NaN is among them.
+      // first + j} (at least 1 from the smallest start on), or the near field's index
+      // s + 1 + d at distance d = p - first - j <= w (the keys before the smallest start, if
+      // any, are near); their maximum, whether a NaN is among them.
+      const Index near_from = near.reach >= 0 ? p - near.reach - first : count;
       const KeyStorage* keys = k.data() + (first - key_begin) * k.outerStride();
       const float* query = scratch.query.data() + (r - r0) * dim;
       __m512 best = minus_infinity;
@@ -221,6 +233,15 @@ void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeySto
           counts = _mm512_mask_add_epi32(
               counts, _mm512_cmpge_epi32_mask(offset, _mm512_set1_epi32(static_cast<int>(start))),
               counts, one);
+        }
+        if (j + 16 > near_from) {
+          // Index s + 1 + (p - first - offset) where offset >= near_from.
+          const __m512i distance =
+              _mm512_sub_epi32(_mm512_set1_epi32(static_cast<int>(p - first)), offset);
+          counts = _mm512_mask_add_epi32(
+              counts,
+              _mm512_cmpge_epi32_mask(offset, _mm512_set1_epi32(static_cast<int>(near_from))),
+              distance, _mm512_set1_epi32(static_cast<int>(samples + 1)));
         }
         const __m512 logit = _mm512_add_ps(
             avx512::score_block(keys, j, count, dim, k.outerStride(), query), log_count(counts));

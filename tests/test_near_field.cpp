@@ -1,0 +1,369 @@
+// Tests of the near-field estimator (attention/near_field.hpp, PlshOptions::near_field): its mean
+// over seeds against the ALiBi factor, the fused forward and the backward against the dense double
+// references (plsh::reference::plsh_attention and plsh_attention_backward, which take the exact
+// factor within each head's reach and the mean block mask beyond), the batched kernels against
+// their elements, the limits (a reach past every key is exact ALiBi, reach 0 the block
+// estimator), and the rejected arguments.
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <stdexcept>
+#include <type_traits>
+#include <vector>
+
+#include <plsh/alibi.hpp>
+#include <plsh/attention/alibi_attention.hpp>
+#include <plsh/attention/backward.hpp>
+#include <plsh/attention/near_field.hpp>
+#include <plsh/attention/plsh_attention.hpp>
+#include <plsh/attention/reference.hpp>
+#include <plsh/batch.hpp>
+#include <plsh/kv_cache.hpp>
+#include <plsh/partition.hpp>
+#include <plsh/sampler.hpp>
+
+#include "attention_fixture.hpp"
+#include "kernel_instances.hpp"
+
+namespace {
+
+using plsh::BatchedHeadsView;
+using plsh::HeadsView;
+using plsh::Index;
+using plsh_test::Buffer;
+using plsh_test::Problem;
+using plsh_test::Shape;
+
+/// Standard errors a statistical check allows (a false alarm about once in 16,000 per entry).
+constexpr double kStandardErrors = 4;
+
+plsh::PlshOptions near_options(bool causal, Index samples, std::uint64_t seed, double near_field,
+                               plsh::Sampling sampling = plsh::Sampling::Independent) {
+  plsh::PlshOptions options;
+  options.causal = causal;
+  options.samples = samples;
+  options.seed = seed;
+  options.near_field = near_field;
+  options.sampling = sampling;
+  return options;
+}
+
+/// The fused kernel against reference::plsh_attention, with the output's padding untouched.
+template <class Scalar>
+void check_forward(const Shape& shape, const std::vector<double>& slopes,
+                   const plsh::PlshOptions& options, std::uint64_t seed,
+                   plsh_test::Layout layout = plsh_test::Layout::Packed) {
+  Problem<Scalar> problem(shape, seed, layout);
+  Buffer<Scalar> expected = problem.output();
+  plsh::reference::plsh_attention(problem.q.in(), problem.k.in(), problem.v.in(), expected.view,
+                                  slopes, options);
+  problem.out.fill(Scalar(7));
+  plsh::plsh_attention<Scalar>(problem.q.in(), problem.k.in(), problem.v.in(), problem.out.view,
+                               slopes, options);
+  const double error = plsh_test::max_abs_difference(problem.out.in(), expected.in());
+  INFO(shape << ", " << plsh_test::describe(options) << ", s = " << options.samples
+             << ", near_field " << options.near_field << ", " << plsh_test::type_name<Scalar>()
+             << ": |fused - reference| = " << plsh_test::scientific(error));
+  CHECK(error <= plsh_test::reference_tolerance<Scalar>());
+  CHECK(problem.out.touched_padding() == 0);
+}
+
+/// A packed buffer's copy in another scalar type.
+template <class To, class From>
+Buffer<To> to(const Buffer<From>& from) {
+  Buffer<To> copy(from.view.tokens, from.view.heads, from.view.dim);
+  for (std::size_t i = 0; i < from.storage.size(); ++i) {
+    copy.storage[i] = static_cast<To>(from.storage[i]);
+  }
+  return copy;
+}
+
+/// max |a - b| / max |b|, the error relative to the tensor's scale.
+inline double relative_error(const Buffer<double>& a, const Buffer<double>& b) {
+  double scale = 0;
+  for (const double x : b.storage) scale = std::max(scale, std::abs(x));
+  return plsh_test::max_abs_difference(a.in(), b.in()) / std::max(scale, 1e-300);
+}
+
+}  // namespace
+
+TEST_CASE("near_field_reach: the largest distance whose factor is at least near_field",
+          "[near_field]") {
+  using plsh::detail::near_field_reach;
+  CHECK(near_field_reach(0.5, 0, 1000) == -1);  // no near field
+  CHECK(near_field_reach(0.5, 1, 1000) == 0);   // only the diagonal
+  // ln(20) / (1/2) = 5.99: e^{-3} = 0.0498 < 0.05 <= e^{-2.5}.
+  CHECK(near_field_reach(0.5, 0.05, 1000) == 5);
+  CHECK(near_field_reach(1.0 / 256, 0.05, 1000) == 766);
+  CHECK(near_field_reach(1.0 / 256, 0.05, 100) == 100);  // capped by the call's positions
+  CHECK(near_field_reach(0.0, 0.05, 100) == 100);        // factor 1 everywhere
+  for (const double slope : {0.01, 0.3, 2.0}) {
+    for (const double near_field : {0.9, 0.05, 1e-3}) {
+      const Index reach = near_field_reach(slope, near_field, 1 << 20);
+      CHECK(std::exp(-slope * static_cast<double>(reach)) >= near_field * (1 - 1e-12));
+      CHECK(std::exp(-slope * static_cast<double>(reach + 1)) < near_field);
+    }
+  }
+}
+
+TEST_CASE("the near-field estimator's mean over seeds equals exp(-slope |i - j|)",
+          "[near_field][statistical]") {
+  // E[K^] = K: average the dense estimator (reference::near_field_log_factor, exponentiated) of
+  // N = 2000 seeds. Within the reach the estimator is exp(-m|i - j|) itself: the mean must equal
+  // it to rounding. Beyond, it is the mean block mask: variance p (1 - p) / s with independent
+  // draws, at most s / (s - 1) times that with a Latin hypercube (Owen, 1997, as in
+  // test_sampler.cpp); every entry within 4 standard errors. Pairs with m |i - j| <= 4 only, so
+  // that N s p >= 180 and the normal approximation holds.
+  const plsh::Sampling sampling =
+      GENERATE(plsh::Sampling::Independent, plsh::Sampling::LatinHypercube);
+  const Index n = 40;
+  const int seeds = 2000;
+  const plsh::detail::PositionRange range{0, n};
+  std::uint64_t head = 0;
+  for (const double slope : {1.0 / 16, 1.0 / 4}) {
+    for (const double near_field : {0.5, 0.2}) {
+      const Index samples = 5;
+      const Index reach = plsh::detail::near_field_reach(slope, near_field, n);
+      Eigen::MatrixXd mean = Eigen::MatrixXd::Zero(n, n);
+      for (int seed = 0; seed < seeds; ++seed) {
+        plsh::PlshOptions options = near_options(true, samples, 0, near_field, sampling);
+        options.seed = plsh::head_seed(43, head++);
+        const auto grids = plsh::kernel_grids({slope}, options);
+        const std::vector<double> slopes{slope};
+        const auto log_factor =
+            plsh::reference::near_field_log_factor(grids, slopes, near_field, range);
+        for (Index i = 0; i < n; ++i) {
+          for (Index j = 0; j < n; ++j) mean(i, j) += std::exp(log_factor(0, i, j));
+        }
+      }
+      mean /= seeds;
+      const double s = static_cast<double>(samples);
+      const double inflation = sampling == plsh::Sampling::Independent ? 1 : s / (s - 1);
+      Index near_checked = 0, far_checked = 0, outside = 0;
+      double worst = 0;
+      for (Index i = 0; i < n; ++i) {
+        for (Index j = 0; j < n; ++j) {
+          const Index distance = i > j ? i - j : j - i;
+          const double r = static_cast<double>(distance);
+          if (slope * r > 4) continue;
+          const double p = std::exp(-slope * r);
+          const double deviation = std::abs(mean(i, j) - p);
+          if (distance <= reach) {
+            if (deviation > 1e-12) ++outside;
+            ++near_checked;
+          } else {
+            const double standard_error = std::sqrt(inflation * p * (1 - p) / s / seeds);
+            if (deviation > kStandardErrors * standard_error) ++outside;
+            worst = std::max(worst, deviation / standard_error);
+            ++far_checked;
+          }
+        }
+      }
+      INFO("slope " << slope << ", near_field " << near_field << " (reach " << reach
+                    << "): " << near_checked << " near and " << far_checked
+                    << " far entries, largest far deviation " << worst << " standard errors");
+      CHECK(reach >= 2);
+      CHECK(near_checked > n);
+      CHECK(far_checked > n);
+      CHECK(outside == 0);
+    }
+  }
+}
+
+TEST_CASE("the near-field estimator has no variance within the reach and less beyond none",
+          "[near_field][statistical]") {
+  // Over seeds, the variance of an entry within the reach is 0, and the estimator agrees with the
+  // block estimator of the same draws outside the reach: the near field changes nothing there.
+  const Index n = 30;
+  const double slope = 0.25;
+  const double near_field = 0.3;  // reach floor(ln(1/0.3) * 4) = 4
+  const plsh::detail::PositionRange range{0, n};
+  const std::vector<double> slopes{slope};
+  for (std::uint64_t seed = 0; seed < 50; ++seed) {
+    const plsh::PlshOptions options = near_options(true, 7, seed, near_field);
+    const auto grids = plsh::kernel_grids(slopes, options);
+    const auto near = plsh::reference::near_field_log_factor(grids, slopes, near_field, range);
+    const auto blocks = plsh::reference::mean_mask_log_factor(grids);
+    for (Index i = 0; i < n; ++i) {
+      for (Index j = 0; j < n; ++j) {
+        const Index distance = i > j ? i - j : j - i;
+        if (distance <= 4) {
+          REQUIRE(near(0, i, j) == -slope * static_cast<double>(distance));
+        } else {
+          REQUIRE(near(0, i, j) == blocks(0, i, j));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("the fused kernel with a near field matches the dense reference", "[near_field]") {
+  // 8 query heads on 2 key/value heads: standard slopes, a steep one (the AVX-512 causal rows),
+  // slope 0 (every key near: exact) and a gentle one; near fields from the diagonal only to wide.
+  std::vector<double> slopes = plsh::alibi_slopes(4);
+  slopes.insert(slopes.end(), {0.5, 3.0, 0.0, 1.0 / 64});
+  std::uint64_t seed = 100;
+  for (const bool causal : {true, false}) {
+    for (const double near_field : {1.0, 0.5, 0.05, 1e-3}) {
+      for (const Index samples : {1, 20}) {
+        const plsh::PlshOptions options = near_options(causal, samples, ++seed, near_field);
+        for (const Index n : {1, 2, 33, 130}) {
+          check_forward<double>(Shape{n, n, 8, 2, 16, 12}, slopes, options, ++seed);
+          check_forward<float>(Shape{n, n, 8, 2, 16, 12}, slopes, options, ++seed);
+        }
+      }
+    }
+    // Latin hypercube draws; a head-major layout; padded rows with fewer queries than keys.
+    const plsh::PlshOptions latin =
+        near_options(causal, 100, 7, 0.05, plsh::Sampling::LatinHypercube);
+    check_forward<float>(Shape{300, 300, 8, 2, 16, 12}, slopes, latin, 8);
+    check_forward<double>(Shape{130, 130, 4, 2, 16, 12}, plsh::alibi_slopes(4), latin, 9,
+                          plsh_test::Layout::HeadMajor);
+    check_forward<float>(Shape{65, 130, 4, 4, 5, 9}, plsh::alibi_slopes(4), latin, 10,
+                         plsh_test::Layout::PaddedRows);
+  }
+}
+
+TEST_CASE("the fused kernel with a near field, query and key positions apart", "[near_field]") {
+  std::uint64_t seed = 300;
+  plsh_test::for_each_offset_case(
+      plsh_test::offset_cases(),
+      [&](const plsh_test::OffsetCase& c, const plsh::AttentionOptions& base) {
+        plsh::PlshOptions options = near_options(base.causal, 20, ++seed, 0.05);
+        static_cast<plsh::AttentionOptions&>(options) = base;
+        const Shape shape{c.n_q, c.n_k, 4, 2, 8, 6};
+        check_forward<double>(shape, plsh::alibi_slopes(4), options, ++seed);
+        check_forward<float>(shape, plsh::alibi_slopes(4), options, ++seed);
+      });
+}
+
+TEST_CASE("a near field past every key is exact ALiBi, reach 0 is the block estimator",
+          "[near_field]") {
+  const Shape shape{200, 200, 8, 2, 16, 12};
+  const std::vector<double> slopes = plsh::alibi_slopes(8);
+  for (const bool causal : {true, false}) {
+    Problem<double> problem(shape, 11);
+    // near_field 1e-300: every head's reach ln(1e300)/m >= 690 * 2 exceeds the 200 positions.
+    plsh::PlshOptions options = near_options(causal, 20, 12, 1e-300);
+    plsh::plsh_attention<double>(problem.q.in(), problem.k.in(), problem.v.in(), problem.out.view,
+                                 slopes, options);
+    Buffer<double> exact = problem.output();
+    plsh::AttentionOptions exact_options;
+    exact_options.causal = causal;
+    plsh::exact_alibi_attention<double>(problem.q.in(), problem.k.in(), problem.v.in(), exact.view,
+                                        slopes, exact_options);
+    CHECK(plsh_test::max_abs_difference(problem.out.in(), exact.in()) <= 1e-12);
+    // near_field 1: reach 0, the diagonal, whose block count is always s: the same weights.
+    options.near_field = 1;
+    plsh::plsh_attention<double>(problem.q.in(), problem.k.in(), problem.v.in(), problem.out.view,
+                                 slopes, options);
+    Buffer<double> blocks = problem.output();
+    options.near_field = 0;
+    plsh::plsh_attention<double>(problem.q.in(), problem.k.in(), problem.v.in(), blocks.view,
+                                 slopes, options);
+    CHECK(plsh_test::max_abs_difference(problem.out.in(), blocks.in()) <= 1e-14);
+  }
+}
+
+TEST_CASE("the backward with a near field matches the dense reference", "[near_field][backward]") {
+  // Four query heads on two key/value heads, slopes from steep to 0, queries offset from keys.
+  const std::vector<double> slopes = {0.3, 0.05, 0.0, 1.0 / 64};
+  for (const bool causal : {true, false}) {
+    for (const double near_field : {0.5, 0.05}) {
+      plsh::PlshOptions options = near_options(causal, 20, 31, near_field);
+      options.query_position = 30;
+      options.key_position = causal ? 10 : 7;
+      const Shape shape{150, 170, 4, 2, 8, 5};
+      Problem<double> p(shape, 23, plsh_test::Layout::Packed, 2.0, 2.0);
+      Buffer<double> dout = p.output();
+      dout.fill_random(77);
+      Buffer<double> dq(shape.n_q, shape.heads, shape.dim),
+          dk(shape.n_k, shape.kv_heads, shape.dim), dv(shape.n_k, shape.kv_heads, shape.value_dim);
+      Buffer<double> rq = dq, rk = dk, rv = dv;
+      plsh::plsh_attention<double>(p.q.in(), p.k.in(), p.v.in(), p.out.view, slopes, options);
+      plsh::plsh_attention_backward<double>(p.q.in(), p.k.in(), p.v.in(), p.out.in(), dout.in(),
+                                            dq.view, dk.view, dv.view, slopes, options);
+      plsh::reference::plsh_attention_backward(p.q.in(), p.k.in(), p.v.in(), dout.in(), rq.view,
+                                               rk.view, rv.view, slopes, options);
+      // As test_backward.cpp: sums of ~170 products of order 1 in double, rounding ~1e-13.
+      INFO((causal ? "causal" : "bidirectional") << ", near_field " << near_field);
+      CHECK(relative_error(dq, rq) <= 1e-11);
+      CHECK(relative_error(dk, rk) <= 1e-11);
+      CHECK(relative_error(dv, rv) <= 1e-11);
+      // Float: the float kernel against the double reference of the same (rounded) inputs, bound
+      // as test_backward.cpp's (logits |l| <= 11, rounding ~5e-6 relative).
+      const Buffer<float> fq_in = to<float>(p.q), fk_in = to<float>(p.k), fv_in = to<float>(p.v),
+                          fdout = to<float>(dout);
+      Buffer<float> fout = to<float>(p.out), fq = to<float>(dq), fk = to<float>(dk),
+                    fv = to<float>(dv);
+      plsh::plsh_attention<float>(fq_in.in(), fk_in.in(), fv_in.in(), fout.view, slopes, options);
+      plsh::plsh_attention_backward<float>(fq_in.in(), fk_in.in(), fv_in.in(), fout.in(),
+                                           fdout.in(), fq.view, fk.view, fv.view, slopes, options);
+      plsh::reference::plsh_attention_backward(to<double>(fq_in).in(), to<double>(fk_in).in(),
+                                               to<double>(fv_in).in(), to<double>(fdout).in(),
+                                               rq.view, rk.view, rv.view, slopes, options);
+      CHECK(relative_error(to<double>(fq), rq) <= 3e-5);
+      CHECK(relative_error(to<double>(fk), rk) <= 3e-5);
+      CHECK(relative_error(to<double>(fv), rv) <= 3e-5);
+    }
+  }
+}
+
+TEST_CASE("batched kernels with a near field equal their elements", "[near_field][batch]") {
+  // Two elements of 70 tokens as one buffer of 140; the forward and the backward of the batch
+  // against each element alone (same draws: the batch shares them).
+  const Index batch = 2, tokens = 70;
+  const Shape shape{batch * tokens, batch * tokens, 4, 2, 8, 6};
+  const std::vector<double> slopes = plsh::alibi_slopes(4);
+  const plsh::PlshOptions options = near_options(true, 20, 5, 0.05);
+  Problem<float> p(shape, 41);
+  Buffer<float> dout = p.output();
+  dout.fill_random(42);
+  Buffer<float> dq(shape.n_q, shape.heads, shape.dim), dk(shape.n_k, shape.kv_heads, shape.dim),
+      dv(shape.n_k, shape.kv_heads, shape.value_dim);
+  const auto batched = [&](const auto& view) {
+    using Scalar = std::remove_reference_t<decltype(*view.data)>;
+    return BatchedHeadsView<Scalar>(batch, view.slice(0, tokens), tokens * view.token_stride);
+  };
+  plsh::plsh_attention<float>(batched(p.q.in()), batched(p.k.in()), batched(p.v.in()),
+                              batched(p.out.view), slopes, options);
+  plsh::plsh_attention_backward<float>(batched(p.q.in()), batched(p.k.in()), batched(p.v.in()),
+                                       batched(p.out.in()), batched(dout.in()), batched(dq.view),
+                                       batched(dk.view), batched(dv.view), slopes, options);
+  for (Index b = 0; b < batch; ++b) {
+    Buffer<float> out(tokens, shape.heads, shape.value_dim), eq(tokens, shape.heads, shape.dim),
+        ek(tokens, shape.kv_heads, shape.dim), ev(tokens, shape.kv_heads, shape.value_dim);
+    const auto part = [&](const auto& view) { return view.slice(b * tokens, tokens); };
+    plsh::plsh_attention<float>(part(p.q.in()), part(p.k.in()), part(p.v.in()), out.view, slopes,
+                                options);
+    CHECK(plsh_test::max_abs_difference(out.in(), part(p.out.in())) == 0);
+    plsh::plsh_attention_backward<float>(part(p.q.in()), part(p.k.in()), part(p.v.in()), out.in(),
+                                         part(dout.in()), eq.view, ek.view, ev.view, slopes,
+                                         options);
+    CHECK(plsh_test::max_abs_difference(eq.in(), part(dq.in())) == 0);
+    CHECK(plsh_test::max_abs_difference(ek.in(), part(dk.in())) == 0);
+    CHECK(plsh_test::max_abs_difference(ev.in(), part(dv.in())) == 0);
+  }
+}
+
+TEST_CASE("near_field arguments are checked", "[near_field][validation]") {
+  const Shape shape{16, 16, 2, 2, 4, 4};
+  Problem<float> p(shape, 3);
+  const std::vector<double> slopes = plsh::alibi_slopes(2);
+  for (const double bad : {-0.1, 1.5, std::numeric_limits<double>::quiet_NaN()}) {
+    plsh::PlshOptions options;
+    options.near_field = bad;
+    CHECK_THROWS_AS(
+        plsh::plsh_attention<float>(p.q.in(), p.k.in(), p.v.in(), p.out.view, slopes, options),
+        std::invalid_argument);
+  }
+  plsh::PlshOptions passes;
+  passes.near_field = 0.05;
+  passes.kernel = plsh::Kernel::Passes;
+  CHECK_THROWS_WITH(
+      plsh::plsh_attention<float>(p.q.in(), p.k.in(), p.v.in(), p.out.view, slopes, passes),
+      Catch::Contains("near_field needs the fused kernel"));
+}
