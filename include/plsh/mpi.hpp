@@ -56,6 +56,7 @@
 
 #include "attention/alibi_attention.hpp"
 #include "attention/backward.hpp"
+#include "attention/near_field.hpp"
 #include "attention/online_softmax.hpp"
 #include "attention/plsh_attention.hpp"
 #include "attention/regular.hpp"
@@ -99,11 +100,20 @@ mpi::ExchangeCounts run_with_halo(MPI_Comm comm, const char* function,
 }
 
 /// The key rows every rank's queries reach in Positional LSH: those of the kernel's own draws
-/// (kernel_grids, which follows options.sampling).
+/// (kernel_grids, which follows options.sampling), and those within the reach of the near field
+/// of options.near_field (near_field.hpp) over the whole sequence.
 inline std::vector<Block> plsh_reach(const mpi::ChunkLayout& layout,
                                      const std::vector<double>& slopes, const PlshOptions& options,
                                      const char* function) {
-  return plsh_reachable_keys(layout, kernel_grids(slopes, options, function), options);
+  const auto grids = kernel_grids(slopes, options, function);
+  const Index n = layout.tokens();
+  const PositionRange range{std::min(options.query_position, options.key_position),
+                            std::max(options.query_position, options.key_position) + n};
+  Index near_reach = -1;
+  for (const double slope : slopes) {
+    near_reach = std::max(near_reach, head_near_field(slope, options.near_field, range).reach);
+  }
+  return plsh_reachable_keys(layout, grids, options, near_reach);
 }
 
 }  // namespace detail
@@ -131,6 +141,7 @@ ExchangeCounts plsh_attention(MPI_Comm comm, HeadsView<const detail::NonDeduced<
   signature.add(options.samples);
   signature.add(static_cast<std::int64_t>(options.seed));
   signature.add(static_cast<std::int64_t>(options.sampling));
+  signature.add_double(options.near_field);
   signature.add(static_cast<std::int64_t>(options.kernel));
   return detail::run_with_halo(
       comm, function, q, k, v, signature, options,
@@ -302,6 +313,7 @@ ExchangeCounts plsh_attention_backward(MPI_Comm comm, HeadsView<const detail::No
   signature.add(options.samples);
   signature.add(static_cast<std::int64_t>(options.seed));
   signature.add(static_cast<std::int64_t>(options.sampling));
+  signature.add_double(options.near_field);
   return detail::run_with_halo(
       comm, function, q, k, v, signature, options,
       [&] {

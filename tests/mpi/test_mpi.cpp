@@ -347,12 +347,16 @@ TEMPLATE_TEST_CASE("plsh::mpi::plsh_attention_backward equals plsh_attention_bac
   });
 }
 
-TEST_CASE("plsh::mpi kernels draw their halo with the options' sampling", "[mpi][plsh]") {
+TEST_CASE("plsh::mpi kernels draw their halo with the options' sampling and near field",
+          "[mpi][plsh]") {
   // Latin hypercube draws differ from independent ones: a halo computed from independent draws
-  // misses keys that the kernel's blocks reach.
-  for_each_case([](const std::vector<Index>& sizes, const std::vector<double>& slopes,
-                   plsh::PlshOptions options, const Shape& shape) {
+  // misses keys that the kernel's blocks reach. A near field reaches keys the blocks may not.
+  const double near_field = GENERATE(0.0, 0.05);
+  for_each_case([&](const std::vector<Index>& sizes, const std::vector<double>& slopes,
+                    plsh::PlshOptions options, const Shape& shape) {
     options.sampling = plsh::Sampling::LatinHypercube;
+    options.near_field = near_field;
+    INFO("near_field " << near_field);
     const ChunkLayout layout(sizes);
     const Block chunk = layout.chunk(world_rank());
     const plsh_test::Problem<double> problem(shape, 23);
@@ -369,8 +373,7 @@ TEST_CASE("plsh::mpi kernels draw their halo with the options' sampling", "[mpi]
     check_rows<double>(mine.in(), whole.in(), chunk, single_call(options));
     CHECK(counts.bytes_received ==
           plsh::detail::halo_bytes(layout,
-                                   plsh::detail::plsh_reachable_keys(
-                                       layout, plsh::kernel_grids(slopes, options), options),
+                                   plsh::detail::plsh_reach(layout, slopes, options, "test"),
                                    world_rank(), row_bytes(shape, sizeof(double))));
     Buffer<double> dout = problem.output();
     dout.fill_random(plsh::detail::mix64(5));

@@ -116,10 +116,12 @@ std::vector<Block> reachable_per_rank(const ChunkLayout& layout, const Attention
 }
 
 /// The key rows that the queries of every rank's chunk reach in Positional LSH with the draws
-/// `grids` (see the file comment); `options` positions are those of token 0.
+/// `grids` (see the file comment) and a near field of reach `near_reach` (the largest over the
+/// heads; -1: none); `options` positions are those of token 0.
 inline std::vector<Block> plsh_reachable_keys(const ChunkLayout& layout,
                                               const std::vector<std::vector<Grid>>& grids,
-                                              const AttentionOptions& options) {
+                                              const AttentionOptions& options,
+                                              Index near_reach = -1) {
   const Index n = layout.tokens();
   const Index first = std::min(options.query_position, options.key_position);
   const Index last = std::max(options.query_position, options.key_position) + n;
@@ -132,6 +134,10 @@ inline std::vector<Block> plsh_reachable_keys(const ChunkLayout& layout,
           keys.end = std::max(keys.end, grid_block(grid, query_last, first, last).end);
         }
       }
+    }
+    if (near_reach >= 0) {
+      keys.begin = std::min(keys.begin, query_first - near_reach);
+      if (!options.causal) keys.end = std::max(keys.end, query_last + near_reach + 1);
     }
     return keys;
   });
