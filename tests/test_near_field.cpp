@@ -7,6 +7,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -27,6 +28,7 @@
 
 #include "attention_fixture.hpp"
 #include "kernel_instances.hpp"
+#include "test_kv_cache_common.hpp"
 
 namespace {
 
@@ -349,6 +351,51 @@ TEST_CASE("batched kernels with a near field equal their elements", "[near_field
   }
 }
 
+TEST_CASE("KvCache with a near field equals plsh_attention over the whole sequence",
+          "[near_field][kv_cache]") {
+  // Eight query heads on two key/value heads, steep slopes (eviction within 300 tokens) and the
+  // standard ones; one-token steps (the single-query path, near keys by its general job) and
+  // chunks of up to 64 (the fused kernel over the resident keys).
+  const plsh_test::Sequence<float> sequence(300, 8, 2, 16, 8, 17);
+  const std::vector<std::vector<double>> slope_lists = {
+      {0.5, 0.25, 0.125, 1.0 / 16, 1.0 / 32, 0.3, 0.2, 0.1}, plsh::alibi_slopes(8)};
+  for (std::size_t list = 0; list < slope_lists.size(); ++list) {
+    const std::vector<double>& slopes = slope_lists[list];
+    for (const double near_field : {0.5, 0.05}) {
+      for (const plsh::Sampling sampling :
+           {plsh::Sampling::Independent, plsh::Sampling::LatinHypercube}) {
+        plsh::PlshOptions options = near_options(true, 20, 3, near_field, sampling);
+        options.key_position = 1000;
+        const std::vector<float> expected = plsh_test::whole_sequence(sequence, slopes, options);
+        Index reach = 0;
+        for (const double slope : slopes) {
+          reach = std::max(reach, plsh::detail::near_field_reach(slope, near_field, 1 << 20));
+        }
+        for (const std::vector<Index>& pattern :
+             {std::vector<Index>{1}, std::vector<Index>{1, 7, 64, 3}}) {
+          const plsh_test::DecodeResult result =
+              plsh_test::decode(sequence, slopes, options,
+                                plsh_test::chunk_schedule(sequence.tokens, pattern), expected);
+          // The cache keeps the blocks' keys and the last `reach` positions: max_p (p - min(E(p),
+          // p - reach) + 1) + chunk - 1.
+          const Index bound =
+              std::max(plsh_test::resident_bound(slopes, options, 1000, 1300), reach + 1);
+          const Index largest_chunk = *std::max_element(pattern.begin(), pattern.end());
+          INFO("slope list " << list << ", near_field " << near_field << ", "
+                             << (sampling == plsh::Sampling::Independent ? "independent"
+                                                                         : "latin hypercube")
+                             << ", chunks of " << pattern.front()
+                             << ": max |cache - whole| = " << result.max_difference
+                             << ", max resident " << result.max_resident << ", bound " << bound);
+          CHECK(result.max_difference <= 2e-5);
+          CHECK(result.max_resident <= bound + largest_chunk - 1);
+          if (list == 0) CHECK(result.final_resident < sequence.tokens);
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("near_field arguments are checked", "[near_field][validation]") {
   const Shape shape{16, 16, 2, 2, 4, 4};
   Problem<float> p(shape, 3);
@@ -366,4 +413,6 @@ TEST_CASE("near_field arguments are checked", "[near_field][validation]") {
   CHECK_THROWS_WITH(
       plsh::plsh_attention<float>(p.q.in(), p.k.in(), p.v.in(), p.out.view, slopes, passes),
       Catch::Contains("near_field needs the fused kernel"));
+  CHECK_THROWS_WITH(plsh::KvCache<float>(2, 2, 4, 4, slopes, passes),
+                    Catch::Contains("near_field needs the fused kernel"));
 }

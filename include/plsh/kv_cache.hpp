@@ -12,7 +12,8 @@
 /// evicted. The cache therefore holds at most \f$\max_p (p - E(p) + 1) + c - 1\f$ tokens for
 /// chunks of c tokens: about the largest block pitch of the draws, which for s draws of the
 /// flattest head (slope \f$m_{\min}\f$) is near \f$(\ln s + \ln\ln s)/m_{\min}\f$, whatever the
-/// sequence length.
+/// sequence length. With a near field (PlshOptions::near_field, near_field.hpp) of largest
+/// reach w the cache also keeps the last w positions.
 ///
 /// Parts: decode/kv_buffer.hpp stores the rows (amortised O(1) copies per appended token),
 /// decode/block_tracker.hpp keeps the blocks of the newest position (O(s) per head and token),
@@ -38,6 +39,7 @@
 #include <utility>
 #include <vector>
 
+#include "attention/near_field.hpp"
 #include "attention/plsh_attention.hpp"
 #include "attention/regular.hpp"
 #include "decode/block_tracker.hpp"
@@ -91,8 +93,9 @@ class KvCache {
   /// absolute position of the first appended token, `query_position` is ignored (queries are at
   /// the newest positions); samples, seed and kernel as plsh_attention.
   /// \throws std::invalid_argument for non-positive sizes, H not a multiple of kv_heads, a bad
-  /// slope, `samples` outside [1, kMaxSamples], `causal == false`, a key_position outside
-  /// [0, kMaxPosition], or a scale that is not finite and non-zero in the compute type.
+  /// slope, `samples` outside [1, kMaxSamples], `causal == false`, `near_field` outside [0, 1]
+  /// or non-zero with Kernel::Passes, a key_position outside [0, kMaxPosition], or a scale that
+  /// is not finite and non-zero in the compute type.
   KvCache(Index heads, Index kv_heads, Index dim, Index value_dim, std::vector<double> slopes,
           PlshOptions options = {})
       : heads_(heads),
@@ -103,7 +106,15 @@ class KvCache {
         options_(options),
         blocks_(checked_grids(heads, kv_heads, dim, value_dim, slopes_, options), options.samples,
                 options.key_position),
-        buffer_(kv_heads, dim, value_dim, options.key_position) {}
+        buffer_(kv_heads, dim, value_dim, options.key_position) {
+    if (options.near_field > 0) {
+      for (const double slope : slopes_) {
+        near_.push_back(detail::NearField{
+            slope, detail::near_field_reach(slope, options.near_field, kMaxPosition)});
+        near_reach_ = std::max(near_reach_, near_.back().reach);
+      }
+    }
+  }
 
   /// Appends the keys and values of positions `position() .. position() + k.tokens - 1`, after
   /// evicting the keys that no query at `position()` or later can reach.
@@ -173,7 +184,7 @@ class KvCache {
     // starts on the keys that the step before read last.
     const double work = detail::decode_step(buffer_, blocks_, heads_, options_.samples, q, out,
                                             detail::resolved_scale(attend_options(1), dim_),
-                                            mode.parallel, reverse_heads_, workspace_);
+                                            mode.parallel, reverse_heads_, workspace_, near_);
     reverse_heads_ = !reverse_heads_;
     if (mode.measured) {
       mode_.record(mode, work, std::chrono::duration<double>(Clock::now() - start).count());
@@ -223,6 +234,8 @@ class KvCache {
     detail::require(value_dim >= 1, function, "value_dim must be at least 1");
     detail::validate_slopes(function, slopes, heads, "heads");
     detail::require_samples(options.samples, function, "options.samples");
+    detail::require(options.near_field == 0 || options.kernel == Kernel::Fused, function,
+                    "options.near_field needs the fused kernel (options.kernel)");
     detail::require(options.causal, function,
                     "options.causal must be true (a cache serves causal decoding)");
     detail::require(options.key_position >= 0 && options.key_position <= kMaxPosition, function,
@@ -265,11 +278,14 @@ class KvCache {
     return options;
   }
 
-  /// append after its checks: evicts before \f$E\f$ of the chunk's first position, stores the
-  /// rows, and leaves the tracker at the newest position.
+  /// append after its checks: evicts before \f$E\f$ of the chunk's first position (and, with a
+  /// near field of largest reach w, before that position minus w), stores the rows, and leaves
+  /// the tracker at the newest position.
   void append_checked(const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v) {
     if (k.tokens == 0) return;
-    buffer_.evict_before(blocks_.advance(position()));
+    const Index reachable = blocks_.advance(position());
+    buffer_.evict_before(near_reach_ >= 0 ? std::min(reachable, position() - near_reach_)
+                                          : reachable);
     buffer_.append(k, v);
     last_append_ = k.tokens;
     if (k.tokens > 1) blocks_.advance(position() - 1);
@@ -280,12 +296,13 @@ class KvCache {
     const PlshOptions options = attend_options(q.tokens);
     if (q.tokens <= detail::kDecodeRows) {
       detail::decode_step(buffer_, blocks_, heads_, options_.samples, q, out,
-                          detail::resolved_scale(options, dim_), true, false, workspace_);
+                          detail::resolved_scale(options, dim_), true, false, workspace_, near_);
     } else if (options.kernel == Kernel::Passes) {
       detail::pass_attention(q, keys(), values(), out, blocks_.grids(), options,
                              RegularAttention{});
     } else {
-      detail::fused_attention(q, keys(), values(), out, blocks_.grids(), slopes_, options);
+      detail::fused_attention(q, keys(), values(), out, blocks_.grids(), slopes_, options,
+                              options.near_field);
     }
   }
 
@@ -297,6 +314,8 @@ class KvCache {
   PlshOptions options_;
   detail::BlockTracker blocks_;
   detail::KvBuffer<Scalar> buffer_;
+  std::vector<detail::NearField> near_;  // per head, empty without a near field
+  Index near_reach_ = -1;                // the largest reach of near_
   Index last_append_ = 0;
   bool reverse_heads_ = false;     // the next one-token decode runs its heads last to first
   detail::DecodeModeChoice mode_;  // one-token decode steps on all threads or on the caller's

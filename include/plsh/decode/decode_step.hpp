@@ -49,6 +49,7 @@
 #include <omp.h>
 #endif
 
+#include "../attention/near_field.hpp"
 #include "../attention/online_softmax.hpp"
 #include "../detail/decode_simd.hpp"
 #include "../detail/parallel.hpp"
@@ -138,15 +139,26 @@ void add_log_counts(Scalar* scores, Index count, Index first_position, const Ind
   }
 }
 
-/// The logits of one job, \f$q \cdot k_j + \log c_j\f$ over its keys (q already scaled), into an
-/// online softmax of one row; writes the job's normalised output and log-sum-exp. The general
-/// path: any input, with the non-finite contract of OnlineSoftmax.
+/// The near field of one job (near_field.hpp): its keys from `first` on lie within the reach of
+/// the query at `position`, whose weight is \f$s e^{-m(p - j)}\f$ (`log_samples` = \f$\log s\f$);
+/// `first` past the job's keys: none.
+struct DecodeNear {
+  Index first;
+  Index position;
+  double slope;
+  double log_samples;
+};
+
+/// The logits of one job, \f$q \cdot k_j + \log c_j\f$ over its keys (q already scaled), or
+/// \f$q \cdot k_j + \log s - m(p - j)\f$ for its near keys, into an online softmax of one row;
+/// writes the job's normalised output and log-sum-exp. The general path: any input, with the
+/// non-finite contract of OnlineSoftmax.
 template <class Storage>
 void decode_job_general(const ConstHeadMap<Storage>& keys, const ConstHeadMap<Storage>& values,
                         const Compute<Storage>* query, Index first_position, const Index* begins,
                         Index samples, const std::vector<Compute<Storage>>& log_count,
                         DecodeThreadState<Storage>& state, Compute<Storage>* out,
-                        Compute<Storage>* lse) {
+                        Compute<Storage>* lse, const DecodeNear& near) {
   using Scalar = Compute<Storage>;
   const Index count = keys.rows();
   const ConstHeadMap<Scalar> k = compute_rows(keys, state.keys);
@@ -154,7 +166,12 @@ void decode_job_general(const ConstHeadMap<Storage>& keys, const ConstHeadMap<St
   Eigen::Map<RowMatrix<Scalar>> scores(state.scores, 1, count);
   const Eigen::Map<const RowMatrix<Scalar>> q(query, 1, keys.cols());
   scores.noalias() = q * k.transpose();
-  add_log_counts(scores.data(), count, first_position, begins, samples, log_count);
+  const Index blocked = std::clamp<Index>(near.first - first_position, 0, count);
+  add_log_counts(scores.data(), blocked, first_position, begins, samples, log_count);
+  for (Index j = blocked; j < count; ++j) {
+    const double distance = static_cast<double>(near.position - first_position - j);
+    scores.data()[j] += static_cast<Scalar>(near.log_samples - near.slope * distance);
+  }
   state.softmax.reset(1, values.cols());
   state.softmax.update(scores, v);
   state.softmax.finish(Eigen::Map<RowMatrix<Scalar>>(out, 1, values.cols()), lse);
@@ -165,16 +182,21 @@ void decode_job_general(const ConstHeadMap<Storage>& keys, const ConstHeadMap<St
 /// masked, and with finite inputs the plain arithmetic below is the online softmax of one row.
 /// Any non-finite input that reaches the output leaves a non-finite output or sum, and the job
 /// is then recomputed by decode_job_general. `raw_query` is the query as stored and `scale` its
-/// scale (the bfloat16 product scales its sums).
+/// scale (the bfloat16 product scales its sums). A job with near keys takes decode_job_general.
 template <class Storage>
 void decode_job(const ConstHeadMap<Storage>& keys, const ConstHeadMap<Storage>& values,
                 const Compute<Storage>* query, const Storage* raw_query, Compute<Storage> scale,
                 Index first_position, const Index* begins, Index samples,
                 const std::vector<Compute<Storage>>& log_count, DecodeThreadState<Storage>& state,
-                Compute<Storage>* out, Compute<Storage>* lse) {
+                Compute<Storage>* out, Compute<Storage>* lse, const DecodeNear& near) {
   using Scalar = Compute<Storage>;
   const Index count = keys.rows();
   const Index value_dim = values.cols();
+  if (near.first < first_position + count) {
+    decode_job_general(keys, values, query, first_position, begins, samples, log_count, state, out,
+                       lse, near);
+    return;
+  }
   Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>, Eigen::Aligned64> scores(state.scores,
                                                                                 count);
   constexpr bool simd = kDecodeSimd && std::is_same<Scalar, float>::value;
@@ -224,7 +246,7 @@ void decode_job(const ConstHeadMap<Storage>& keys, const ConstHeadMap<Storage>& 
     if (all_finite(result) && std::isfinite(*lse)) return;
   }
   decode_job_general(keys, values, query, first_position, begins, samples, log_count, state, out,
-                     lse);
+                     lse, near);
 }
 
 /// The threads a step may use: omp_get_max_threads() in OpenMP builds, else 1.
@@ -239,13 +261,14 @@ inline int decode_threads_available() {
 /// One step of the single-query path (file comment): the outputs `out` of the queries `q` at the
 /// newest `q.tokens` positions of `buffer` (1 <= q.tokens <= kDecodeRows), whose newest position
 /// is that of `blocks`. `heads` query heads share each key head in groups of heads / kv_heads;
-/// `scale` multiplies the scores. `split == false` keeps the step on the calling thread. Returns
-/// the step's work (keys, with kDecodeJobKeys per job) when it is worth more than one thread,
-/// else 0.
+/// `scale` multiplies the scores. `split == false` keeps the step on the calling thread. `near`:
+/// the near field of every head (near_field.hpp), or empty for none. Returns the step's work
+/// (keys, with kDecodeJobKeys per job) when it is worth more than one thread, else 0.
 template <class Storage>
 double decode_step(const KvBuffer<Storage>& buffer, const BlockTracker& blocks, Index heads,
                    Index samples, const HeadsView<const Storage>& q, const HeadsView<Storage>& out,
-                   double scale, bool split, bool reverse, DecodeWorkspace<Storage>& workspace) {
+                   double scale, bool split, bool reverse, DecodeWorkspace<Storage>& workspace,
+                   const std::vector<NearField>& near = {}) {
   using Scalar = Compute<Storage>;
   const Index rows = q.tokens;
   const Index dim = q.dim;
@@ -279,6 +302,10 @@ double decode_step(const KvBuffer<Storage>& buffer, const BlockTracker& blocks, 
         }
         std::sort(begins, begins + samples);
         first_begin = begins[0];
+      }
+      if (!near.empty() && near[static_cast<std::size_t>(h)].reach >= 0) {
+        first_begin = std::max(
+            oldest, std::min(first_begin, position - near[static_cast<std::size_t>(h)].reach));
       }
       workspace.first_job[static_cast<std::size_t>(r * heads + h)] =
           static_cast<Index>(workspace.jobs.size());
@@ -336,6 +363,12 @@ double decode_step(const KvBuffer<Storage>& buffer, const BlockTracker& blocks, 
     const Index* begins = job.row == rows - 1
                               ? blocks.sorted_begins(job.head)
                               : &workspace.begins[static_cast<std::size_t>(index * samples)];
+    const Index position = first_query + job.row;
+    DecodeNear job_near{position + 1, position, 0.0, std::log(static_cast<double>(samples))};
+    if (!near.empty() && near[static_cast<std::size_t>(job.head)].reach >= 0) {
+      job_near.first = position - near[static_cast<std::size_t>(job.head)].reach;
+      job_near.slope = near[static_cast<std::size_t>(job.head)].slope;
+    }
     decode_job<Storage>(
         ConstHeadMap<Storage>(buffer.key_row(g, job.begin), count, dim, Eigen::OuterStride<>(dim)),
         ConstHeadMap<Storage>(buffer.value_row(g, job.begin), count, value_dim,
@@ -344,7 +377,7 @@ double decode_step(const KvBuffer<Storage>& buffer, const BlockTracker& blocks, 
         q.data + job.row * q.token_stride + job.head * q.head_stride, static_cast<Scalar>(scale),
         job.begin, begins, samples, workspace.log_count, state,
         &workspace.partial[static_cast<std::size_t>(j * value_dim)],
-        &workspace.lse[static_cast<std::size_t>(j)]);
+        &workspace.lse[static_cast<std::size_t>(j)], job_near);
   };
   // The log-sum-exp merge of the jobs of (row r, head h), in job order, into its output row.
   const auto merge = [&](Index r, Index h, OutputRows<Storage>& output) {
