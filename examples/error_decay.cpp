@@ -80,10 +80,10 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 const std::vector<plsh::Index> kFigureSamples = {1, 3, 10, 30, 100, 300, 1000};
 
 /// Lanczos settings of the figures: the norm to six significant digits (tolerance 1e-6), plenty
-/// for a log-log plot, with a basis of 30 and up to 1000 restarts. A mean of few masks has
-/// clusters of nearly equal top eigenvalues (blocks of equal size), which take thousands of
-/// products; a point that still does not converge keeps the largest Ritz value (a lower bound of
-/// the norm), flagged "converged": false.
+/// for a log-log plot, convergence tested every 30 steps, at most 30,000 steps. A mean of few
+/// masks has clusters of nearly equal top eigenvalues (blocks of equal size), which take
+/// thousands of products; a point that still does not converge keeps the largest Ritz value (a
+/// lower bound of the norm), flagged "converged": false.
 plsh::LanczosOptions figure_lanczos() {
   plsh::LanczosOptions options;
   options.basis_size = 30;

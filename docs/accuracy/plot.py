@@ -112,9 +112,10 @@ def masks(directory, lines):
     lines.append(f"\nSlowest figure point: n = {slowest['n']}, s = {slowest['s']}, "
                  f"{slowest['spectral_seconds']:.1f} s (spectral).")
     unconverged = [p for p in points if not p["converged"]]
+    where = (f" ({', '.join(sorted({'s = %d' % p['s'] for p in unconverged}))})"
+             if unconverged else "")
     lines.append(f"Figure points where Lanczos stopped before its tolerance (value: largest Ritz "
-                 f"value, a lower bound): {len(unconverged)} of {len(points)} "
-                 f"({', '.join(sorted({'s = %d' % p['s'] for p in unconverged}))}).\n")
+                 f"value, a lower bound): {len(unconverged)} of {len(points)}{where}.\n")
 
 
 def attention(directory, lines):

@@ -4,9 +4,9 @@
 #
 #   docs/accuracy/regenerate.sh [masks|attention|plot|all]   (default: all)
 #
-# masks:     error_decay --masks with n * s <= 10^7 (matrix-free norms for n = 10^3 .. 10^6), the
-#            row n = 10^6 with n * s <= 10^8 (s <= 100), then
-#            error_decay --time at n = 10^6, s = 100 (the timings); tens of minutes on one core
+# masks:     error_decay --masks, one row of n at a time: n = 10^3, 10^4, 10^5 with n * s <= 10^7
+#            (merged into masks.json), the row n = 10^6 with n * s <= 10^8 (s <= 100), then
+#            error_decay --time at n = 10^6, s = 100 (the timings); about half an hour on one core
 # attention: trains the miniature model of examples/python/lm.py (ALiBi variant, seed 1, the
 #            script's default 2000 steps) unless build/accuracy/alibi-s1.pt exists, dumps its q, k
 #            on the first 2048 bytes of the validation text (examples/python/qk_dump.py), then
@@ -14,14 +14,15 @@
 # plot:      docs/accuracy/plot.py (matplotlib: python3-matplotlib), then bench/report.py (the
 #            tables of docs/accuracy.md)
 #
-# Environment: PLSH_JOBS (build jobs, default 2), PLSH_PYTHON (default /usr/bin/python3).
+# Environment: PLSH_JOBS (build jobs, default 2), PLSH_PYTHON (default /usr/bin/python3),
+# PLSH_BUILD_DIR (the Release build of error_decay, default build/release).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 what=${1:-all}
 jobs=${PLSH_JOBS:-2}
 python=${PLSH_PYTHON:-/usr/bin/python3}
-build=build/release
+build=${PLSH_BUILD_DIR:-build/release}
 work=build/accuracy
 out=docs/accuracy
 mkdir -p "${work}"
@@ -35,7 +36,20 @@ build_error_decay() {
 
 masks() {
   build_error_decay
-  "${build}/examples/error_decay" --masks "${out}/masks.json" 1e7 | tee "${work}/masks.log"
+  # n = 10^3, 10^4, 10^5 with n * s <= 10^7, one row at a time, into masks.json.
+  local rows=()
+  for n in 1000 10000 100000; do
+    "${build}/examples/error_decay" --masks "${work}/masks-row-${n}.json" 1e7 "${n}"
+    rows+=("${work}/masks-row-${n}.json")
+  done | tee "${work}/masks.log"
+  "${python}" - "${out}/masks.json" "${work}"/masks-row-{1000,10000,100000}.json <<'PY'
+import json, sys
+points = [p for path in sys.argv[2:] for p in json.load(open(path))["points"]]
+with open(sys.argv[1], "w") as out:
+    out.write('{"budget_n_times_s": 1e+07, "points": [\n')
+    out.write(",\n".join(json.dumps(p) for p in points))
+    out.write("\n]}\n")
+PY
   # The row n = 10^6 up to s = 100 (n * s <= 10^8): plot.py reads it beside masks.json.
   "${build}/examples/error_decay" --masks "${out}/masks-1e6.json" 1e8 1000000 |
     tee "${work}/masks-1e6.log"

@@ -14,8 +14,13 @@
 ///   s draws split the row into segments of constant \f$c_{ij}\f$ (draws in which i and j share a
 ///   block); on each side of the diagonal \f$K_{ij}\f$ is monotone in j, so the largest
 ///   \f$|c_{ij}/s - K_{ij}|\f$ of a segment is at one of its ends.
-/// - \f$\|E\|_2\f$, the largest \f$|\lambda|\f$ of the symmetric E, by Spectra's Lanczos solver
-///   (SymEigsSolver) for the largest eigenvalue of \f$E^2\f$, over products \f$Ex\f$. Spectra is
+/// - \f$\|E\|_2\f$, the largest \f$|\lambda|\f$ of the symmetric E, by Lanczos on E without
+///   reorthogonalisation: one product \f$Ex\f$ and O(n) work per step, three vectors of n
+///   entries, both ends of the spectrum from one Krylov space, the extreme Ritz values of the
+///   tridiagonal \f$T_j\f$ by bisection in O(j). Unrestarted, it keeps the whole Krylov space,
+///   which a clustered top of the spectrum (many nearly equal \f$|\lambda|\f$ of a long mask)
+///   needs; a restarted basis loses it at every restart. The norms of non-symmetric operators
+///   (largest_singular_value) use Spectra's SymEigsSolver on \f$E^\top E\f$. Spectra is
 ///   optional: the spectral norms are compiled when its header `<Spectra/SymEigsSolver.h>` is found
 ///   and `PLSH_NO_SPECTRA` is not defined; `PLSH_HAS_SPECTRA` is then defined to 1. The solver's
 ///   outcome is a status (SpectralNorm): whether it converged, and whether every product was finite
@@ -23,11 +28,12 @@
 ///
 /// Every public function checks its arguments, sizes included, before it allocates: n lies in
 /// [1, kMaxPosition] (so an O(n) vector of doubles, 8(n + 1) bytes, is representable in Index and
-/// std::size_t), and a buffer not bounded by that, the solver's dense matrix or Lanczos basis, by
-/// detail::doubles_fit; std::invalid_argument otherwise.
+/// std::size_t), and a buffer not bounded by that, the solver's dense matrix or Spectra's Lanczos
+/// basis, by detail::doubles_fit; std::invalid_argument otherwise.
 ///
-/// Tested in tests/test_error_norms.cpp against the dense mask_error (metrics.hpp) and dense
-/// masks of partitions of offset positions (partition.hpp), for n <= 2000.
+/// Tested in tests/test_error_norms.cpp against the dense mask_error (metrics.hpp), dense masks of
+/// partitions of offset positions (partition.hpp) and Eigen's dense eigensolver, for n <= 2000,
+/// and for convergence on a clustered spectrum at n = 2 10^4.
 
 #include <Eigen/Core>
 #include <Eigen/Eigenvalues>
@@ -291,21 +297,25 @@ inline double mask_max_error(Index n, double slope, const std::vector<Grid>& gri
 
 #ifdef PLSH_HAS_SPECTRA
 
-/// Settings of the Lanczos solver (Spectra::SymEigsSolver) behind the spectral norms.
+/// Settings of the Lanczos solvers behind the spectral norms.
 ///
-/// Every spectral norm is the square root of the largest eigenvalue \f$\theta\f$ of a symmetric
-/// positive semidefinite square: \f$E^2\f$ for a symmetric E, \f$E^\top E\f$ or \f$EE^\top\f$
-/// otherwise. `tolerance` is the relative accuracy of the norm: the solver stops when the Ritz
-/// pair \f$(\theta, v)\f$ of the square has the residual \f$\|E^2 v - \theta v\| \le
-/// 2\,\mathrm{tolerance}\,\theta\f$ (Spectra's criterion with tol = 2 tolerance), so an
-/// eigenvalue of the square lies within \f$2\,\mathrm{tolerance}\,\theta\f$ of \f$\theta\f$ and a
-/// singular value of E within \f$\mathrm{tolerance}\sqrt\theta\f$ of \f$\sqrt\theta\f$ (to first
-/// order). As for any Krylov method, that it is the largest one is what the Krylov space saw.
+/// `tolerance` is the relative accuracy of the norm. For a symmetric E (symmetric_spectral_norm,
+/// mask_spectral_error) the solver stops when the Ritz pair \f$(\theta, v)\f$ of largest
+/// \f$|\theta|\f$ has the residual \f$\|Ev - \theta v\| \le \mathrm{tolerance}\,|\theta|\f$, so
+/// an eigenvalue of E lies within tolerance \f$|\theta|\f$ of \f$\theta\f$. For any other E
+/// (largest_singular_value) the norm is the square root of the largest eigenvalue \f$\theta\f$ of
+/// \f$E^\top E\f$ or \f$EE^\top\f$, and Spectra's SymEigsSolver stops at the residual
+/// \f$2\,\mathrm{tolerance}\,\theta\f$ of that square (tol = 2 tolerance), which puts a singular
+/// value within \f$\mathrm{tolerance}\sqrt\theta\f$ of \f$\sqrt\theta\f$ (to first order). As for
+/// any Krylov method, that it is the largest one is what the Krylov space saw.
 struct LanczosOptions {
-  Index basis_size = 20;      ///< Lanczos basis (Spectra's ncv), at most n; memory n x basis.
-  Index max_restarts = 1000;  ///< Spectra's maxit.
-  double tolerance = 1e-10;   ///< relative accuracy of the norm (see above).
-  Index dense_below = 32;     ///< an operator with fewer rows is formed and solved densely.
+  /// Symmetric E: Lanczos steps between two convergence tests (three vectors of n entries
+  /// whatever it is). Otherwise: Spectra's basis (ncv), at most n; memory n x basis.
+  Index basis_size = 20;
+  /// Symmetric E: at most basis_size x max_restarts Lanczos steps. Otherwise: Spectra's maxit.
+  Index max_restarts = 1000;
+  double tolerance = 1e-10;  ///< relative accuracy of the norm (see above).
+  Index dense_below = 32;    ///< an operator with fewer rows is formed and solved densely.
 };
 
 /// A spectral norm and how the solver reached it (a status, not an exception, as in Spectra).
@@ -340,15 +350,17 @@ inline void require_lanczos(const LanczosOptions& options, const char* function)
   require(options.tolerance > 0, function, "options.tolerance must be positive");
 }
 
-/// The largest buffer of symmetric_spectral_norm for an operator of n >= 0 rows must fit
-/// (doubles_fit): the dense n x n matrix below `options.dense_below` rows (and below 3), the
-/// Lanczos basis of n x min(basis_size, n) doubles otherwise.
-inline void require_lanczos_size(Index n, const LanczosOptions& options, const char* function) {
+/// The largest buffer of a spectral norm of an operator of n >= 0 rows (the smaller side of a
+/// non-symmetric one) must fit (doubles_fit): the dense n x n matrix below `options.dense_below`
+/// rows (and below 3); otherwise, unless `symmetric` (three vectors of n doubles), Spectra's
+/// Lanczos basis of n x min(basis_size, n) doubles.
+inline void require_lanczos_size(Index n, const LanczosOptions& options, const char* function,
+                                 bool symmetric = false) {
   if (n < std::max<Index>(options.dense_below, 3)) {
     require(doubles_fit(n, n), function,
             "an operator of fewer than options.dense_below rows is formed densely, and this n x n "
             "matrix of doubles cannot be sized: lower options.dense_below");
-  } else {
+  } else if (!symmetric) {
     require(doubles_fit(n, std::min(options.basis_size, n)), function,
             "the Lanczos basis, n x options.basis_size doubles, cannot be sized: lower "
             "options.basis_size");
@@ -381,23 +393,223 @@ class CheckedProducts {
   mutable Index products_ = 0;
 };
 
-/// \f$E^2\f$ of a symmetric operator E with Spectra's interface: two products of E per product.
-template <class SymmetricOperator>
-class SquareOperator {
+/// The extreme eigenvalues of a symmetric tridiagonal matrix T (diagonal `alpha`, off-diagonal
+/// `beta`, `beta.size() + 1 == alpha.size()`) and the last entries of their unit eigenvectors:
+/// bisection on Sturm counts, then inverse iteration with a pivoted LU (LAPACK's dgttrf). O(j)
+/// per eigenvalue for j rows, so that a Lanczos run can test convergence often.
+class TridiagonalExtremes {
  public:
-  using Scalar = double;
-  explicit SquareOperator(const SymmetricOperator& op) : op_(&op), middle_(op.rows()) {}
-  Index rows() const { return op_->rows(); }
-  Index cols() const { return op_->cols(); }
-  void perform_op(const double* x_in, double* y_out) const {
-    op_->perform_op(x_in, middle_.data());
-    op_->perform_op(middle_.data(), y_out);
+  struct Pair {
+    double value = 0;  ///< the eigenvalue
+    double last = 0;   ///< the last entry of its unit eigenvector
+  };
+
+  TridiagonalExtremes(const std::vector<double>& alpha, const std::vector<double>& beta)
+      : alpha_(alpha), beta_(beta) {
+    // Scaled to a largest row sum of 1, so that beta^2 neither overflows nor underflows.
+    double scale = 0;
+    const std::size_t j = alpha_.size();
+    for (std::size_t i = 0; i < j; ++i) {
+      const double row = std::abs(alpha_[i]) + (i > 0 ? std::abs(beta_[i - 1]) : 0) +
+                         (i + 1 < j ? std::abs(beta_[i]) : 0);
+      scale = std::max(scale, row);
+    }
+    scale_ = scale > 0 ? scale : 1;
+    for (double& a : alpha_) a /= scale_;
+    for (double& b : beta_) b /= scale_;
   }
 
+  Pair largest() const { return pair(extreme(true)); }
+  Pair smallest() const { return pair(extreme(false)); }
+
  private:
-  const SymmetricOperator* op_;
-  mutable Eigen::VectorXd middle_;
+  static constexpr double kEpsilon = std::numeric_limits<double>::epsilon();
+
+  /// The number of eigenvalues below x (Sylvester's law of inertia on the LDL^T of T - x I).
+  std::size_t eigenvalues_below(double x) const {
+    std::size_t count = 0;
+    double pivot = 1;
+    for (std::size_t i = 0; i < alpha_.size(); ++i) {
+      pivot = alpha_[i] - x - (i > 0 ? beta_[i - 1] * beta_[i - 1] / pivot : 0);
+      if (pivot == 0) pivot = -kEpsilon * kEpsilon;
+      if (pivot < 0) ++count;
+    }
+    return count;
+  }
+
+  /// The largest (`top`) or smallest eigenvalue of the scaled T, by bisection inside [-1, 1]
+  /// (Gershgorin) to the last bits.
+  double extreme(bool top) const {
+    const std::size_t j = alpha_.size();
+    if (j == 1) return alpha_[0];
+    double low = -1 - 2 * kEpsilon, high = 1 + 2 * kEpsilon;
+    for (int iteration = 0; iteration < 128; ++iteration) {
+      const double middle = 0.5 * (low + high);
+      if (middle <= low || middle >= high) break;
+      const std::size_t below = eigenvalues_below(middle);
+      if (top ? below == j : below >= 1) {
+        high = middle;
+      } else {
+        low = middle;
+      }
+    }
+    return 0.5 * (low + high);
+  }
+
+  /// The eigenvalue `value` of the scaled T with the last entry of its unit eigenvector, from
+  /// three steps of inverse iteration.
+  Pair pair(double value) const {
+    const std::size_t j = alpha_.size();
+    Pair result{value * scale_, 1};
+    if (j == 1) return result;
+    // LU of T - value I with partial pivoting: L has `lower` below its unit diagonal, U has the
+    // diagonal `diagonal` and two superdiagonals `upper`, `upper2`.
+    std::vector<double> diagonal(j), lower(beta_), upper(beta_), upper2(j, 0.0);
+    std::vector<char> swapped(j, 0);
+    for (std::size_t i = 0; i < j; ++i) diagonal[i] = alpha_[i] - value;
+    const double tiny = kEpsilon * kEpsilon;
+    for (std::size_t i = 0; i + 1 < j; ++i) {
+      if (std::abs(diagonal[i]) >= std::abs(lower[i])) {
+        if (diagonal[i] == 0) diagonal[i] = tiny;
+        const double factor = lower[i] / diagonal[i];
+        lower[i] = factor;
+        diagonal[i + 1] -= factor * upper[i];
+      } else {
+        const double factor = diagonal[i] / lower[i];
+        diagonal[i] = lower[i];
+        lower[i] = factor;
+        const double kept = upper[i];
+        upper[i] = diagonal[i + 1];
+        diagonal[i + 1] = kept - factor * diagonal[i + 1];
+        if (i + 2 < j) {
+          upper2[i] = upper[i + 1];
+          upper[i + 1] = -factor * upper[i + 1];
+        }
+        swapped[i] = 1;
+      }
+    }
+    if (diagonal[j - 1] == 0) diagonal[j - 1] = tiny;
+    std::vector<double> x(j, 1.0);
+    for (int iteration = 0; iteration < 3; ++iteration) {
+      for (std::size_t i = 0; i + 1 < j; ++i) {
+        if (swapped[i]) {
+          const double kept = x[i];
+          x[i] = x[i + 1];
+          x[i + 1] = kept - lower[i] * x[i];
+        } else {
+          x[i + 1] -= lower[i] * x[i];
+        }
+      }
+      for (std::size_t i = j; i-- > 0;) {
+        double sum = x[i];
+        if (i + 1 < j) sum -= upper[i] * x[i + 1];
+        if (i + 2 < j) sum -= upper2[i] * x[i + 2];
+        x[i] = sum / diagonal[i];
+      }
+      double largest = 0;
+      for (const double entry : x) largest = std::max(largest, std::abs(entry));
+      if (!(largest > 0) || !std::isfinite(largest)) break;
+      double norm = 0;
+      for (double& entry : x) {
+        entry /= largest;
+        norm += entry * entry;
+      }
+      norm = std::sqrt(norm);
+      for (double& entry : x) entry /= norm;
+    }
+    result.last = x[j - 1];
+    return result;
+  }
+
+  std::vector<double> alpha_, beta_;
+  double scale_ = 1;
 };
+
+/// The Ritz values at the ends of a Lanczos run and their residual norms.
+struct LanczosEnds {
+  double largest = 0, smallest = 0;                    ///< extreme Ritz values
+  double largest_residual = 0, smallest_residual = 0;  ///< \f$\|Ey - \theta y\|\f$ of each
+};
+
+/// Lanczos without reorthogonalisation (three vectors of n entries) on a symmetric operator,
+/// from the unit vector `start`, for at most `options.basis_size * options.max_restarts` steps,
+/// the ends of \f$T_j\f$ tested every `options.basis_size` steps by `done(ends)`. The residual of
+/// a Ritz pair \f$(\theta, Vu)\f$ of \f$T_j\f$ is \f$\beta_j |u_j|\f$ (Paige: it stays a bound, to
+/// rounding, when the Lanczos vectors lose orthogonality, which only repeats converged Ritz
+/// values). Returns the last ends tested and whether `done` accepted them.
+template <class SymmetricOperator, class Done>
+std::pair<LanczosEnds, bool> lanczos_ends(const SymmetricOperator& op, Eigen::VectorXd start,
+                                          const LanczosOptions& options, Done&& done) {
+  const Index n = op.rows();
+  Eigen::VectorXd previous = Eigen::VectorXd::Zero(n), current = std::move(start), next(n);
+  std::vector<double> alpha, beta;
+  const Index most = options.max_restarts > std::numeric_limits<Index>::max() / options.basis_size
+                         ? std::numeric_limits<Index>::max()
+                         : options.basis_size * options.max_restarts;
+  LanczosEnds ends;
+  double previous_beta = 0, size = 0;
+  for (Index step = 1; step <= most; ++step) {
+    op.perform_op(current.data(), next.data());
+    double a = next.dot(current);
+    next -= a * current + previous_beta * previous;
+    const double correction = next.dot(current);  // one local reorthogonalisation
+    next -= correction * current;
+    a += correction;
+    const double b = next.norm();
+    alpha.push_back(a);
+    // An invariant subspace (b at rounding level of the largest row of T_j so far): T_j holds
+    // exact eigenvalues of the operator.
+    size = std::max(size, std::abs(a) + previous_beta + b);
+    const bool invariant = !(b > 8 * std::numeric_limits<double>::epsilon() * size);
+    if (step % options.basis_size == 0 || step == most || invariant) {
+      const TridiagonalExtremes extremes(alpha, beta);
+      const TridiagonalExtremes::Pair top = extremes.largest(), bottom = extremes.smallest();
+      const double residual = invariant ? 0 : b;
+      ends = LanczosEnds{top.value, bottom.value, residual * std::abs(top.last),
+                         residual * std::abs(bottom.last)};
+      if (invariant || done(ends)) return {ends, true};
+    }
+    beta.push_back(b);
+    previous.swap(current);
+    current = next / b;
+    previous_beta = b;
+  }
+  return {ends, false};
+}
+
+/// The start vector of every Lanczos run: entries uniform in (-1/2, 1/2) from plsh's own
+/// generator, normalised.
+inline Eigen::VectorXd lanczos_start(Index n) {
+  Eigen::VectorXd start(n);
+  for (Index i = 0; i < n; ++i) start[i] = open_unit(mix64(static_cast<std::uint64_t>(i))) - 0.5;
+  start.normalize();
+  return start;
+}
+
+/// The largest \f$|\lambda|\f$ of a symmetric operator E of n >= 3 rows by lanczos_ends on E
+/// itself, one product per step, both ends of the spectrum in one Krylov space. Converged when
+/// the Ritz value \f$\theta\f$ of larger magnitude has a residual at most tolerance
+/// \f$|\theta|\f$ (an eigenvalue lies within tolerance \f$|\theta|\f$ of it), and the other
+/// end either as well or with \f$|\theta'| + \|r'\| \le |\theta|\f$. `products` is left 0.
+template <class SymmetricOperator>
+SpectralNorm largest_magnitude_by_lanczos(const SymmetricOperator& op,
+                                          const LanczosOptions& options) {
+  const double tolerance = options.tolerance;
+  const auto [ends, converged] =
+      lanczos_ends(op, lanczos_start(op.rows()), options, [&](const LanczosEnds& ends) {
+        const bool top = std::abs(ends.largest) >= std::abs(ends.smallest);
+        const double value = std::abs(top ? ends.largest : ends.smallest);
+        const double residual = top ? ends.largest_residual : ends.smallest_residual;
+        const double other = std::abs(top ? ends.smallest : ends.largest);
+        const double other_residual = top ? ends.smallest_residual : ends.largest_residual;
+        return residual <= tolerance * value &&
+               (other_residual <= tolerance * value || other + other_residual <= value);
+      });
+  SpectralNorm result;
+  result.value = std::max(std::abs(ends.largest), std::abs(ends.smallest));
+  result.converged = converged;
+  return result;
+}
 
 /// `op` divided by a positive number, with Spectra's interface.
 template <class SymmetricOperator>
@@ -429,9 +641,8 @@ template <class SemidefiniteOperator>
 SpectralNorm square_root_of_largest_eigenvalue(SemidefiniteOperator& op,
                                                const LanczosOptions& options) {
   const Index n = op.rows();
-  Eigen::VectorXd start(n), image(n);
-  for (Index i = 0; i < n; ++i) start[i] = open_unit(mix64(static_cast<std::uint64_t>(i))) - 0.5;
-  start.normalize();
+  const Eigen::VectorXd start = lanczos_start(n);
+  Eigen::VectorXd image(n);
   op.perform_op(start.data(), image.data());
   const double divisor = image.norm();
   if (divisor == 0) return SpectralNorm{0, true, 0, true};
@@ -450,7 +661,8 @@ SpectralNorm square_root_of_largest_eigenvalue(SemidefiniteOperator& op,
 /// The spectral norm of `op` (rows() >= 1, options checked): with `symmetric`, op is E and the
 /// norm is its largest \f$|\lambda|\f$; otherwise op is a Gram operator \f$E^\top E\f$ and the
 /// norm the square root of its largest eigenvalue. Dense below `options.dense_below` rows (the
-/// operator applied to the unit vectors), Lanczos on \f$E^2\f$ or on the Gram operator otherwise.
+/// operator applied to the unit vectors); otherwise Lanczos on E (largest_magnitude_by_lanczos) or
+/// Spectra's on the Gram operator (square_root_of_largest_eigenvalue).
 /// `products` counts the products of `op`. Throws NonFiniteProduct from `op`.
 template <class SymmetricOperator>
 SpectralNorm spectral_norm_of_checked(CheckedProducts<SymmetricOperator>& op, bool symmetric,
@@ -470,8 +682,7 @@ SpectralNorm spectral_norm_of_checked(CheckedProducts<SymmetricOperator>& op, bo
                              : std::sqrt(std::max(solver.eigenvalues().maxCoeff(), 0.0));
     result.converged = true;
   } else if (symmetric) {
-    SquareOperator<CheckedProducts<SymmetricOperator>> square(op);
-    result = square_root_of_largest_eigenvalue(square, options);
+    result = largest_magnitude_by_lanczos(op, options);
   } else {
     result = square_root_of_largest_eigenvalue(op, options);
   }
@@ -495,27 +706,26 @@ SpectralNorm spectral_norm_or_nan(SymmetricOperator op, bool symmetric,
 }  // namespace detail
 
 /// The largest \f$|\lambda|\f$ of a symmetric operator E with Spectra's interface (`Scalar` =
-/// double, `rows()`, `perform_op(const double*, double*) const`): the square root of the largest
-/// eigenvalue of \f$E^2\f$, by Lanczos (SortRule::LargestAlge, one eigenvalue) over two products
-/// of E per step; `tolerance` is the relative accuracy of the norm (LanczosOptions). The top of
-/// E's spectrum at \f$+\|E\|\f$ and at \f$-\|E\|\f$ is one end of \f$E^2\f$'s, where Lanczos for
-/// the largest magnitude of E restarts with filters that must favour both ends at once; and the
-/// relative gaps at that end double. Below `options.dense_below` rows the operator is applied to
-/// the unit vectors and the dense matrix solved exactly (Spectra needs n > 2). The operator is
-/// taken by value (Spectra keeps a reference to a mutable one).
+/// double, `rows()`, `perform_op(const double*, double*) const`): the larger magnitude of the two
+/// extreme eigenvalues, by unrestarted Lanczos on E without reorthogonalisation
+/// (detail::largest_magnitude_by_lanczos), one product of E per step, convergence tested every
+/// `options.basis_size` steps; `tolerance` is the relative accuracy of the norm (LanczosOptions).
+/// Memory: three vectors of n entries and \f$T_j\f$. Below `options.dense_below` rows (and below
+/// 3) the operator is applied to the unit vectors and the dense matrix solved exactly. When not
+/// converged, the value is the largest \f$|\theta|\f$ of the Ritz values, a lower bound of the
+/// norm.
 ///
 /// Every product is checked (O(n) each): the first with a NaN or an infinite entry stops the
-/// solver, and the result is `{NaN, converged = false, products, finite = false}`. No exception
-/// of Spectra's escapes for non-finite data.
+/// solver, and the result is `{NaN, converged = false, products, finite = false}`.
 /// \throws std::invalid_argument for invalid options, an operator with no rows or not square, or
-/// a dense matrix or Lanczos basis that cannot be sized (detail::require_lanczos_size).
+/// a dense matrix that cannot be sized (detail::require_lanczos_size).
 template <class SymmetricOperator>
 SpectralNorm symmetric_spectral_norm(SymmetricOperator op, const LanczosOptions& options = {}) {
   const char* function = "symmetric_spectral_norm";
   detail::require_lanczos(options, function);
   const Index n = op.rows();
   detail::require(n >= 1 && op.cols() == n, function, "the operator must be square and non-empty");
-  detail::require_lanczos_size(n, options, function);
+  detail::require_lanczos_size(n, options, function, true);
   return detail::spectral_norm_or_nan(std::move(op), true, options);
 }
 
@@ -573,12 +783,12 @@ SpectralNorm largest_singular_value(const Operator& op, const LanczosOptions& op
 }
 
 /// \f$\|\hat K - K\|_2\f$ on positions `[first, first + n)`: symmetric_spectral_norm over
-/// MaskErrorOperator (Lanczos on \f$E^2\f$, two products per step), O(n s) per product,
-/// O(n x basis_size) memory. Equals mask_error(n, slope, grids).spectral for first = 0 to the
-/// Lanczos tolerance.
+/// MaskErrorOperator (unrestarted Lanczos on E, one product per step), O(n + blocks) per product,
+/// O(n + blocks) memory. Equals mask_error(n, slope, grids).spectral for first = 0 to the Lanczos
+/// tolerance.
 /// \throws std::invalid_argument as MaskErrorOperator, for invalid options, and for a dense
-/// matrix or Lanczos basis that cannot be sized (the message names mask_spectral_error); all
-/// before anything is allocated.
+/// matrix that cannot be sized (the message names mask_spectral_error); all before anything is
+/// allocated.
 /// \tparam Tag unused: the solver is compiled only where mask_spectral_error is called
 /// (detail::Deferred).
 template <class Tag = void>
@@ -587,7 +797,7 @@ SpectralNorm mask_spectral_error(Index n, double slope, const std::vector<Grid>&
   const char* function = "mask_spectral_error";
   detail::validate_mask_error_operator(n, slope, grids, first, function);
   detail::require_lanczos(options, function);
-  detail::require_lanczos_size(n, options, function);
+  detail::require_lanczos_size(n, options, function, true);
   return symmetric_spectral_norm(detail::Deferred<MaskErrorOperator, Tag>(n, slope, grids, first),
                                  options);
 }
