@@ -48,7 +48,7 @@ def plsh_config(samples, sampling="independent", length=128, samples_final=0, ne
         args += ["--near-field", f"{near:g}"]
     label = (f"Positional LSH s={samples}" + (f"→{samples_final}" if samples_final else "")
              + (", Latin hypercube" if sampling == "latin_hypercube" else "")
-             + (f", exact where the factor ≥ {near:g} (dense prototype)" if near else ""))
+             + (f", exact where the factor ≥ {near:g}" if near else ""))
     return name, args + length_args(length), label
 
 
@@ -77,14 +77,15 @@ CONFIGS = [
     (plsh_config(20, "latin_hypercube"), (1, 2)),
     (plsh_config(100, "latin_hypercube"), (1, 2, 3)),
     (plsh_config(5, samples_final=100), (1, 2)),
-    (plsh_config(20, near=0.05), (1, 2)),
-    (plsh_config(20, "latin_hypercube", near=0.05), (1, 2)),
-    (plsh_config(20, near=0.5), (1, 2)),
     (plsh_config(100, "latin_hypercube", near=0.05), (1, 2)),
+    (plsh_config(100, "latin_hypercube", length=512, near=0.05), (1, 2)),
+    (plsh_config(20, "latin_hypercube", near=0.05), (1, 2)),
+    (plsh_config(20, near=0.05), (1, 2)),
+    (plsh_config(20, near=0.5), (1, 2)),
     (baseline("alibi", "exact ALiBi", length=512), (1, 2)),
     (plsh_config(100, length=512), (1, 2)),
     (plsh_config(100, "latin_hypercube", length=512), (1, 2)),
-    (plsh_config(20, length=512), (1,)),
+    (plsh_config(20, length=512), (1, 2)),
 ]
 LABELS = {name: label for (name, _, label), _ in CONFIGS}
 LABELS["plsh"] = "Positional LSH"  # evaluation method names in the result files
@@ -394,7 +395,8 @@ def write_curves(records, path):
 def quick(extra, jobs, env):
     start = time.time()
     configs = [baseline(v, v) for v in ("none", "alibi", "fixed")]
-    configs += [plsh_config(20), plsh_config(5, "latin_hypercube", samples_final=20)]
+    configs += [plsh_config(20), plsh_config(5, "latin_hypercube", samples_final=20),
+                plsh_config(20, "latin_hypercube", near=0.05)]
     with tempfile.TemporaryDirectory() as tmp:
         run_all([(name, 1, arguments) for name, arguments, _ in configs], tmp, QUICK + extra,
                 jobs, env)

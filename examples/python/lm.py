@@ -132,55 +132,6 @@ def dense_alibi_attention_torch(q, k, v, slopes):
     return out.transpose(1, 2)
 
 
-def dense_log_factor(grids, slopes, tokens, samples, near_factor):
-    """log F [H, T, T] of Positional LSH on positions 0..T-1: the mean block mask c/s of `grids`
-    (plsh.kernel_grids), with the exact ALiBi factor where it is at least `near_factor` (the near
-    field |i - j| <= ln(1/near_factor)/m_h; 0: none). E[F] = exp(-m|i - j|) either way."""
-    pos = torch.arange(tokens, dtype=torch.float64)
-    distance = (pos[:, None] - pos[None, :]).abs()
-    heads = []
-    for h, slope in enumerate(slopes):
-        count = torch.zeros(tokens, tokens, dtype=torch.float64)
-        for grid in grids[h][:samples]:
-            if math.isinf(grid.pitch):
-                count += 1
-            elif grid.pitch <= 1:
-                count += torch.eye(tokens, dtype=torch.float64)
-            else:
-                bins = torch.floor((pos - grid.shift) / grid.pitch)
-                count += (bins[:, None] == bins[None, :]).double()
-        log_factor = torch.log(count / samples)
-        if near_factor > 0 and slope > 0:
-            near = distance <= math.log(1 / near_factor) / slope
-            log_factor = torch.where(near, -slope * distance, log_factor)
-        heads.append(log_factor)
-    return torch.stack(heads)
-
-
-class DenseNearField(nn.Module):
-    """Positional LSH with the exact factor in the near field, dense in PyTorch (a prototype of
-    the estimator for the training study, O(T^2) per head): fresh partitions at every training
-    forward (seed + t), fixed ones (seed) in eval mode, as plsh.torch.AlibiAttention."""
-
-    def __init__(self, slopes, samples, seed, sampling, near_factor):
-        super().__init__()
-        self.slopes, self.samples, self.seed = slopes, samples, seed
-        self.sampling, self.near_factor = sampling, near_factor
-        self.training_forwards = 0
-
-    def forward(self, q, k, v):
-        import plsh
-
-        seed = self.seed + self.training_forwards if self.training else self.seed
-        if self.training:
-            self.training_forwards += 1
-        grids = plsh.kernel_grids(self.slopes, self.samples, seed, sampling=self.sampling)
-        bias = dense_log_factor(grids, self.slopes, q.shape[1], self.samples,
-                                self.near_factor).to(q.dtype)
-        out = _dense_causal(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bias)
-        return out.transpose(1, 2)
-
-
 def fixed_block_has_backward(pt):
     """Whether plsh.torch.fixed_block_attention exists and is differentiable."""
     if not hasattr(pt, "fixed_block_attention"):
@@ -216,11 +167,9 @@ class Attention(nn.Module):
             # Seeds of different layers are far apart: training forward t of layer l uses
             # seed base + t, and these ranges never overlap.
             base = (run_seed * 64 + layer) * 10_000_000
-            if near_factor > 0:
-                self.plsh_module = DenseNearField(self.slopes, samples, base, sampling, near_factor)
-            else:
-                self.plsh_module = pt.AlibiAttention(heads, method="plsh", samples=samples,
-                                                     seed=base, sampling=sampling)
+            self.plsh_module = pt.AlibiAttention(heads, method="plsh", samples=samples,
+                                                 seed=base, sampling=sampling,
+                                                 near_field=near_factor)
             if fixed_block_has_backward(pt):
                 self.fixed_impl = "plsh"
         else:
@@ -502,7 +451,7 @@ def parser():
                    help="how the Positional LSH partitions of a head are drawn")
     p.add_argument("--near-field", type=float, default=0.0,
                    help="exact ALiBi factor where it is at least this, Positional LSH beyond "
-                        "(dense PyTorch prototype; 0: plain Positional LSH)")
+                        "(PlshOptions::near_field; 0: plain Positional LSH)")
     p.add_argument("--samples-final", type=int, default=0,
                    help="if set, s grows geometrically from --samples to this over the training")
     p.add_argument("--block-size", type=int, default=64)
