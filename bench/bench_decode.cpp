@@ -100,6 +100,8 @@ void decode_plsh(benchmark::State& state, Index context, int threads) {
   const TokenPool<Scalar>& pool = token_pool<Scalar>();
   plsh::PlshOptions options;
   options.samples = kDecodeSamples;
+  options.sampling = plsh::Sampling::Independent;  // the paper's estimator
+  options.near_field = 0;
   plsh::KvCache<Scalar> cache(kDecodeHeads, kDecodeHeads, kDecodeDim, kDecodeDim,
                               plsh::alibi_slopes(kDecodeHeads), options);
   for (Index done = 0; done < context; done += kPrefillChunk) {

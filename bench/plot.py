@@ -45,6 +45,7 @@ STYLE = {
     "fused_bfloat16": dict(color="tab:olive", marker="d", linestyle="-."),
     "fixed_blocks": dict(color="tab:purple", marker="P"),
     "fused_lhs": dict(color="tab:cyan", marker="D", linestyle="--"),
+    "fused_near": dict(color="tab:olive", marker="P", linestyle="-."),
 }
 TIME_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 
@@ -215,6 +216,7 @@ FRONTIER_SETS = ["normal", "peaked", "trained"]
 FRONTIER_FAMILIES = [("exact", "exact (float)"), ("windowed", "windowed, certified tolerance"),
                      ("fused", "Positional LSH fused, independent, s"),
                      ("fused_lhs", "Positional LSH fused, Latin hypercube, s"),
+                     ("fused_near", "Positional LSH fused, Latin hypercube, near field 0.05, s"),
                      ("fixed_blocks", "fixed blocks, b")]
 
 

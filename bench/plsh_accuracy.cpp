@@ -150,6 +150,7 @@ std::vector<Method> methods(Index n) {
       options.samples = samples;
       options.kernel = kernel;
       options.sampling = sampling;
+      options.near_field = 0;  // the block estimator
       list.push_back({name, "s=" + std::to_string(samples),
                       [=](const Tensors<float>& in, std::vector<float>& out) {
                         const auto x = views(in, out);

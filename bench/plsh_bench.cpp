@@ -295,6 +295,8 @@ void set_counters(benchmark::State& state, Index n, Index heads, double entries)
 plsh::PlshOptions plsh_options(Index samples, plsh::Kernel kernel) {
   plsh::PlshOptions options;
   options.samples = samples;
+  options.sampling = plsh::Sampling::Independent;  // the paper's estimator
+  options.near_field = 0;
   options.kernel = kernel;
   return options;
 }
@@ -529,8 +531,7 @@ void long_benchmark(benchmark::State& state, const std::string& family, Index n,
   if (!std::is_same<Storage, float>::value && n == kErrorLength && family == "fused") {
     const std::vector<Storage> stored = inputs.out;
     Problem& reference = problem(n);
-    plsh::PlshOptions options;
-    options.samples = kLongSamples;
+    plsh::PlshOptions options = plsh_options(kLongSamples, plsh::Kernel::Fused);
     plsh::plsh_attention<float>(reference.queries(), reference.keys(), reference.values(),
                                 reference.output(), plsh::alibi_slopes(kHeads), options);
     state.counters["relative_error"] = relative_error(stored, reference.out);
@@ -541,8 +542,7 @@ void long_benchmark(benchmark::State& state, const std::string& family, Index n,
 template <class Storage>
 void register_long_fused(Index n) {
   const std::vector<double> slopes = plsh::alibi_slopes(kHeads);
-  plsh::PlshOptions options;
-  options.samples = kLongSamples;
+  const plsh::PlshOptions options = plsh_options(kLongSamples, plsh::Kernel::Fused);
   const std::string name = "long_fused/" + std::to_string(n) + "/" + std::to_string(kLongSamples) +
                            "/" + storage_name<Storage>();
   configure(benchmark::RegisterBenchmark(name.c_str(), [=](benchmark::State& state) {

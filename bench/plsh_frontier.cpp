@@ -6,9 +6,11 @@
 /// - `exact/float`: plsh::exact_alibi_attention in float;
 /// - `windowed/<tolerance>`: plsh::windowed_alibi_attention, the certified window, tolerance
 ///   1e-1 ... 1e-6 (every row drops keys of total exact-ALiBi weight at most the tolerance);
-/// - `fused/<s>`, `fused_lhs/<s>`: plsh_attention (Kernel::Fused) with s = 5, 10, 20, 50, 100
-///   partitions per head, drawn independently (Sampling::Independent) or as a Latin hypercube
-///   (Sampling::LatinHypercube), seed 0;
+/// - `fused/<s>`, `fused_lhs/<s>`, `fused_near/<s>`: plsh_attention (Kernel::Fused) with s = 5,
+///   10, 20, 50, 100 partitions per head, seed 0: drawn independently (Sampling::Independent) or
+///   as a Latin hypercube (Sampling::LatinHypercube) with block masks only, or as a Latin
+///   hypercube with the exact factor where it is at least 0.05 (near_field = 0.05: the defaults
+///   of PlshOptions at s = 100);
 /// - `fixed_blocks/<b>`: plsh::fixed_block_attention, block size b = 64, 256, 1024.
 /// All causal, float, 8 heads with plsh::alibi_slopes(8), scale 1/sqrt(d).
 ///
@@ -49,6 +51,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -227,13 +230,16 @@ std::vector<Method> methods() {
                                                             x.output(), slopes, tolerance);
                     }});
   }
-  const std::pair<const char*, plsh::Sampling> samplers[] = {
-      {"fused", plsh::Sampling::Independent}, {"fused_lhs", plsh::Sampling::LatinHypercube}};
-  for (const auto& [family, sampling] : samplers) {
+  const std::tuple<const char*, plsh::Sampling, double> estimators[] = {
+      {"fused", plsh::Sampling::Independent, 0.0},
+      {"fused_lhs", plsh::Sampling::LatinHypercube, 0.0},
+      {"fused_near", plsh::Sampling::LatinHypercube, 0.05}};
+  for (const auto& [family, sampling, near_field] : estimators) {
     for (const Index samples : {5, 10, 20, 50, 100}) {
       plsh::PlshOptions options;
       options.samples = samples;
       options.sampling = sampling;
+      options.near_field = near_field;
       list.push_back({family, std::to_string(samples), [slopes, options](InputSet& x) {
                         plsh::plsh_attention<float>(x.view(x.q), x.view(x.k), x.view(x.v),
                                                     x.output(), slopes, options);

@@ -161,6 +161,7 @@ FRONTIER_SOURCE = "docs/bench/frontier.json"
 FRONTIER_SETS = ["normal", "peaked", "trained"]
 FRONTIER_FAMILIES = [("exact", "exact, float"), ("windowed", "windowed, tolerance"),
                      ("fused", "fused, s"), ("fused_lhs", "fused, Latin hypercube, s"),
+                     ("fused_near", "fused, Latin hypercube, near field 0.05, s"),
                      ("fixed_blocks", "fixed blocks, b")]
 
 
@@ -227,6 +228,8 @@ def which_kernel():
          "`plsh_attention`, s = 20", "fused/20"),
         ("training with bias-free blocks, as in the paper",
          "`plsh_attention`, Latin hypercube, s = 100", "fused_lhs/100"),
+        ("training closest to ALiBi ([docs/training](docs/training/README.md)): the defaults",
+         "`plsh_attention`, Latin hypercube, near field 0.05, s = 100", "fused_near/100"),
         ("a baseline (not ALiBi)", "`fixed_block_attention`, b = 64", "fixed_blocks/64"),
     ]
     body = []
@@ -254,8 +257,8 @@ def frontier_table():
     body = []
     for method in frontier.methods():
         family, parameter = method.split("/")
-        cells = [labels[family].split(",")[0] if family != "fused_lhs"
-                 else "fused, Latin hypercube",
+        cells = [labels[family].rsplit(", ", 1)[0] if family.startswith("fused_")
+                 else labels[family].split(",")[0],
                  "" if family == "exact" else parameter]
         for input_set in FRONTIER_SETS:
             seconds = frontier.seconds(input_set, method)

@@ -42,7 +42,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::vector<double> slopes = plsh::alibi_slopes(heads);
-  plsh::PlshOptions options;  // causal, s = 20, seed 0, fused kernel
+  plsh::PlshOptions options;  // causal, the default estimator, seed 0, fused kernel
   plsh::KvCache<float> cache(heads, kv_heads, dim, dim, slopes, options);
   plsh::KvCache<Eigen::bfloat16> cache16(heads, kv_heads, dim, dim, slopes, options);
   std::vector<Eigen::bfloat16> q16(static_cast<std::size_t>(heads * dim));

@@ -76,7 +76,7 @@ int main(int argc, char** argv) {
   const std::vector<float> v = make_rows(chunk.begin, n, kKvHeads, 2);
   std::vector<float> out(static_cast<std::size_t>(std::max<Index>(1, n * kHeads * kDim)));
   const std::vector<double> slopes = plsh::alibi_slopes(kHeads);
-  plsh::PlshOptions options;  // causal, s = 20, seed 0, fused kernel
+  plsh::PlshOptions options;  // causal, the default estimator, seed 0, fused kernel
 
   MPI_Barrier(MPI_COMM_WORLD);
   const auto start = std::chrono::steady_clock::now();

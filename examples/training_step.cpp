@@ -44,7 +44,7 @@ double dot(const Tensor& a, const Tensor& b) {
 int main() {
   const Index n = 512, heads = 4, kv_heads = 2, dim = 32;
   const std::vector<double> slopes = plsh::alibi_slopes(heads);
-  plsh::PlshOptions options;  // causal, s = 20, seed 0
+  plsh::PlshOptions options;  // causal, the default estimator, seed 0
   const auto q_view = [&](const Tensor& x) {
     return plsh::HeadsView<const float>{x.data(), n, heads, dim};
   };

@@ -310,6 +310,7 @@ std::vector<EntryPoint> entry_points() {
       static_cast<plsh::AttentionOptions&>(plsh_options) = options;
       plsh_options.samples = 3;
       plsh_options.kernel = kernel;
+      if (kernel == plsh::Kernel::Passes) plsh_options.near_field = 0;  // block masks only
       plsh::plsh_attention<double>(q, k, v, out, slopes, plsh_options);
     };
   };
@@ -331,6 +332,7 @@ std::vector<EntryPoint> entry_points() {
           const plsh::AttentionOptions& options) {
          plsh::PlshOptions plsh_options;
          static_cast<plsh::AttentionOptions&>(plsh_options) = options;
+         plsh_options.near_field = 0;  // a regular kernel sees block masks only
          plsh::plsh_attention<double>(q, k, v, out, slopes, plsh_options, plsh::RegularAttention{});
        }},
       {"fixed_block_attention", false,

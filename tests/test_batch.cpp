@@ -73,6 +73,7 @@ void for_each_forward(const std::vector<double>& slopes, const plsh::AttentionOp
   fused.seed = 3;
   plsh::PlshOptions passes = fused;
   passes.kernel = plsh::Kernel::Passes;
+  passes.near_field = 0;  // block masks only
   visit("exact_alibi_attention", [&](const auto& q, const auto& k, const auto& v, const auto& o) {
     plsh::exact_alibi_attention<Scalar>(q, k, v, o, slopes, options);
   });

@@ -102,6 +102,7 @@ TEST_CASE("positions: every entry point bounds position + tokens by kMaxPosition
   }
   SECTION("up to kMaxPosition itself the kernels compute, and Fused equals Passes") {
     plsh::PlshOptions options;
+    options.near_field = 0;  // the function Passes computes
     options.causal = false;
     options.query_position = kMaxPosition - n;
     options.key_position = kMaxPosition - n;
@@ -412,6 +413,7 @@ TEST_CASE("Passes visits only the blocks that hold a query, however far the keys
   plsh::PlshOptions options;
   options.causal = false;
   options.samples = 4;
+  options.near_field = 0;  // the function Passes computes
   options.key_position = plsh::kMaxPosition - 4;
   options.kernel = plsh::Kernel::Passes;
   plsh::plsh_attention<double>(problem.q.in(), problem.k.in(), problem.v.in(), passes.view, {1.0},

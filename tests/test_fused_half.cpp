@@ -161,6 +161,7 @@ plsh::PlshOptions plsh_options(const plsh::AttentionOptions& base, Index samples
   options.samples = samples;
   options.seed = 77;
   options.kernel = kernel;
+  if (kernel == plsh::Kernel::Passes) options.near_field = 0;  // block masks only
   return options;
 }
 

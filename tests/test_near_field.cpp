@@ -412,7 +412,7 @@ TEST_CASE("near_field arguments are checked", "[near_field][validation]") {
   passes.kernel = plsh::Kernel::Passes;
   CHECK_THROWS_WITH(
       plsh::plsh_attention<float>(p.q.in(), p.k.in(), p.v.in(), p.out.view, slopes, passes),
-      Catch::Contains("near_field needs the fused kernel"));
+      Catch::Contains("near_field must be 0"));
   CHECK_THROWS_WITH(plsh::KvCache<float>(2, 2, 4, 4, slopes, passes),
-                    Catch::Contains("near_field needs the fused kernel"));
+                    Catch::Contains("near_field must be 0"));
 }

@@ -41,6 +41,7 @@ std::vector<std::pair<std::string, Forward<Scalar>>> forward_kernels(bool causal
   passes.causal = causal;
   passes.samples = 7;
   passes.kernel = plsh::Kernel::Passes;
+  passes.near_field = 0;  // block masks only
   plsh::PlshOptions fused = passes;
   fused.kernel = plsh::Kernel::Fused;
   return {

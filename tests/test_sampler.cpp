@@ -627,9 +627,10 @@ TEST_CASE("kernel_grids: the draws of every head as PlshOptions::sampling says",
   plsh::PlshOptions options;
   options.samples = 6;
   options.seed = 2026;
+  CHECK(options.sampling == plsh::Sampling::LatinHypercube);  // the default
   {
-    INFO("the default, Sampling::Independent, is draw_head_grids");
-    CHECK(options.sampling == plsh::Sampling::Independent);
+    INFO("Sampling::Independent is draw_head_grids");
+    options.sampling = plsh::Sampling::Independent;
     const auto grids = plsh::kernel_grids(slopes, options);
     const auto expected = plsh::draw_head_grids(slopes, 6, 2026);
     REQUIRE(grids.size() == 3);

@@ -44,6 +44,7 @@ plsh::PlshOptions latin_hypercube_options(bool causal, Index samples, std::uint6
   options.seed = seed;
   options.kernel = kernel;
   options.sampling = plsh::Sampling::LatinHypercube;
+  options.near_field = 0;  // the block estimator (test_near_field.cpp tests the near field)
   return options;
 }
 
@@ -116,6 +117,7 @@ TEST_CASE("Latin hypercube draws reach the kernel: other blocks than independent
     plsh::PlshOptions independent;
     independent.samples = samples;
     independent.seed = 4;
+    independent.sampling = plsh::Sampling::Independent;
     plsh::PlshOptions latin_hypercube = independent;
     latin_hypercube.sampling = plsh::Sampling::LatinHypercube;
     Buffer<double> a = problem.output();

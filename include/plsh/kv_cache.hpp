@@ -234,14 +234,16 @@ class KvCache {
     detail::require(value_dim >= 1, function, "value_dim must be at least 1");
     detail::validate_slopes(function, slopes, heads, "heads");
     detail::require_samples(options.samples, function, "options.samples");
-    detail::require(options.near_field == 0 || options.kernel == Kernel::Fused, function,
-                    "options.near_field needs the fused kernel (options.kernel)");
     detail::require(options.causal, function,
                     "options.causal must be true (a cache serves causal decoding)");
     detail::require(options.key_position >= 0 && options.key_position <= kMaxPosition, function,
                     "options.key_position must lie in [0, kMaxPosition = 2^53]");
     detail::validate_scale<detail::Compute<Scalar>>(function, options, dim);
-    return detail::kernel_grids(slopes, options, function);
+    auto grids = detail::kernel_grids(slopes, options, function);
+    detail::require(
+        options.near_field == 0 || options.kernel == Kernel::Fused, function,
+        "options.near_field must be 0 with Kernel::Passes (PlshOptions defaults to 0.05)");
+    return grids;
   }
 
   /// append's checks of k and v.

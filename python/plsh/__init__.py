@@ -7,7 +7,9 @@ with ``dtype="bfloat16"``, as in ``KvCache``; both 16-bit types computed in floa
 their strides without copying when the layout allows. ``softmax_scale=None`` means 1/sqrt(dim);
 ``alibi_slopes=None`` means the standard slopes ``alibi_slopes(heads)``. The GIL is released
 while a kernel runs. C++ argument errors and shapes that do not fit are raised as ``ValueError``
-naming the axes; a wrong dtype is a ``TypeError``. ``__version__`` is the plsh project's version.
+naming the axes; a wrong dtype is a ``TypeError``. ``__version__`` is the plsh project's version;
+``PLSH_DEFAULTS`` the defaults of the Positional LSH estimator (``samples``, ``seed``,
+``sampling``, ``near_field``), those of the C++ ``PlshOptions``.
 
 ``plsh.torch`` (imported on its own, ``import plsh.torch``) adds autograd functions and an
 ``nn.Module`` for PyTorch; ``import plsh`` does not import torch.
@@ -20,6 +22,7 @@ naming the axes; a wrong dtype is a ``TypeError``. ``__version__`` is the plsh p
 
 from ._plsh import __version__
 from ._plsh import (
+    PLSH_DEFAULTS,
     Grid,
     KvCache,
     MaskError,
@@ -41,6 +44,7 @@ from ._plsh import (
 
 __all__ = [
     "__version__",
+    "PLSH_DEFAULTS",
     "Grid",
     "KvCache",
     "MaskError",

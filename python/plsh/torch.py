@@ -17,11 +17,16 @@ slopes, one per query head. plsh's default differs: ``alibi_slopes=None`` means 
 slopes ``plsh.alibi_slopes(H)`` (Press et al.), and ``[0.0] * H`` is attention without positional
 bias. The old names ``slopes=`` and ``scale=`` still work and warn.
 
-Example (causal self-attention with Positional LSH, 20 draws, gradients through plsh)::
+Positional LSH defaults to ``plsh.PLSH_DEFAULTS`` (those of the C++ ``PlshOptions``): 100 Latin
+hypercube draws per head with the exact factor where it is at least 0.05, the configuration whose
+trained models came closest to ALiBi's (docs/training). The paper's estimator is
+``samples=20, sampling="independent", near_field=0``.
+
+Example (causal self-attention with Positional LSH, gradients through plsh)::
 
     import torch, plsh.torch
     q, k, v = (torch.randn(2, 8, 1024, 64, requires_grad=True) for _ in range(3))
-    out = plsh.torch.plsh_attention(q, k, v, samples=20, seed=0, layout="bhtd")
+    out = plsh.torch.plsh_attention(q, k, v, seed=0, layout="bhtd")
     out.square().mean().backward()                    # q.grad, k.grad, v.grad from C++
 """
 
@@ -34,6 +39,8 @@ import numpy as _numpy
 import torch as _torch
 
 from . import _plsh
+
+_DEFAULTS = _plsh.PLSH_DEFAULTS
 
 __all__ = [
     "AlibiAttention",
@@ -258,24 +265,27 @@ def windowed_alibi_attention(q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tenso
 def plsh_attention(q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor,
                    alibi_slopes: Slopes = None, *, causal: bool = True,
                    softmax_scale: Optional[float] = None, query_position: int = 0,
-                   key_position: int = 0, samples: int = 20, seed: int = 0,
-                   sampling: str = "independent", layout: str = "bthd", slopes=_UNSET,
-                   scale=_UNSET) -> _torch.Tensor:
+                   key_position: int = 0, samples: int = _DEFAULTS["samples"], seed: int = 0,
+                   sampling: str = _DEFAULTS["sampling"],
+                   near_field: float = _DEFAULTS["near_field"], layout: str = "bthd",
+                   slopes=_UNSET, scale=_UNSET) -> _torch.Tensor:
     """ALiBi attention through Positional LSH with autograd (fused kernel).
 
     The average of ``samples`` random block partitions per head, the grids
     ``plsh.kernel_grids(alibi_slopes, samples, seed, sampling=sampling)``: with ``sampling``
     ``"independent"`` head h uses ``plsh.RandomBinning(alibi_slopes[h], plsh.head_seed(seed, h))``;
     ``"latin_hypercube"`` draws the partitions of a head jointly, stratified (lower error at equal
-    ``samples``). The same draws serve every batch element and the backward pass. Other arguments
-    and shapes as :func:`exact_alibi_attention`.
+    ``samples``). ``near_field`` f in [0, 1] takes the exact factor ``exp(-m_h |i - j|)`` where it
+    is at least f and the partitions beyond: the same mean, no variance near the diagonal, where
+    the steep heads put their weight (0: partitions everywhere). The same draws serve every batch
+    element and the backward pass. Other arguments and shapes as :func:`exact_alibi_attention`.
     """
     _check_inputs(q, k, v, layout)
     alibi_slopes = _slopes(_renamed("alibi_slopes", alibi_slopes, "slopes", slopes))
     options = _attention_options(causal, _softmax_scale(softmax_scale, scale), query_position,
                                  key_position, layout)
     options.update(samples=_integer("samples", samples), seed=_integer("seed", seed),
-                   sampling=str(sampling))
+                   sampling=str(sampling), near_field=_near_field(near_field))
     return _AttentionFunction.apply(q, k, v, _PLSH_KERNELS, alibi_slopes, options)
 
 
@@ -294,6 +304,14 @@ def fixed_block_attention(q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor, 
     options = _attention_options(causal, _softmax_scale(softmax_scale, scale), query_position,
                                  key_position, layout)
     return _AttentionFunction.apply(q, k, v, _FIXED_BLOCK_KERNELS, block_size, options)
+
+
+def _near_field(near_field):
+    """``near_field`` as a float in [0, 1], else a ValueError."""
+    value = float(near_field)
+    if not 0 <= value <= 1:
+        raise ValueError(f"near_field must lie in [0, 1] (got {near_field})")
+    return value
 
 
 def _heads_axis(tensor, layout):
@@ -316,7 +334,8 @@ class AlibiAttention(_torch.nn.Module):
 
     method:
       ``"plsh"``   Positional LSH with ``samples`` draws (fused kernel), unbiased for ALiBi,
-                   drawn as ``sampling`` says (``"independent"`` or ``"latin_hypercube"``, see
+                   drawn as ``sampling`` says (``"independent"`` or ``"latin_hypercube"``), with
+                   the exact factor where it is at least ``near_field`` (see
                    :func:`plsh_attention`).
       ``"exact"``  exact ALiBi.
       ``"windowed"`` ALiBi without the keys certified to weigh at most ``tolerance`` (see
@@ -339,10 +358,13 @@ class AlibiAttention(_torch.nn.Module):
     METHODS = ("plsh", "exact", "windowed", "fixed", "none")
     SAMPLINGS = ("independent", "latin_hypercube")
 
-    def __init__(self, heads: int, method: str = "plsh", samples: int = 20, block_size: int = 64,
-                 seed: int = 0, causal: bool = True, alibi_slopes: Slopes = None,
-                 sampling: str = "independent", tolerance: float = 1e-6, *,
-                 softmax_scale: Optional[float] = None, layout: str = "bthd", slopes=_UNSET):
+    def __init__(self, heads: int, method: str = "plsh", samples: int = _DEFAULTS["samples"],
+                 block_size: int = 64, seed: int = 0, causal: bool = True,
+                 alibi_slopes: Slopes = None,
+                 sampling: str = _DEFAULTS["sampling"], tolerance: float = 1e-6, *,
+                 near_field: float = _DEFAULTS["near_field"],
+                 softmax_scale: Optional[float] = None,
+                 layout: str = "bthd", slopes=_UNSET):
         super().__init__()
         alibi_slopes = _renamed("alibi_slopes", alibi_slopes, "slopes", slopes)
         if method not in self.METHODS:
@@ -363,6 +385,7 @@ class AlibiAttention(_torch.nn.Module):
         if not 0 <= tolerance <= 1:
             raise ValueError(f"tolerance must lie in [0, 1] (got {tolerance})")
         self.heads = heads
+        self.near_field = _near_field(near_field)
         self.tolerance = tolerance
         self.method = method
         self.samples = samples
@@ -388,8 +411,8 @@ class AlibiAttention(_torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"heads={self.heads}, method={self.method!r}, samples={self.samples}, "
                 f"block_size={self.block_size}, seed={self.seed}, causal={self.causal}, "
-                f"sampling={self.sampling!r}, tolerance={self.tolerance}, "
-                f"layout={self.layout!r}")
+                f"sampling={self.sampling!r}, near_field={self.near_field}, "
+                f"tolerance={self.tolerance}, layout={self.layout!r}")
 
     def current_seed(self) -> int:
         """The seed the next forward uses."""
@@ -410,7 +433,8 @@ class AlibiAttention(_torch.nn.Module):
         options = dict(causal=self.causal, softmax_scale=self.softmax_scale, layout=self.layout)
         if self.method == "plsh":
             out = plsh_attention(q, k, v, self.alibi_slopes, samples=self.samples,
-                                 seed=self.current_seed(), sampling=self.sampling, **options)
+                                 seed=self.current_seed(), sampling=self.sampling,
+                                 near_field=self.near_field, **options)
         elif self.method == "exact":
             out = exact_alibi_attention(q, k, v, self.alibi_slopes, **options)
         elif self.method == "windowed":
@@ -456,10 +480,11 @@ class MultiheadAlibiAttention(_torch.nn.Module):
     """
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: Optional[int] = None,
-                 method: str = "plsh", *, bias: bool = True, samples: int = 20,
+                 method: str = "plsh", *, bias: bool = True, samples: int = _DEFAULTS["samples"],
                  block_size: int = 64, seed: int = 0, causal: bool = True,
-                 alibi_slopes: Slopes = None, sampling: str = "independent",
-                 tolerance: float = 1e-6, softmax_scale: Optional[float] = None,
+                 alibi_slopes: Slopes = None, sampling: str = _DEFAULTS["sampling"],
+                 tolerance: float = 1e-6, near_field: float = _DEFAULTS["near_field"],
+                 softmax_scale: Optional[float] = None,
                  attention: Optional[_torch.nn.Module] = None, device=None, dtype=None):
         super().__init__()
         embed_dim, num_heads = _integer("embed_dim", embed_dim), _integer("num_heads", num_heads)
@@ -486,7 +511,7 @@ class MultiheadAlibiAttention(_torch.nn.Module):
         self.out_proj = _torch.nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         if attention is None:
             attention = AlibiAttention(num_heads, method, samples, block_size, seed, causal,
-                                       alibi_slopes, sampling, tolerance,
+                                       alibi_slopes, sampling, tolerance, near_field=near_field,
                                        softmax_scale=softmax_scale)
         self.attention = attention
 
@@ -566,15 +591,18 @@ class KvCache:
     """
 
     def __init__(self, heads: int, kv_heads: int, dim: int, value_dim: Optional[int] = None,
-                 alibi_slopes: Slopes = None, *, samples: int = 20, seed: int = 0,
-                 sampling: str = "independent", softmax_scale: Optional[float] = None,
-                 key_position: int = 0, kernel: str = "fused",
+                 alibi_slopes: Slopes = None, *, samples: int = _DEFAULTS["samples"],
+                 seed: int = 0, sampling: str = _DEFAULTS["sampling"],
+                 near_field: float = _DEFAULTS["near_field"],
+                 softmax_scale: Optional[float] = None, key_position: int = 0,
+                 kernel: str = "fused",
                  dtype: _torch.dtype = _torch.float32, layout: str = "bthd"):
         self.layout = _check_layout(layout)
         self.dtype = dtype
         value_dim = dim if value_dim is None else value_dim
         self._cache = _plsh.KvCache(heads, kv_heads, dim, value_dim, _slopes(alibi_slopes),
                                     samples=samples, seed=seed, sampling=sampling,
+                                    near_field=_near_field(near_field),
                                     softmax_scale=softmax_scale, key_position=key_position,
                                     kernel=kernel, dtype=_numpy_dtype(dtype))
 
@@ -690,7 +718,8 @@ class KvCache:
 
     @property
     def options(self) -> dict:
-        """samples, seed, sampling, kernel, softmax_scale (0: 1/sqrt(dim)) and key_position."""
+        """samples, seed, sampling, near_field, kernel, softmax_scale (0: 1/sqrt(dim)) and
+        key_position."""
         return self._cache.options
 
     def __repr__(self) -> str:

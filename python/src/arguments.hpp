@@ -25,6 +25,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <plsh/options.hpp>
+
 #include <cstddef>
 #include <optional>
 #include <string>
@@ -81,17 +83,28 @@ struct AttentionArguments {
   py::object key_position;
 };
 
-// The draws of the Positional LSH kernels and KvCache: `samples` partitions per head from `seed`,
-// drawn as `sampling` says ("independent" or "latin_hypercube").
+// The name of a sampling, as the bindings' `sampling` arguments spell it.
+inline const char* sampling_name(plsh::Sampling sampling) {
+  return sampling == plsh::Sampling::LatinHypercube ? "latin_hypercube" : "independent";
+}
+
+// The estimator of the Positional LSH kernels and KvCache: `samples` partitions per head from
+// `seed`, drawn as `sampling` says ("independent" or "latin_hypercube"), and the exact factor
+// where it is at least `near_field`. The defaults are plsh::PlshOptions'.
 struct DrawArguments {
-  using Fields = std::tuple<const py::object&, const py::object&, const std::string&>;
+  using Fields = std::tuple<const py::object&, const py::object&, const std::string&, double>;
   static auto arguments() {
-    return std::make_tuple(py::arg("samples") = 20, py::arg("seed") = 0,
-                           py::arg("sampling") = "independent");
+    const plsh::PlshOptions defaults;
+    return std::make_tuple(py::arg("samples") = defaults.samples, py::arg("seed") = defaults.seed,
+                           py::arg("sampling") = default_sampling(),
+                           py::arg("near_field") = defaults.near_field);
   }
+  // The name of PlshOptions' default sampling.
+  static const char* default_sampling() { return sampling_name(plsh::PlshOptions{}.sampling); }
   py::object samples;
   py::object seed;
   std::string sampling;
+  double near_field = 0;
 };
 
 // How the arrays of a call are laid out and typed: `layout` "bthd" ([batch, tokens, heads, dim],

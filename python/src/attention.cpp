@@ -238,8 +238,10 @@ void bind_attention(py::module_& m) {
                    "head, the grids kernel_grids(slopes, samples, seed, sampling=sampling): "
                    "sampling \"independent\" (head h uses RandomBinning(slopes[h], "
                    "head_seed(seed, h))) or \"latin_hypercube\" (the draws of a head stratified "
-                   "jointly; lower error at equal samples); kernel \"fused\" or \"passes\". Every "
-                   "batch element uses the same draws."));
+                   "jointly; lower error at equal samples); near_field f in [0, 1]: the exact "
+                   "factor exp(-m_h |i - j|) where it is at least f, the block masks beyond (same "
+                   "mean, no variance near the diagonal; fused kernel only; 0: none); kernel "
+                   "\"fused\" or \"passes\". Every batch element uses the same draws."));
   def_function(m, "fixed_block_attention", &fixed_block_attention, Inputs::arguments(),
                "block_size"_a, py::kw_only(), AttentionArguments::arguments(),
                OutputArguments::arguments(), ArrayArguments::arguments(),
@@ -262,7 +264,7 @@ void bind_attention(py::module_& m) {
                DrawArguments::arguments(), GradientArguments::arguments(),
                ArrayArguments::arguments(),
                doc("Gradients (dq, dk, dv) of plsh_attention with the same alibi_slopes, samples, "
-                   "seed and sampling."));
+                   "seed, sampling and near_field."));
   def_function(m, "fixed_block_attention_backward", &fixed_block_attention_backward,
                BackwardInputs::arguments(), "block_size"_a, py::kw_only(),
                AttentionArguments::arguments(), GradientArguments::arguments(),

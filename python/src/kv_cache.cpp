@@ -203,9 +203,9 @@ void bind_kv_cache(py::module_& m) {
       "Key/value cache for incremental causal Positional LSH decoding that forgets the keys no "
       "later query can reach. append(k, v) with k [n, kv_heads, dim], v [n, kv_heads, "
       "value_dim]; attend(q) for the queries at the newest positions, q [n, heads, dim] -> [n, "
-      "heads, value_dim]; decode(q, k, v) both in one step. samples, seed and sampling choose "
-      "the draws as in plsh_attention. alibi_slopes None means the standard slopes "
-      "alibi_slopes(heads); softmax_scale None means 1/sqrt(dim). dtype numpy.float32, "
+      "heads, value_dim]; decode(q, k, v) both in one step. samples, seed, sampling and "
+      "near_field choose the estimator as in plsh_attention. alibi_slopes None means the standard "
+      "slopes alibi_slopes(heads); softmax_scale None means 1/sqrt(dim). dtype numpy.float32, "
       "numpy.float64, numpy.float16, or \"bfloat16\" (arrays of uint16 bit patterns, the "
       "convention of the kernels' dtype=\"bfloat16\"): the 16-bit types store the cache in half "
       "the bytes and compute in float32.");
@@ -256,9 +256,7 @@ void bind_kv_cache(py::module_& m) {
             const plsh::PlshOptions options = cache.options();
             return py::dict(
                 "samples"_a = options.samples, "seed"_a = options.seed,
-                "sampling"_a = options.sampling == plsh::Sampling::LatinHypercube
-                                   ? "latin_hypercube"
-                                   : "independent",
+                "sampling"_a = sampling_name(options.sampling), "near_field"_a = options.near_field,
                 "kernel"_a = options.kernel == plsh::Kernel::Passes ? "passes" : "fused",
                 "softmax_scale"_a = options.scale, "key_position"_a = options.key_position);
           },

@@ -17,6 +17,7 @@
 
 #include <pybind11/pybind11.h>
 
+#include "arguments.hpp"
 #include "bindings.hpp"
 
 // The version of the plsh project (project(plsh VERSION ...) in the top-level CMakeLists.txt),
@@ -33,6 +34,13 @@ PYBIND11_MODULE(_plsh, m) {
       "float32), or bfloat16 bit patterns as uint16 with dtype=\"bfloat16\" (computed in "
       "float32, returned as uint16 bfloat16).";
   m.attr("__version__") = PLSH_VERSION;
+  // The defaults of the Positional LSH estimator (plsh::PlshOptions), which plsh.torch takes too.
+  namespace py = pybind11;
+  const plsh::PlshOptions defaults;
+  m.attr("PLSH_DEFAULTS") =
+      py::dict(py::arg("samples") = defaults.samples, py::arg("seed") = defaults.seed,
+               py::arg("sampling") = plsh_python::sampling_name(defaults.sampling),
+               py::arg("near_field") = defaults.near_field);
   plsh_python::bind_partitions(m);
   plsh_python::bind_attention(m);
   plsh_python::bind_kv_cache(m);

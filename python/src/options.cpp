@@ -47,6 +47,7 @@ plsh::PlshOptions with_draws(const DrawArguments& arguments, plsh::PlshOptions o
   options.samples = index(arguments.samples, "samples");
   options.seed = seed_of(arguments.seed);
   options.sampling = sampling_of(arguments.sampling);
+  options.near_field = arguments.near_field;
   return options;
 }
 

@@ -84,7 +84,8 @@ void bind_partitions(py::module_& m) {
         // kernel_grids reads only samples, seed and sampling.
         return plsh::kernel_grids(slopes, with_draws(DrawArguments{samples, seed, sampling}));
       },
-      "slopes"_a, "samples"_a, "seed"_a = 0, py::kw_only(), "sampling"_a = "independent",
+      "slopes"_a, "samples"_a, "seed"_a = 0, py::kw_only(),
+      "sampling"_a = DrawArguments::default_sampling(),
       "The grids plsh_attention, plsh_attention_backward and KvCache use with these samples, "
       "seed and sampling: [head][draw]. sampling \"independent\": draw_head_grids(slopes, "
       "samples, seed); \"latin_hypercube\": the draws of head h jointly, each of the three "

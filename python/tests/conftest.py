@@ -36,9 +36,24 @@ def same_bin(grid, i, j):
     return np.floor((i - grid.shift) / grid.pitch) == np.floor((j - grid.shift) / grid.pitch)
 
 
-def alibi_log_factor(slopes, samples=None, seed=None, sampling="independent"):
-    """log F_h(i, j): ALiBi -m_h |i - j| (samples None) or log of the mean block mask c/s of the
-    grids plsh.kernel_grids(slopes, samples, seed, sampling=sampling)."""
+DEFAULT_SAMPLING = plsh.PLSH_DEFAULTS["sampling"]
+DEFAULT_NEAR_FIELD = plsh.PLSH_DEFAULTS["near_field"]
+
+
+def near_reach(slope, near_field):
+    """The near field's reach: the largest distance d with exp(-m d) >= near_field (-1: none)."""
+    if near_field == 0:
+        return -1
+    if slope == 0:
+        return math.inf
+    return math.floor(math.log(1 / near_field) / slope)
+
+
+def alibi_log_factor(slopes, samples=None, seed=None, sampling=DEFAULT_SAMPLING,
+                     near_field=DEFAULT_NEAR_FIELD):
+    """log F_h(i, j): ALiBi -m_h |i - j| (samples None) or, for Positional LSH, -m_h |i - j|
+    within the near field's reach and the log of the mean block mask c/s of the grids
+    plsh.kernel_grids(slopes, samples, seed, sampling=sampling) beyond."""
     def exact(h, i, j):
         return -slopes[h] * np.abs(i - j).astype(np.float64)
 
@@ -49,7 +64,9 @@ def alibi_log_factor(slopes, samples=None, seed=None, sampling="independent"):
     def counted(h, i, j):
         count = sum(same_bin(grid, i, j).astype(np.float64) for grid in grids[h])
         with np.errstate(divide="ignore"):
-            return np.log(count / samples)
+            blocks = np.log(count / samples)
+        near = np.abs(i - j) <= near_reach(slopes[h], near_field)
+        return np.where(near, exact(h, i, j), blocks)
 
     return counted
 

@@ -26,19 +26,22 @@ def test_forward_kernels_against_dense_references(dtype, causal, positions):
     slopes = [0.5, 0.25, 0.1, 0.0]
     options = dict(causal=causal, query_position=query_position, key_position=key_position)
     tolerance = FORWARD_TOLERANCE[dtype]
+    def plsh_case(sampling, near_field, **kernel):
+        estimator = dict(sampling=sampling, near_field=near_field)
+        return (plsh.plsh_attention(q, k, v, slopes, samples=6, seed=4, **estimator, **kernel,
+                                    **options),
+                alibi_log_factor(slopes, 6, 4, **estimator))
+
     cases = {
         "exact": (plsh.exact_alibi_attention(q, k, v, slopes, **options), alibi_log_factor(slopes)),
-        "fused": (plsh.plsh_attention(q, k, v, slopes, samples=6, seed=4, **options),
-                  alibi_log_factor(slopes, 6, 4)),
-        "passes": (plsh.plsh_attention(q, k, v, slopes, samples=6, seed=4, kernel="passes",
-                                       **options), alibi_log_factor(slopes, 6, 4)),
-        "fused latin": (plsh.plsh_attention(q, k, v, slopes, samples=6, seed=4,
-                                            sampling="latin_hypercube", **options),
-                        alibi_log_factor(slopes, 6, 4, "latin_hypercube")),
-        "passes latin": (plsh.plsh_attention(q, k, v, slopes, samples=6, seed=4,
-                                             sampling="latin_hypercube", kernel="passes",
-                                             **options),
-                         alibi_log_factor(slopes, 6, 4, "latin_hypercube")),
+        "fused": plsh_case("independent", 0.0),
+        "passes": plsh_case("independent", 0.0, kernel="passes"),
+        "fused latin": plsh_case("latin_hypercube", 0.0),
+        "passes latin": plsh_case("latin_hypercube", 0.0, kernel="passes"),
+        "fused near field": plsh_case("independent", 0.3),
+        "fused latin near field": plsh_case("latin_hypercube", 0.05),
+        "fused defaults": (plsh.plsh_attention(q, k, v, slopes, samples=6, seed=4, **options),
+                           alibi_log_factor(slopes, 6, 4)),
         "fixed": (plsh.fixed_block_attention(q, k, v, 8, **options), fixed_log_factor(8)),
     }
     for name, (result, log_factor) in cases.items():
@@ -75,17 +78,18 @@ def test_plsh_is_unbiased_for_alibi_in_the_mean_mask():
 def test_latin_hypercube_attention_differs_from_independent_except_with_one_draw(inputs):
     q, k, v = inputs
     latin = plsh.plsh_attention(q, k, v, samples=6, seed=2, sampling="latin_hypercube")
-    assert not np.array_equal(latin, plsh.plsh_attention(q, k, v, samples=6, seed=2))
+    independent = plsh.plsh_attention(q, k, v, samples=6, seed=2, sampling="independent")
+    assert not np.array_equal(latin, independent)
     # samples = 1: the same grids (test_kernel_grids_follow_the_sampling), the same output.
     np.testing.assert_array_equal(
         plsh.plsh_attention(q, k, v, samples=1, seed=2, sampling="latin_hypercube"),
-        plsh.plsh_attention(q, k, v, samples=1, seed=2))
+        plsh.plsh_attention(q, k, v, samples=1, seed=2, sampling="independent"))
 
 
 def test_fused_and_passes_agree_to_rounding(inputs):
     q, k, v = (x.astype(np.float32) for x in inputs)
-    fused = plsh.plsh_attention(q, k, v, samples=8, seed=2)
-    passes = plsh.plsh_attention(q, k, v, samples=8, seed=2, kernel="passes")
+    fused = plsh.plsh_attention(q, k, v, samples=8, seed=2, near_field=0)
+    passes = plsh.plsh_attention(q, k, v, samples=8, seed=2, near_field=0, kernel="passes")
     np.testing.assert_allclose(fused, passes, rtol=0, atol=2e-6)
 
 # ---------------------------------------------------------------------------------------------
@@ -121,7 +125,7 @@ def reference_backward(q, k, v, dout, log_factor, causal=True, softmax_scale=Non
     return dq, dk, dv
 
 
-@pytest.mark.parametrize("method", ["exact", "plsh", "plsh latin"])
+@pytest.mark.parametrize("method", ["exact", "plsh", "plsh latin", "plsh latin near field"])
 def test_backward_kernels_against_dense_reference(method):
     q, k, v = random_inputs((33, 4, 6), kv_heads=2, value_dim=5, n_k=40, seed=8)
     dout = np.random.default_rng(9).standard_normal((33, 4, 5))
@@ -132,12 +136,12 @@ def test_backward_kernels_against_dense_reference(method):
         grads = plsh.exact_alibi_attention_backward(q, k, v, out, dout, slopes, **options)
         log_factor = alibi_log_factor(slopes)
     else:
-        sampling = "latin_hypercube" if method == "plsh latin" else "independent"
-        out = plsh.plsh_attention(q, k, v, slopes, samples=5, seed=3, sampling=sampling,
-                                  **options)
-        grads = plsh.plsh_attention_backward(q, k, v, out, dout, slopes, samples=5, seed=3,
-                                             sampling=sampling, **options)
-        log_factor = alibi_log_factor(slopes, 5, 3, sampling)
+        sampling = "latin_hypercube" if method.startswith("plsh latin") else "independent"
+        near_field = 0.1 if method.endswith("near field") else 0.0
+        estimator = dict(samples=5, seed=3, sampling=sampling, near_field=near_field)
+        out = plsh.plsh_attention(q, k, v, slopes, **estimator, **options)
+        grads = plsh.plsh_attention_backward(q, k, v, out, dout, slopes, **estimator, **options)
+        log_factor = alibi_log_factor(slopes, **estimator)
     expected = reference_backward(q, k, v, dout, log_factor, **options)
     for name, result, reference in zip(("dq", "dk", "dv"), grads, expected):
         assert result.shape == reference.shape
@@ -283,3 +287,49 @@ def test_the_gil_is_released_while_a_kernel_runs():
     worker.join()
     # With the GIL held for the whole kernel (about 0.1-1 s) the loop would hardly run.
     assert counter > 1000
+
+
+# ---------------------------------------------------------------------------------------------
+# The near field and the defaults of the estimator
+# ---------------------------------------------------------------------------------------------
+
+def test_the_defaults_are_those_of_the_cpp_options():
+    assert plsh.PLSH_DEFAULTS == dict(samples=100, seed=0, sampling="latin_hypercube",
+                                      near_field=0.05)
+    q, k, v = random_inputs((40, 4, 8), kv_heads=2, value_dim=4, seed=12)
+    np.testing.assert_array_equal(
+        plsh.plsh_attention(q, k, v),
+        plsh.plsh_attention(q, k, v, samples=100, seed=0, sampling="latin_hypercube",
+                            near_field=0.05))
+
+
+def test_the_near_field_limits():
+    q, k, v = random_inputs((64, 4, 8), kv_heads=4, value_dim=4, seed=13)
+    slopes = [0.5, 0.2, 0.05, 0.0]
+    # A vanishing threshold reaches every key: exact ALiBi, whatever the draws.
+    np.testing.assert_allclose(
+        plsh.plsh_attention(q, k, v, slopes, samples=3, near_field=1e-300),
+        plsh.exact_alibi_attention(q, k, v, slopes), rtol=0, atol=1e-12)
+    # Threshold 1 reaches the diagonal only, which every block holds: the block estimator.
+    for sampling in ("independent", "latin_hypercube"):
+        np.testing.assert_allclose(
+            plsh.plsh_attention(q, k, v, slopes, samples=7, sampling=sampling, near_field=1.0),
+            plsh.plsh_attention(q, k, v, slopes, samples=7, sampling=sampling, near_field=0.0),
+            rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("near_field", [-0.1, 1.5, float("nan"), float("inf")])
+def test_a_near_field_outside_zero_one_is_rejected(near_field):
+    q, k, v = random_inputs((8, 2, 4), kv_heads=2, value_dim=4, seed=14)
+    with pytest.raises(ValueError, match="near_field"):
+        plsh.plsh_attention(q, k, v, near_field=near_field)
+    with pytest.raises(ValueError, match="near_field"):
+        plsh.KvCache(2, 2, 4, 4, near_field=near_field)
+
+
+def test_the_pass_kernel_needs_no_near_field():
+    q, k, v = random_inputs((8, 2, 4), kv_heads=2, value_dim=4, seed=15)
+    with pytest.raises(ValueError, match="near_field must be 0"):
+        plsh.plsh_attention(q, k, v, kernel="passes")
+    plsh.plsh_attention(q, k, v, kernel="passes", near_field=0)
+

@@ -12,16 +12,17 @@ from conftest import (assert_rounded, from_bfloat16_bits, from_storage, random_i
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("chunk", [1, 7])
 @pytest.mark.parametrize("sampling", ["independent", "latin_hypercube"])
-def test_kv_cache_decode_equals_the_full_forward(dtype, chunk, sampling):
+@pytest.mark.parametrize("near_field", [0.0, 0.2])
+def test_kv_cache_decode_equals_the_full_forward(dtype, chunk, sampling, near_field):
     n, heads, kv_heads, dim, value_dim = 60, 4, 2, 8, 5
     q, k, v = random_inputs((n, heads, dim), kv_heads=kv_heads, value_dim=value_dim, seed=12,
                             dtype=dtype)
     slopes = [0.3, 0.2, 0.1, 0.05]
-    full = plsh.plsh_attention(q, k, v, slopes, samples=8, seed=6, sampling=sampling,
-                               key_position=0)
-    cache = plsh.KvCache(heads, kv_heads, dim, value_dim, slopes, samples=8, seed=6,
-                         sampling=sampling, dtype=dtype)
+    estimator = dict(samples=8, seed=6, sampling=sampling, near_field=near_field)
+    full = plsh.plsh_attention(q, k, v, slopes, key_position=0, **estimator)
+    cache = plsh.KvCache(heads, kv_heads, dim, value_dim, slopes, dtype=dtype, **estimator)
     assert cache.dtype == np.dtype(dtype)
+    assert cache.options["near_field"] == near_field
     outputs = []
     for start in range(0, n, chunk):
         stop = min(n, start + chunk)
@@ -29,7 +30,10 @@ def test_kv_cache_decode_equals_the_full_forward(dtype, chunk, sampling):
         assert cache.position == stop
         assert cache.oldest_position == cache.position - cache.resident
         outputs.append(cache.attend(q[start:stop]))
-    if sampling == "independent":
+    if near_field > 0:
+        # The near field of the slope-0.05 head reaches floor(ln 5 / 0.05) = 32 positions back.
+        assert cache.resident >= 33
+    elif sampling == "independent":
         assert cache.resident < n  # keys no query can reach were forgotten
     else:
         # Here one Latin hypercube block of the slope-0.05 head holds positions 0 to n - 1: the

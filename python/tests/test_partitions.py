@@ -69,10 +69,10 @@ def test_draw_head_grids_and_head_seed():
 def test_kernel_grids_follow_the_sampling():
     slopes = [0.5, 0.1, 0.01]
     independent = plsh.draw_head_grids(slopes, 6, 11)
-    assert plsh.kernel_grids(slopes, 6, 11) == independent
     assert plsh.kernel_grids(slopes, 6, 11, sampling="independent") == independent
     latin = plsh.kernel_grids(slopes, 6, 11, sampling="latin_hypercube")
-    assert latin == plsh.kernel_grids(slopes, 6, 11, sampling="latin_hypercube")
+    assert latin == plsh.kernel_grids(slopes, 6, 11)  # the default, as the kernels'
+    assert plsh.PLSH_DEFAULTS["sampling"] == "latin_hypercube"
     assert [len(head) for head in latin] == [6, 6, 6]
     for h in range(len(slopes)):
         assert latin[h] != independent[h]

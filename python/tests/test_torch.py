@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 import plsh  # noqa: E402
 import plsh.torch as pt  # noqa: E402
-from conftest import UNIT_ROUNDOFF, assert_rounded_values, same_bin  # noqa: E402
+from conftest import UNIT_ROUNDOFF, alibi_log_factor, assert_rounded_values  # noqa: E402
 
 
 def random_tensors(batch=2, n=24, heads=4, kv_heads=2, dim=8, value_dim=6, n_k=None, seed=0,
@@ -47,20 +47,20 @@ def dense_alibi(q, k, v, slopes, causal=True, softmax_scale=None, query_position
     return (weights @ vh).transpose(-2, -3)
 
 
-def log_counts(slopes, samples, seed, n_q, n_k, query_position=0, key_position=0,
-               sampling="independent"):
+def log_counts(slopes, samples, seed, n_q, n_k, query_position=0, key_position=0, **estimator):
+    """The log factors [H, n_q, n_k] of Positional LSH (conftest.alibi_log_factor)."""
     i = query_position + np.arange(n_q)[:, None]
     j = key_position + np.arange(n_k)[None, :]
-    grids = plsh.kernel_grids(slopes, samples, seed, sampling=sampling)
-    counts = np.stack([sum(same_bin(g, i, j).astype(np.float64) for g in head) for head in grids])
-    with np.errstate(divide="ignore"):
-        return torch.from_numpy(np.log(counts / samples))
+    factor = alibi_log_factor(slopes, samples, seed, **estimator)
+    return torch.from_numpy(np.stack([factor(h, i, j) for h in range(len(slopes))]))
 
 
 OPTIONS = dict(causal=True, softmax_scale=None, query_position=7, key_position=2)
 
 # The draws of each Positional LSH method of the tests.
-SAMPLING = {"plsh": "independent", "plsh latin": "latin_hypercube"}
+ESTIMATOR = {"plsh": dict(sampling="independent", near_field=0.0),
+             "plsh latin": dict(sampling="latin_hypercube", near_field=0.0),
+             "plsh near field": dict(sampling="latin_hypercube", near_field=0.1)}
 
 
 def assert_close(a, b, atol):
@@ -68,7 +68,7 @@ def assert_close(a, b, atol):
     assert torch.allclose(a, b, rtol=0, atol=atol), (a - b).abs().max().item()
 
 
-@pytest.mark.parametrize("method", ["exact", "plsh", "plsh latin"])
+@pytest.mark.parametrize("method", ["exact", "plsh", "plsh latin", "plsh near field"])
 def test_forward_and_gradients_against_dense_pytorch(method):
     q, k, v = random_tensors(seed=1)
     slopes = [0.4, 0.2, 0.1, 0.0]
@@ -76,9 +76,9 @@ def test_forward_and_gradients_against_dense_pytorch(method):
         out = pt.exact_alibi_attention(q, k, v, slopes, **OPTIONS)
         reference = dense_alibi(q, k, v, slopes, **OPTIONS)
     else:
-        sampling = SAMPLING[method]
-        out = pt.plsh_attention(q, k, v, slopes, samples=7, seed=3, sampling=sampling, **OPTIONS)
-        counts = log_counts(slopes, 7, 3, q.shape[1], k.shape[1], 7, 2, sampling)
+        estimator = ESTIMATOR[method]
+        out = pt.plsh_attention(q, k, v, slopes, samples=7, seed=3, **estimator, **OPTIONS)
+        counts = log_counts(slopes, 7, 3, q.shape[1], k.shape[1], 7, 2, **estimator)
         reference = dense_alibi(q, k, v, slopes, log_counts=counts, **OPTIONS)
     assert_close(out, reference, 1e-12)
     weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(5),
@@ -89,7 +89,7 @@ def test_forward_and_gradients_against_dense_pytorch(method):
         assert_close(grad, reference_grad, 1e-11)
 
 
-@pytest.mark.parametrize("method", ["exact", "plsh", "plsh latin"])
+@pytest.mark.parametrize("method", ["exact", "plsh", "plsh latin", "plsh near field"])
 def test_results_equal_the_cpp_kernels_bit_for_bit(method):
     q, k, v = random_tensors(dtype=torch.float32, seed=2)
     arrays = [t.detach().numpy() for t in (q, k, v)]
@@ -99,7 +99,7 @@ def test_results_equal_the_cpp_kernels_bit_for_bit(method):
         expected = plsh.exact_alibi_attention(*arrays, **OPTIONS)
         grads = plsh.exact_alibi_attention_backward(*arrays, expected, dout.numpy(), **OPTIONS)
     else:
-        draws = dict(samples=9, seed=4, sampling=SAMPLING[method])
+        draws = dict(samples=9, seed=4, **ESTIMATOR[method])
         out = pt.plsh_attention(q, k, v, **draws, **OPTIONS)
         expected = plsh.plsh_attention(*arrays, **draws, **OPTIONS)
         grads = plsh.plsh_attention_backward(*arrays, expected, dout.numpy(), **draws, **OPTIONS)
@@ -110,7 +110,7 @@ def test_results_equal_the_cpp_kernels_bit_for_bit(method):
         assert np.array_equal(tensor.grad.numpy(), grad)
 
 
-@pytest.mark.parametrize("method", ["exact", "plsh", "plsh latin"])
+@pytest.mark.parametrize("method", ["exact", "plsh", "plsh latin", "plsh near field"])
 def test_gradcheck_with_grouped_heads_and_offsets(method):
     q, k, v = random_tensors(batch=2, n=6, heads=4, kv_heads=2, dim=3, value_dim=2, n_k=8, seed=3)
     options = dict(causal=True, softmax_scale=0.7, query_position=5, key_position=1)
@@ -120,7 +120,7 @@ def test_gradcheck_with_grouped_heads_and_offsets(method):
     else:
         def function(q, k, v):
             return pt.plsh_attention(q, k, v, [0.5, 0.3, 0.2, 0.1], samples=4, seed=2,
-                                     sampling=SAMPLING[method], **options)
+                                     **ESTIMATOR[method], **options)
     assert torch.autograd.gradcheck(function, (q, k, v), eps=1e-6, atol=1e-7, rtol=1e-5)
 
 
@@ -317,13 +317,15 @@ def test_alibi_attention_module_sampling():
     q, k, v = random_tensors(seed=13, requires_grad=False)
     module = pt.AlibiAttention(4, method="plsh", samples=5, seed=100, sampling="latin_hypercube")
     assert "sampling='latin_hypercube'" in repr(module)
-    assert "sampling='independent'" in repr(pt.AlibiAttention(4))
+    assert "sampling='latin_hypercube'" in repr(pt.AlibiAttention(4))
+    assert "near_field=0.05" in repr(pt.AlibiAttention(4))
     module.train()
     for step in range(2):
         out = module(q, k, v)
         assert torch.equal(out, pt.plsh_attention(q, k, v, samples=5, seed=100 + step,
                                                   sampling="latin_hypercube"))
-        assert not torch.equal(out, pt.plsh_attention(q, k, v, samples=5, seed=100 + step))
+        assert not torch.equal(out, pt.plsh_attention(q, k, v, samples=5, seed=100 + step,
+                                                      sampling="independent"))
     module.eval()
     assert torch.equal(module(q, k, v),
                        pt.plsh_attention(q, k, v, samples=5, seed=100, sampling="latin_hypercube"))

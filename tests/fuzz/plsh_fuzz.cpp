@@ -178,6 +178,9 @@ Config decode(FuzzedDataProvider& data) {
   c.options.samples = data.ConsumeIntegralInRange<Index>(1, 8);
   c.options.seed = data.ConsumeIntegralInRange<std::uint64_t>(0, 3);
   if (data.ConsumeBool()) c.options.seed = data.ConsumeIntegral<std::uint64_t>();
+  // The estimator the oracles below draw (draw_head_grids): independent, no near field.
+  c.options.sampling = plsh::Sampling::Independent;
+  c.options.near_field = 0;
   static const double tolerances[] = {0, 1e-6, 1e-3, 0.1, 0.5, 1};
   c.window_tolerance =
       tolerances[data.ConsumeIntegralInRange<int>(0, sizeof(tolerances) / sizeof(double) - 1)];

@@ -75,6 +75,8 @@ void run(const char* type) {
       options.key_position = shape.n_q == 1 ? 0 : 4;
       options.samples = 7;
       options.seed = 5;
+      options.sampling = plsh::Sampling::Independent;
+      options.near_field = 0;
       const std::string tag = std::string(type) + " shape" + std::to_string(shape_index) +
                               (causal ? " causal" : " bidirectional");
       const auto q = q_tensor.in();

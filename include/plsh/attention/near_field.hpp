@@ -13,8 +13,9 @@
 /// Mean: \f$E[\hat K_{ij}] = e^{-m|p_i - p_j|}\f$ for every pair, as for the block estimator (the
 /// near field is the factor itself; each draw's mask is unbiased beyond it).
 /// Variance: 0 in the near field, where the steep heads put most of their weight; beyond it, the
-/// block estimator's: \f$K_{ij}(1 - K_{ij})/s\f$ with independent draws, at most that with a
-/// Latin hypercube. Cost: the near field lies inside the blocks' union for the distances that
+/// block estimator's: \f$K_{ij}(1 - K_{ij})/s\f$ with independent draws; a Latin hypercube's
+/// draws are dependent, and its variance differs (lower in the measurements of
+/// docs/accuracy.md). Cost: the near field lies inside the blocks' union for the distances that
 /// matter (a union reaches about \f$\ln(s)/m\f$, the near field \f$\ln(1/f)/m\f$), so the
 /// fused kernel sees about the same keys; slope 0 (factor 1 everywhere) makes every key near,
 /// that is exact ALiBi.
