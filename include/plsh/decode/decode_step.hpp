@@ -355,6 +355,7 @@ double decode_step(const KvBuffer<Storage>& buffer, const BlockTracker& blocks, 
     }
   }
 
+  const double log_samples = std::log(static_cast<double>(samples));
   const auto run_job = [&](Index j, DecodeThreadState<Storage>& state) {
     const DecodeJob& job = workspace.jobs[static_cast<std::size_t>(j)];
     const Index g = job.head / group;
@@ -364,7 +365,7 @@ double decode_step(const KvBuffer<Storage>& buffer, const BlockTracker& blocks, 
                               ? blocks.sorted_begins(job.head)
                               : &workspace.begins[static_cast<std::size_t>(index * samples)];
     const Index position = first_query + job.row;
-    DecodeNear job_near{position + 1, position, 0.0, std::log(static_cast<double>(samples))};
+    DecodeNear job_near{position + 1, position, 0.0, log_samples};
     if (!near.empty() && near[static_cast<std::size_t>(job.head)].reach >= 0) {
       job_near.first = position - near[static_cast<std::size_t>(job.head)].reach;
       job_near.slope = near[static_cast<std::size_t>(job.head)].slope;
