@@ -460,7 +460,8 @@ def decoding():
     if team:
         text += "\n\n" + table(["`team_step` (arithmetic only, no data between cores)", "µs"],
                                team)
-    return text + "\n\nOne `decode` of one token per iteration (8 heads, d = 64, s = 20); from " \
+    return text + "\n\nOne `decode` of one token per iteration (8 heads, d = 64, s = 20 independent " \
+        "draws, no near field); from " \
         + describe_context(runs.context, source) + "."
 
 
