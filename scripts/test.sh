@@ -19,7 +19,10 @@
 #            (--system-site-packages), its pytest suite against the installed package
 #            (scripts/python.sh test), and the training comparison's quick mode
 #   fuzz     tests/fuzz/run.sh: the libFuzzer target (clang++, ASan, UBSan) on the regression
-#            inputs, then PLSH_FUZZ_SECONDS (default 60) of fuzzing from tests/fuzz/corpus
+#            inputs, then PLSH_FUZZ_SECONDS (default 60) of fuzzing from tests/fuzz/corpus. Its
+#            build (one translation unit, one core) starts in the background with the mpi or
+#            python phase, whichever comes first, and its log is printed in the fuzz phase; the
+#            regression inputs and the fuzzing run on their own, after the other phases
 #
 #   scripts/test.sh [format|release|asan|mpi|python|fuzz]...    (no argument: all six)
 #
@@ -74,7 +77,25 @@ print_timings() {
     echo "== plsh: FAILED (status ${status})"
   fi
 }
-trap print_timings EXIT
+
+# The fuzz target's build, started beside the mpi and python phases (start_fuzz_build) and waited
+# for by the fuzz phase.
+fuzz_build_pid=""
+fuzz_build_log=build/fuzz-build.log
+start_fuzz_build() {
+  # Its packages are installed here, in the foreground, so that apt-get never runs twice at once.
+  (plsh_ensure_deps clang libclang-rt-14-dev) || true
+  mkdir -p build
+  echo "plsh: building the fuzz target in the background (log: ${fuzz_build_log})"
+  bash tests/fuzz/run.sh build >"${fuzz_build_log}" 2>&1 &
+  fuzz_build_pid=$!
+}
+stop_fuzz_build() {
+  if [[ -n "${fuzz_build_pid}" ]] && kill -0 "${fuzz_build_pid}" 2>/dev/null; then
+    kill "${fuzz_build_pid}" 2>/dev/null || true
+  fi
+}
+trap 'print_timings; stop_fuzz_build' EXIT
 
 run_phase() {
   local name=$1
@@ -165,13 +186,46 @@ python_phase() {
   build/python-venv/bin/python examples/python/compare.py --quick
 }
 
+fuzz_phase() {
+  if [[ -z "${fuzz_build_pid}" ]]; then
+    bash tests/fuzz/run.sh
+    return
+  fi
+  local status=0
+  wait "${fuzz_build_pid}" || status=$?
+  fuzz_build_pid=""
+  echo "plsh: the fuzz target's build (beside the earlier phases):"
+  cat "${fuzz_build_log}"
+  if ((status != 0)); then
+    echo "plsh: the fuzz target's build failed (status ${status})" >&2
+    return "${status}"
+  fi
+  bash tests/fuzz/run.sh run
+}
+
+wants_fuzz=0
+for phase in "${phases[@]}"; do
+  if [[ "${phase}" == fuzz ]]; then
+    wants_fuzz=1
+  fi
+done
+
 for phase in "${phases[@]}"; do
   case "${phase}" in
     format) run_phase format check_format ;;
     release) run_phase release release ;;
     asan) run_phase asan asan ;;
+    mpi | python)
+      if ((wants_fuzz)); then
+        start_fuzz_build
+        wants_fuzz=0
+      fi
+      ;;&
     mpi) run_phase mpi mpi_phase ;;
     python) run_phase python python_phase ;;
-    fuzz) run_phase fuzz bash tests/fuzz/run.sh ;;
+    fuzz)
+      wants_fuzz=0
+      run_phase fuzz fuzz_phase
+      ;;
   esac
 done

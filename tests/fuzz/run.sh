@@ -5,7 +5,10 @@
 # exception other than std::invalid_argument, an input running longer than 10 s) makes the exit
 # status non-zero; the input is kept in build/fuzz/findings/.
 #
-#   tests/fuzz/run.sh
+#   tests/fuzz/run.sh [build|run]    (no argument: both)
+#
+# `build` only configures and builds (scripts/test.sh starts it early, beside other phases);
+# `run` builds what is out of date, then runs the inputs and fuzzes.
 #
 # Environment: PLSH_FUZZ_SECONDS (fuzzing time, default 60), PLSH_FUZZ_SEED (libFuzzer seed,
 # default 1, so that a run is repeatable up to its time limit), PLSH_FUZZ_CXX (default clang++),
@@ -17,6 +20,14 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 # shellcheck source=scripts/deps.sh
 source scripts/deps.sh
 
+step="${1:-all}"
+case "${step}" in
+  all | build | run) ;;
+  *)
+    echo "usage: tests/fuzz/run.sh [build|run]" >&2
+    exit 2
+    ;;
+esac
 seconds="${PLSH_FUZZ_SECONDS:-60}"
 cxx="${PLSH_FUZZ_CXX:-clang++}"
 jobs="${PLSH_JOBS:-2}"
@@ -47,8 +58,13 @@ if ! have_libfuzzer; then
 fi
 plsh_ensure_deps
 
-cmake -S tests/fuzz -B "${build}" -DCMAKE_CXX_COMPILER="${cxx}"
+if [[ "${step}" != run || ! -f "${build}/CMakeCache.txt" ]]; then
+  cmake -S tests/fuzz -B "${build}" -DCMAKE_CXX_COMPILER="${cxx}"
+fi
 cmake --build "${build}" -j "${jobs}"
+if [[ "${step}" == build ]]; then
+  exit 0
+fi
 fuzzer="${build}/plsh_fuzz"
 findings="${build}/findings"
 rm -rf "${findings}" "${build}/corpus"
