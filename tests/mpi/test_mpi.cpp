@@ -130,6 +130,10 @@ void for_each_case(Check&& check) {
             // Grouped heads in every other position case, so that both meet every layout.
             const Index kv_heads = (p + (causal ? 1 : 0)) % 2 == 0 ? 4 : 2;
             plsh::PlshOptions options;
+            // The paper's estimator, whose halo draw_head_grids gives (the sampling and near
+            // field have a test of their own below).
+            options.sampling = plsh::Sampling::Independent;
+            options.near_field = 0;
             options.causal = causal;
             options.query_position = positions.query_position;
             options.key_position = positions.key_position;
@@ -585,6 +589,7 @@ void require_every_entry_point_rejects_mixed_types() {
                << ", rank " << other << " " << scalar_name<Theirs>());
 
   plsh::PlshOptions options;
+  options.near_field = 0;  // the function Passes computes
   for (const plsh::Kernel kernel : {plsh::Kernel::Fused, plsh::Kernel::Passes}) {
     options.kernel = kernel;
     REQUIRE_THROWS_MATCHES(

@@ -13,12 +13,11 @@
 /// Mean: \f$E[\hat K_{ij}] = e^{-m|p_i - p_j|}\f$ for every pair, as for the block estimator (the
 /// near field is the factor itself; each draw's mask is unbiased beyond it).
 /// Variance: 0 in the near field, where the steep heads put most of their weight; beyond it, the
-/// block estimator's: \f$K_{ij}(1 - K_{ij})/s\f$ with independent draws; a Latin hypercube's
-/// draws are dependent, and its variance differs (lower in the measurements of
-/// docs/accuracy.md). Cost: the near field lies inside the blocks' union for the distances that
-/// matter (a union reaches about \f$\ln(s)/m\f$, the near field \f$\ln(1/f)/m\f$), so the
-/// fused kernel sees about the same keys; slope 0 (factor 1 everywhere) makes every key near,
-/// that is exact ALiBi.
+/// block estimator's: \f$K_{ij}(1 - K_{ij})/s\f$ with independent draws, at most s/(s - 1)
+/// times that with a Latin hypercube (Owen, 1997). Cost: the near field lies inside the blocks'
+/// union for the distances that matter (a union reaches about \f$\ln(s)/m\f$, the near field
+/// \f$\ln(1/f)/m\f$), so the fused kernel sees about the same keys; slope 0 (factor 1 everywhere)
+/// makes every key near, that is exact ALiBi.
 ///
 /// In the fused kernel and its backward the weights are \f$s \hat K_{ij}\f$, looked up by index
 /// in one table per head (fill_log_weights): an index c in [0, s] is a block count (weight c), an
