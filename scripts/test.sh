@@ -19,10 +19,11 @@
 #            (--system-site-packages), its pytest suite against the installed package
 #            (scripts/python.sh test), and the training comparison's quick mode
 #   fuzz     tests/fuzz/run.sh: the libFuzzer target (clang++, ASan, UBSan) on the regression
-#            inputs, then PLSH_FUZZ_SECONDS (default 60) of fuzzing from tests/fuzz/corpus. Its
-#            build (one translation unit, one core) starts in the background with the mpi or
-#            python phase, whichever comes first, and its log is printed in the fuzz phase; the
-#            regression inputs and the fuzzing run on their own, after the other phases
+#            inputs, then PLSH_FUZZ_SECONDS (default 60, shared by PLSH_JOBS processes at once) of
+#            fuzzing from tests/fuzz/corpus. Its build (one translation unit, one core) starts in
+#            the background with the mpi or python phase, whichever comes first, and its log is
+#            printed in the fuzz phase; the regression inputs and the fuzzing run on their own,
+#            after the other phases
 #
 #   scripts/test.sh [format|release|asan|mpi|python|fuzz]...    (no argument: all six)
 #

@@ -10,9 +10,10 @@
 # `build` only configures and builds (scripts/test.sh starts it early, beside other phases);
 # `run` builds what is out of date, then runs the inputs and fuzzes.
 #
-# Environment: PLSH_FUZZ_SECONDS (fuzzing time, default 60), PLSH_FUZZ_SEED (libFuzzer seed,
-# default 1, so that a run is repeatable up to its time limit), PLSH_FUZZ_CXX (default clang++),
-# PLSH_JOBS (build jobs, default 2). Without clang++ and libFuzzer, installs them when running as
+# Environment: PLSH_FUZZ_SECONDS (fuzzing time, default 60, shared by PLSH_JOBS fuzzing processes
+# that run at once: 30 s each with the defaults), PLSH_FUZZ_SEED (libFuzzer seed of the first
+# process, default 1, the next ones counting up, so that a run is repeatable up to its time
+# limit), PLSH_FUZZ_CXX (default clang++), PLSH_JOBS (build jobs and fuzzing processes, default 2). Without clang++ and libFuzzer, installs them when running as
 # root (or with password-less sudo); otherwise says so and exits 0.
 set -euo pipefail
 
@@ -86,14 +87,29 @@ done
 echo "plsh fuzz: ${regressions} regression inputs run, ${#failed[@]} failed"
 
 cp tests/fuzz/corpus/* "${build}/corpus/"
-status=0
+# PLSH_JOBS processes fuzz at once from the shared corpus, each with its own seed and an equal
+# share of the time.
+workers=$((jobs > 1 ? jobs : 1))
+share=$(((seconds + workers - 1) / workers))
+seed="${PLSH_FUZZ_SEED:-1}"
 start=${SECONDS}
-"${fuzzer}" -max_total_time="${seconds}" -seed="${PLSH_FUZZ_SEED:-1}" -timeout=10 -print_final_stats=1 \
-  -artifact_prefix="${findings}/" "${build}/corpus" 2>&1 | tee "${build}/fuzz.log" ||
-  status=$?
-executions="$(sed -n 's/^stat::number_of_executed_units: *//p' "${build}/fuzz.log")"
-echo "plsh fuzz: ${executions:-?} executions in $((SECONDS - start)) s" \
-  "(limit ${seconds} s: PLSH_FUZZ_SECONDS)"
+pids=()
+for ((worker = 0; worker < workers; ++worker)); do
+  "${fuzzer}" -max_total_time="${share}" -seed="$((seed + worker))" -timeout=10 \
+    -print_final_stats=1 -artifact_prefix="${findings}/" "${build}/corpus" \
+    >"${build}/fuzz-${worker}.log" 2>&1 &
+  pids+=($!)
+done
+status=0
+executions=0
+for ((worker = 0; worker < workers; ++worker)); do
+  wait "${pids[worker]}" || status=$?
+  cat "${build}/fuzz-${worker}.log"
+  count="$(sed -n 's/^stat::number_of_executed_units: *//p' "${build}/fuzz-${worker}.log")"
+  executions=$((executions + ${count:-0}))
+done
+echo "plsh fuzz: ${executions} executions by ${workers} processes of ${share} s in" \
+  "$((SECONDS - start)) s (PLSH_FUZZ_SECONDS = ${seconds})"
 if ((status != 0)); then
   echo "plsh fuzz: finding (status ${status}); inputs in ${findings}:" >&2
   ls -l "${findings}" >&2
