@@ -106,15 +106,10 @@ class KvCache {
         options_(options),
         blocks_(checked_grids(heads, kv_heads, dim, value_dim, slopes_, options), options.samples,
                 options.key_position),
-        buffer_(kv_heads, dim, value_dim, options.key_position) {
-    if (options.near_field > 0) {
-      for (const double slope : slopes_) {
-        near_.push_back(detail::NearField{
-            slope, detail::near_field_reach(slope, options.near_field, kMaxPosition)});
-        near_reach_ = std::max(near_reach_, near_.back().reach);
-      }
-    }
-  }
+        buffer_(kv_heads, dim, value_dim, options.key_position),
+        near_(detail::head_near_fields(slopes_, options.near_field,
+                                       detail::PositionRange{0, kMaxPosition})),
+        near_reach_(detail::largest_reach(near_)) {}
 
   /// Appends the keys and values of positions `position() .. position() + k.tokens - 1`, after
   /// evicting the keys that no query at `position()` or later can reach.
@@ -240,9 +235,7 @@ class KvCache {
                     "options.key_position must lie in [0, kMaxPosition = 2^53]");
     detail::validate_scale<detail::Compute<Scalar>>(function, options, dim);
     auto grids = detail::kernel_grids(slopes, options, function);
-    detail::require(
-        options.near_field == 0 || options.kernel == Kernel::Fused, function,
-        "options.near_field must be 0 with Kernel::Passes (PlshOptions defaults to 0.05)");
+    detail::require_near_field_kernel(options, options.kernel == Kernel::Passes, function);
     return grids;
   }
 
@@ -317,7 +310,7 @@ class KvCache {
   detail::BlockTracker blocks_;
   detail::KvBuffer<Scalar> buffer_;
   std::vector<detail::NearField> near_;  // per head, empty without a near field
-  Index near_reach_ = -1;                // the largest reach of near_
+  Index near_reach_;                     // the largest reach of near_ (-1: none)
   Index last_append_ = 0;
   bool reverse_heads_ = false;     // the next one-token decode runs its heads last to first
   detail::DecodeModeChoice mode_;  // one-token decode steps on all threads or on the caller's

@@ -106,14 +106,11 @@ inline std::vector<Block> plsh_reach(const mpi::ChunkLayout& layout,
                                      const std::vector<double>& slopes, const PlshOptions& options,
                                      const char* function) {
   const auto grids = kernel_grids(slopes, options, function);
-  const Index n = layout.tokens();
-  const PositionRange range{std::min(options.query_position, options.key_position),
-                            std::max(options.query_position, options.key_position) + n};
-  Index near_reach = -1;
-  for (const double slope : slopes) {
-    near_reach = std::max(near_reach, head_near_field(slope, options.near_field, range).reach);
-  }
-  return plsh_reachable_keys(layout, grids, options, near_reach);
+  const PositionRange range{
+      std::min(options.query_position, options.key_position),
+      std::max(options.query_position, options.key_position) + layout.tokens()};
+  return plsh_reachable_keys(layout, grids, options,
+                             largest_reach(head_near_fields(slopes, options.near_field, range)));
 }
 
 }  // namespace detail

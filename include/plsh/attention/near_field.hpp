@@ -61,6 +61,24 @@ inline NearField head_near_field(double slope, double near_field, const Position
       slope, near_field_reach(slope, near_field, std::max<Index>(range.last - range.first, 0))};
 }
 
+/// The near fields of every head of `slopes` in a call whose positions are `range`
+/// (head_near_field), or none (an empty list) for `near_field` = 0.
+inline std::vector<NearField> head_near_fields(const std::vector<double>& slopes, double near_field,
+                                               const PositionRange& range) {
+  std::vector<NearField> fields;
+  if (near_field == 0) return fields;
+  fields.reserve(slopes.size());
+  for (const double slope : slopes) fields.push_back(head_near_field(slope, near_field, range));
+  return fields;
+}
+
+/// The largest reach of `fields` (-1: none).
+inline Index largest_reach(const std::vector<NearField>& fields) {
+  Index reach = -1;
+  for (const NearField& field : fields) reach = std::max(reach, field.reach);
+  return reach;
+}
+
 /// `table` = the logarithms of the fused kernel's weights \f$s \hat K\f$ by index: \f$\log c\f$
 /// for a count c = 0 .. s (\f$\log 0 = -\infty\f$), then \f$\log s - m d\f$ at s + 1 + d for the
 /// near distances d = 0 .. `reach` (none for reach -1). Filled only when (s, slope, reach)

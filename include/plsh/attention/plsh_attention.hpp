@@ -53,10 +53,7 @@ void batched_plsh_attention(const BatchedHeadsView<const Scalar>& q,
   validate_plsh("plsh_attention", q[0], k[0], v[0], out[0], slopes, options, memory_of(q));
   const auto grids = kernel_grids(slopes, options, "plsh_attention");
   const bool passes = sizeof...(RegularKernel) == 1 || options.kernel == Kernel::Passes;
-  require(
-      !passes || options.near_field == 0, "plsh_attention",
-      "options.near_field must be 0 with Kernel::Passes or a regular kernel, which evaluate block "
-      "masks only (PlshOptions defaults to 0.05)");
+  require_near_field_kernel(options, passes, "plsh_attention");
   if constexpr (sizeof...(RegularKernel) == 1) {
     pass_attention(q, k, v, out, grids, options, kernel...);
   } else if (passes) {
