@@ -1,4 +1,5 @@
-// The kernels' batched cores for the four storage types, compiled once (kernel_instances.cpp, in
+// The kernels' batched cores for the four storage types, and the inner kernels that inline code
+// calls directly (KvCache's steps, regular_attention), compiled once (kernel_instances_*.cpp, in
 // the library every unit test links) instead of in every test that calls them: each test file
 // that includes this header only declares them (extern template), which takes most of the code
 // generation out of those files' compilation. The public entry points (unbatched and batched) are
@@ -12,7 +13,11 @@
 
 #include <plsh/attention/alibi_attention.hpp>
 #include <plsh/attention/backward.hpp>
+#include <plsh/attention/fused_kernel.hpp>
+#include <plsh/attention/pass_kernel.hpp>
 #include <plsh/attention/plsh_attention.hpp>
+#include <plsh/attention/regular.hpp>
+#include <plsh/decode/decode_step.hpp>
 
 // PLSH_TEST_KERNEL_INSTANCES(extern template, S) declares the cores for storage type S;
 // PLSH_TEST_KERNEL_INSTANCES(template, S) instantiates them.
@@ -59,9 +64,62 @@
       const plsh::BatchedHeadsView<S>&, const plsh::BatchedHeadsView<S>&, plsh::Index,       \
       const plsh::AttentionOptions&);
 
+// PLSH_TEST_INNER_INSTANCES(PREFIX, S): the inner kernels for storage type S, which the public
+// entry points reach through the cores above and KvCache (an inline class) calls itself.
+#define PLSH_TEST_INNER_INSTANCES(PREFIX, S)                                                       \
+  PREFIX void plsh::detail::fused_attention<S>(                                                    \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,              \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,                    \
+      const std::vector<std::vector<plsh::Grid>>&, const std::vector<double>&,                     \
+      const plsh::AttentionOptions&, double, plsh::Index);                                         \
+  PREFIX void plsh::detail::fused_attention<S>(                                                    \
+      const plsh::HeadsView<const S>&, const plsh::HeadsView<const S>&,                            \
+      const plsh::HeadsView<const S>&, const plsh::HeadsView<S>&,                                  \
+      const std::vector<std::vector<plsh::Grid>>&, const std::vector<double>&,                     \
+      const plsh::AttentionOptions&, double, plsh::Index);                                         \
+  PREFIX void plsh::detail::pass_attention<S, plsh::RegularAttention>(                             \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,              \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,                    \
+      const std::vector<std::vector<plsh::Grid>>&, const plsh::AttentionOptions&,                  \
+      plsh::RegularAttention&&);                                                                   \
+  PREFIX void plsh::detail::pass_attention<S, plsh::RegularAttention&>(                            \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,              \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,                    \
+      const std::vector<std::vector<plsh::Grid>>&, const plsh::AttentionOptions&,                  \
+      plsh::RegularAttention&);                                                                    \
+  PREFIX void plsh::detail::pass_attention<S, plsh::RegularAttention>(                             \
+      const plsh::HeadsView<const S>&, const plsh::HeadsView<const S>&,                            \
+      const plsh::HeadsView<const S>&, const plsh::HeadsView<S>&,                                  \
+      const std::vector<std::vector<plsh::Grid>>&, const plsh::AttentionOptions&,                  \
+      plsh::RegularAttention&&);                                                                   \
+  PREFIX double plsh::detail::decode_step<S>(                                                      \
+      const plsh::detail::KvBuffer<S>&, const plsh::detail::BlockTracker&, plsh::Index,            \
+      plsh::Index, const plsh::HeadsView<const S>&, const plsh::HeadsView<S>&, double, bool, bool, \
+      plsh::detail::DecodeWorkspace<S>&, const std::vector<plsh::detail::NearField>&);             \
+  PREFIX void plsh::detail::attend_rows<S>(                                                        \
+      const plsh::ConstHeadMap<S>&, const plsh::ConstHeadMap<S>&, const plsh::ConstHeadMap<S>&,    \
+      const plsh::AttentionOptions&, const plsh::detail::LinearBias&, plsh::Index, plsh::Index,    \
+      plsh::HeadMap<S>&, plsh::detail::Compute<S>*);                                               \
+  PREFIX void plsh::detail::attend_span<S>(                                                        \
+      const plsh::ConstHeadMap<S>&, const plsh::ConstHeadMap<S>&, const plsh::ConstHeadMap<S>&,    \
+      const plsh::AttentionOptions&, const plsh::detail::LinearBias&, plsh::HeadMap<S>&,           \
+      plsh::detail::Compute<S>*);
+
+// regular_attention<S> takes the compute types only.
+#define PLSH_TEST_REGULAR_INSTANCE(PREFIX, S)                                                   \
+  PREFIX void plsh::regular_attention<S>(                                                       \
+      const plsh::ConstHeadMap<S>&, const plsh::ConstHeadMap<S>&, const plsh::ConstHeadMap<S>&, \
+      const plsh::AttentionOptions&, plsh::HeadMap<S>, plsh::LseMap<S>);
+
 PLSH_TEST_KERNEL_INSTANCES(extern template, float)
 PLSH_TEST_KERNEL_INSTANCES(extern template, double)
 PLSH_TEST_KERNEL_INSTANCES(extern template, Eigen::bfloat16)
 PLSH_TEST_KERNEL_INSTANCES(extern template, Eigen::half)
+PLSH_TEST_INNER_INSTANCES(extern template, float)
+PLSH_TEST_INNER_INSTANCES(extern template, double)
+PLSH_TEST_INNER_INSTANCES(extern template, Eigen::bfloat16)
+PLSH_TEST_INNER_INSTANCES(extern template, Eigen::half)
+PLSH_TEST_REGULAR_INSTANCE(extern template, float)
+PLSH_TEST_REGULAR_INSTANCE(extern template, double)
 
 #endif  // PLSH_TESTS_KERNEL_INSTANCES_HPP

@@ -4,3 +4,5 @@
 #include "kernel_instances.hpp"
 
 PLSH_TEST_KERNEL_INSTANCES(template, float)
+PLSH_TEST_INNER_INSTANCES(template, float)
+PLSH_TEST_REGULAR_INSTANCE(template, float)

@@ -4,3 +4,4 @@
 #include "kernel_instances.hpp"
 
 PLSH_TEST_KERNEL_INSTANCES(template, Eigen::half)
+PLSH_TEST_INNER_INSTANCES(template, Eigen::half)

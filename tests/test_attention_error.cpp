@@ -17,6 +17,7 @@
 
 #include "attention_fixture.hpp"
 #include "fill.hpp"
+#include "kernel_instances.hpp"
 #include "skip.hpp"
 
 namespace {

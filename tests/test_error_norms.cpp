@@ -20,6 +20,7 @@
 #include <plsh/sampler.hpp>
 
 #include "fill.hpp"
+#include "kernel_instances.hpp"
 #include "skip.hpp"
 
 namespace {

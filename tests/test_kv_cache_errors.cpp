@@ -13,6 +13,8 @@
 #include <plsh/kv_cache.hpp>
 #include <plsh/limits.hpp>
 
+#include "kernel_instances.hpp"
+
 namespace {
 
 using plsh::HeadsView;

@@ -41,8 +41,6 @@ using plsh_test::run_plsh;
 using plsh_test::Shape;
 using plsh_test::type_name;
 
-constexpr double kInfinity = std::numeric_limits<double>::infinity();
-
 /// Passes and Fused against reference::plsh_attention for samples s = 1, 3, 20 and each seed.
 template <class Scalar>
 void check_plsh_kernels(const Shape& shape, const plsh::AttentionOptions& base,

@@ -13,6 +13,7 @@
 #include <plsh/attention/regular.hpp>
 
 #include "attention_fixture.hpp"
+#include "kernel_instances.hpp"
 
 namespace {
 

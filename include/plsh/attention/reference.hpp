@@ -214,7 +214,7 @@ inline auto near_field_log_factor(const std::vector<std::vector<Grid>>& grids,
   for (const double slope : slopes) {
     reach.push_back(detail::head_near_field(slope, near_field, range).reach);
   }
-  return [&grids, &slopes, reach, blocks = mean_mask_log_factor(grids)](Index h, Index i, Index j) {
+  return [&slopes, reach, blocks = mean_mask_log_factor(grids)](Index h, Index i, Index j) {
     const Index distance = std::abs(i - j);
     if (distance <= reach[static_cast<std::size_t>(h)]) {
       return -slopes[static_cast<std::size_t>(h)] * static_cast<double>(distance);
