@@ -20,7 +20,6 @@
 #include <plsh/sampler.hpp>
 
 #include "fill.hpp"
-#include "kernel_instances.hpp"
 #include "skip.hpp"
 
 namespace {
