@@ -3,7 +3,7 @@
 // kernel_grids returns, so they equal the dense double references (reference::mask_attention,
 // reference::factor_attention_backward with reference::mean_mask_log_factor) fed those grids; and
 // every entry point rejects a value outside the enumeration, naming itself. The draws themselves
-// are tested in test_sampler.cpp.
+// are tested in test_sampler.cpp and test_latin_hypercube.cpp.
 //
 // Tolerances: reference_tolerance of the attention fixture for the forward (3e-5 float, 1e-11
 // double); the backward in double sums a few hundred terms per gradient entry in another order
