@@ -27,9 +27,7 @@ namespace {
 
 using plsh::Grid;
 using plsh::Index;
-using plsh_test::bits;
 using plsh_test::kStandardErrors;
-using plsh_test::mean_of;
 using plsh_test::same_bits;
 using plsh_test::variance_of;
 
@@ -82,7 +80,7 @@ TEST_CASE("Latin hypercube draws are pure functions of (slope, seed, count)",
     for (std::size_t t = 0; t < a.size(); ++t) {
       CHECK(same_bits(a[t], b[t]));
       CHECK_FALSE(same_bits(a[t], other[t]));
-      pitches.insert(bits(a[t].pitch));
+      pitches.insert(plsh_test::bits(a[t].pitch));
     }
     CHECK(pitches.size() == 20);
   }
@@ -163,7 +161,7 @@ TEST_CASE("Latin hypercube draws remove the seed-to-seed variance of the mean pi
   INFO("variance of the mean pitch: independent "
        << variance_of(independent) << " (expected " << independent_variance << "), Latin hypercube "
        << variance_of(latin_hypercube) << " (bound " << latin_hypercube_bound << ")");
-  CHECK(std::abs(mean_of(latin_hypercube) - 2 * theta) <=
+  CHECK(std::abs(plsh_test::mean_of(latin_hypercube) - 2 * theta) <=
         kStandardErrors * std::sqrt(latin_hypercube_bound / seeds));
   CHECK(variance_of(independent) >= 0.5 * independent_variance);
   CHECK(variance_of(latin_hypercube) <= 1.5 * latin_hypercube_bound);
