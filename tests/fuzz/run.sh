@@ -13,8 +13,9 @@
 # Environment: PLSH_FUZZ_SECONDS (fuzzing time, default 60, shared by PLSH_JOBS fuzzing processes
 # that run at once: 30 s each with the defaults), PLSH_FUZZ_SEED (libFuzzer seed of the first
 # process, default 1, the next ones counting up, so that a run is repeatable up to its time
-# limit), PLSH_FUZZ_CXX (default clang++), PLSH_JOBS (build jobs and fuzzing processes, default 2). Without clang++ and libFuzzer, installs them when running as
-# root (or with password-less sudo); otherwise says so and exits 0.
+# limit), PLSH_FUZZ_CXX (default clang++), PLSH_JOBS (build jobs and fuzzing processes, default
+# 2). Without clang++ and libFuzzer, installs them when running as root (or with password-less
+# sudo); otherwise says so and exits 0.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
