@@ -15,6 +15,8 @@ Attention below, which runs the variant's kernel. Variants:
   fixed  causal attention within fixed blocks of 64 tokens (plsh.torch.fixed_block_attention
          when the module provides it, otherwise the pure PyTorch block attention below; the
          result file records which one ran)
+  truncated  plsh.torch.truncated_alibi_attention: exact ALiBi over the keys whose factor
+         exp(-m|i-j|) is at least --truncate-factor (default 0.05), none beyond
 
 Data: the King James Bible as shipped by Debian's bible-kjv package, dumped with
 `bible -f gen1:1-rev22:21`, verse references ("Ge1:1 ") stripped, one verse per line;
@@ -25,6 +27,13 @@ every variant of one seed sees the same windows in the same order. Validation us
 prefix of the validation text cut into non-overlapping windows of length L, 2L and 4L (the
 same bytes at every length); the loss is averaged over all positions of every window, in
 nats per byte.
+
+Resuming (--checkpoint FILE): every --checkpoint-minutes of training the run writes the model,
+the optimiser, the data-order generator, torch's generator (Positional LSH's partitions are counted
+by the modules' buffers, part of the model) and its curves so far to FILE, atomically. Started again
+with the same arguments, it goes on from there, and its losses equal those of a run that was never
+interrupted, bit for bit (python/tests/test_training_resume.py); the result records how many
+processes it took. The checkpoint is removed once the result file is written.
 
 Usage (from the repository root, after `bash scripts/python.sh build`, which installs plsh into
 build/python-venv and copies it to build/python):
@@ -46,7 +55,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-VARIANTS = ("none", "alibi", "plsh", "fixed")
+VARIANTS = ("none", "alibi", "plsh", "fixed", "truncated")
 VERSE_REFERENCE = re.compile(rb"^[0-9]?[A-Za-z]+[0-9]+:[0-9]+ ", re.MULTILINE)
 
 
@@ -153,10 +162,11 @@ class Attention(nn.Module):
     """
 
     def __init__(self, heads, method, layer, run_seed, backend, samples, block_size, sampling,
-                 near_factor=0.0):
+                 near_factor=0.0, truncate_factor=0.05):
         super().__init__()
         self.heads, self.method, self.backend = heads, method, backend
         self.samples, self.block_size = samples, block_size
+        self.truncate_factor = truncate_factor
         self.fixed_impl = "torch"
         if backend == "plsh":
             import plsh
@@ -188,6 +198,9 @@ class Attention(nn.Module):
             return self.pt.exact_alibi_attention(q, k, v, [0.0] * self.heads, causal=True)
         if method == "alibi":
             return self.pt.exact_alibi_attention(q, k, v, self.slopes, causal=True)
+        if method == "truncated":
+            return self.pt.truncated_alibi_attention(q, k, v, self.slopes, self.truncate_factor,
+                                                     causal=True)
         if method == "plsh":
             self.plsh_module.train(self.training)
             return self.plsh_module(q, k, v)
@@ -228,6 +241,13 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+def checkpointed(block, x):
+    """block(x) under activation checkpointing: its activations are recomputed in the backward."""
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(block, x, use_reentrant=False)
+
+
 # Checkpoints written before the blocks used MultiheadAlibiAttention.
 OLD_KEYS = [(re.compile(r"^(blocks\.[0-9]+\.)qkv\.(weight|bias)$"), r"\1attn.in_proj_\2"),
             (re.compile(r"^(blocks\.[0-9]+\.)proj\."), r"\1attn.out_proj."),
@@ -252,11 +272,14 @@ class ByteLM(nn.Module):
         self.embed = nn.Embedding(256, args.d_model)
         attentions = [
             Attention(args.heads, args.variant, layer, seed, args.backend, args.samples,
-                      args.block_size, args.sampling, args.near_field)
+                      args.block_size, args.sampling, args.near_field,
+                      getattr(args, "truncate_factor", 0.05))
             for layer in range(args.layers)
         ]
         self.blocks = nn.ModuleList(Block(args.d_model, args.heads, a) for a in attentions)
         self.norm = nn.LayerNorm(args.d_model)
+        # Models saved before the option existed rebuild without it.
+        self.activation_checkpointing = getattr(args, "activation_checkpointing", False)
         self._register_load_state_dict_pre_hook(rename_old_keys)
         for name, p in self.named_parameters():
             if name.endswith("weight") and p.dim() == 2:
@@ -282,7 +305,7 @@ class ByteLM(nn.Module):
     def forward(self, x):
         h = self.embed(x)
         for block in self.blocks:
-            h = block(h)
+            h = checkpointed(block, h) if self.activation_checkpointing and self.training else block(h)
         return self.norm(h) @ self.embed.weight.t()
 
 
@@ -320,30 +343,89 @@ def samples_at(step, args):
     return round(args.samples * (args.samples_final / args.samples) ** progress)
 
 
+def build_optimizer(model, args):
+    decay = [p for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.dim() == 2 and "embed" not in n)]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=args.lr, betas=(0.9, 0.95),
+    )
+
+
+# The arguments that do not change what a run computes: a checkpoint resumes under other values.
+NOT_COMPUTED = ("out", "data_cache", "note", "save", "checkpoint", "checkpoint_minutes",
+                "stop_at_step", "log_every")
+
+
+def computed_config(args):
+    return {k: v for k, v in vars(args).items() if k not in NOT_COMPUTED}
+
+
+def write_atomically(path, write):
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def save_training_state(path, model, optimizer, data_rng, progress):
+    """Everything the rest of the run depends on, after `progress["step"]` steps."""
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+             "data_rng": data_rng.get_state(), "torch_rng": torch.get_rng_state(),
+             "progress": progress}
+    write_atomically(path, lambda tmp: torch.save(state, tmp))
+
+
+def load_training_state(path, model, optimizer, data_rng, args):
+    """The progress saved in `path` (None when there is no checkpoint), with the model, optimiser
+    and generators restored."""
+    if not path or not os.path.exists(path):
+        return None
+    state = torch.load(path)
+    saved = state["progress"]["config"]
+    if saved != computed_config(args):
+        changed = sorted(k for k in set(saved) | set(computed_config(args))
+                         if saved.get(k) != computed_config(args).get(k))
+        sys.exit(f"lm.py: the checkpoint {path} belongs to other arguments ({', '.join(changed)});"
+                 f" remove it to start again")
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    data_rng.set_state(state["data_rng"])
+    torch.set_rng_state(state["torch_rng"])
+    return state["progress"]
+
+
 def run(args):
     torch.set_num_threads(args.threads)
     text = load_bible(args.data_cache)
     train, valid = split(text)
     model = ByteLM(args, args.seed)
     fixed_impl = model.attentions()[0].fixed_impl if args.variant == "fixed" else None
-    decay = [p for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n]
-    rest = [p for n, p in model.named_parameters() if not (p.dim() == 2 and "embed" not in n)]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95),
-    )
+    optimizer = build_optimizer(model, args)
     data_rng = torch.Generator().manual_seed(1_000_003 * args.seed + 17)
     curve_x, curve_y = validation_windows(valid, args.length, args.curve_bytes)
-    curve, train_losses = [], []
-    lengths = [args.length * m for m in (1, 2, 4)]
+    lengths = [args.length * m for m in args.eval_multiples]
+    # The run so far: curve entries are (step, validation loss, training CPU seconds, training
+    # wall seconds) with the times summed over the steps before the evaluation.
+    progress = {"step": 0, "curve": [], "train_losses": [], "step_time": 0.0, "step_cpu": 0.0,
+                "seconds": 0.0, "processes": 0, "config": computed_config(args)}
+    resumed = load_training_state(args.checkpoint, model, optimizer, data_rng, args)
+    if resumed:
+        progress = resumed
+        print(f"[{args.variant} seed {args.seed}] resuming at step {progress['step']} from "
+              f"{args.checkpoint}", flush=True)
+    progress["processes"] += 1
     print(f"[{args.variant} seed {args.seed}] {sum(p.numel() for p in model.parameters())} parameters, "
           f"train {len(train)} bytes, valid {len(valid)} bytes", flush=True)
 
-    step_time = step_cpu = 0.0
     start = time.time()
-    for step in range(args.steps):
+    seconds_before = progress["seconds"]
+    last_save = time.time()
+    curve, train_losses = progress["curve"], progress["train_losses"]
+    for step in range(progress["step"], args.steps):
         if step % args.eval_every == 0:
-            curve.append((step, evaluate(model, curve_x, curve_y, args.eval_batch)))
+            curve.append((step, evaluate(model, curve_x, curve_y, args.eval_batch),
+                          progress["step_cpu"], progress["step_time"]))
         offsets = torch.randint(0, len(train) - args.length - 1, (args.batch,), generator=data_rng)
         window = torch.stack([train[o : o + args.length + 1] for o in offsets.tolist()])
         t0, c0 = time.time(), time.process_time()
@@ -356,17 +438,30 @@ def run(args):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         optimizer.step()
-        step_time += time.time() - t0
-        step_cpu += time.process_time() - c0
+        progress["step_time"] += time.time() - t0
+        progress["step_cpu"] += time.process_time() - c0
         train_losses.append(loss.item())
+        progress["step"] = step + 1
         if step % args.log_every == 0 or step == args.steps - 1:
             print(f"[{args.variant} seed {args.seed}] step {step} loss {loss.item():.4f} "
-                  f"valid {curve[-1][1]:.4f} {step_time / (step + 1) * 1000:.0f} ms/step", flush=True)
-    curve.append((args.steps, evaluate(model, curve_x, curve_y, args.eval_batch)))
-    train_seconds = time.time() - start
+                  f"valid {curve[-1][1]:.4f} {progress['step_time'] / (step + 1) * 1000:.0f} ms/step",
+                  flush=True)
+        stop = args.stop_at_step is not None and step + 1 == args.stop_at_step
+        due = time.time() - last_save >= 60 * args.checkpoint_minutes
+        if args.checkpoint and (stop or due) and step + 1 < args.steps:
+            progress["seconds"] = seconds_before + time.time() - start
+            save_training_state(args.checkpoint, model, optimizer, data_rng, progress)
+            last_save = time.time()
+        if stop:
+            print(f"[{args.variant} seed {args.seed}] stopped after step {step} (--stop-at-step)",
+                  flush=True)
+            return None
+    curve.append((args.steps, evaluate(model, curve_x, curve_y, args.eval_batch),
+                  progress["step_cpu"], progress["step_time"]))
+    train_seconds = seconds_before + time.time() - start
 
     eval_methods = [args.variant]
-    if args.variant == "plsh":
+    if args.variant in ("plsh", "truncated"):
         eval_methods.append("alibi")
     elif args.variant == "alibi":
         eval_methods.append("plsh")
@@ -389,16 +484,19 @@ def run(args):
         "seed": args.seed,
         "backend": args.backend,
         "fixed_block_impl": fixed_impl,
-        "config": {k: v for k, v in vars(args).items() if k not in ("out", "data_cache", "note")},
+        "config": {k: v for k, v in vars(args).items()
+                   if k not in ("out", "data_cache", "note", "checkpoint", "stop_at_step")},
         "parameters": sum(p.numel() for p in model.parameters()),
         "curve": curve,
+        "train_losses": train_losses,
         "train_loss_first": sum(train_losses[:10]) / len(train_losses[:10]),
         "train_loss_last": sum(train_losses[-10:]) / len(train_losses[-10:]),
         "eval": results,
-        "seconds_total": time.time() - start,
+        "seconds_total": seconds_before + time.time() - start,
         "seconds_train": train_seconds,
-        "seconds_per_step": step_time / args.steps,
-        "cpu_seconds_per_step": step_cpu / args.steps,
+        "seconds_per_step": progress["step_time"] / args.steps,
+        "cpu_seconds_per_step": progress["step_cpu"] / args.steps,
+        "processes": progress["processes"],
         "torch": torch.__version__,
         "plsh_module": plsh_module_file(args.backend),
         "note": args.note,
@@ -406,18 +504,16 @@ def run(args):
     if args.save:
         save_checkpoint(model, args)
     if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(record, f, indent=1)
-        os.replace(tmp, args.out)
+        write_atomically(args.out, lambda tmp: json.dump(record, open(tmp, "w"), indent=1))
+    if args.checkpoint and os.path.exists(args.checkpoint):
+        os.remove(args.checkpoint)
     return record
 
 
 def save_checkpoint(model, args):
     """Writes the trained weights and the arguments that rebuild the model (see qk_dump.py)."""
     os.makedirs(os.path.dirname(args.save) or ".", exist_ok=True)
-    config = {k: v for k, v in vars(args).items() if k not in ("out", "data_cache", "note", "save")}
+    config = {k: v for k, v in vars(args).items() if k not in NOT_COMPUTED}
     torch.save({"state_dict": model.state_dict(), "config": config}, args.save)
 
 
@@ -465,7 +561,20 @@ def parser():
     p.add_argument("--out", default=None, help="JSON result file")
     p.add_argument("--note", default="", help="free text stored in the result file (e.g. the build)")
     p.add_argument("--save", default=None,
-                   help="checkpoint file for the trained weights (torch.save; read by qk_dump.py)")
+                   help="file for the trained weights (torch.save; read by qk_dump.py)")
+    p.add_argument("--truncate-factor", type=float, default=0.05,
+                   help="variant truncated: keep the keys whose ALiBi factor is at least this")
+    p.add_argument("--eval-multiples", type=lambda text: [int(m) for m in text.split(",")],
+                   default=[1, 2, 4], help="validation lengths as multiples of L (default 1,2,4)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each block's activations in the backward "
+                        "(torch.utils.checkpoint)")
+    p.add_argument("--checkpoint", default=None,
+                   help="training-state file: written every --checkpoint-minutes, resumed from "
+                        "when it exists, removed at the end")
+    p.add_argument("--checkpoint-minutes", type=float, default=5.0)
+    p.add_argument("--stop-at-step", type=int, default=None,
+                   help="write the checkpoint after this many steps and exit (tests of resuming)")
     return p
 
 

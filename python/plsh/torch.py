@@ -30,8 +30,11 @@ Example (causal self-attention with Positional LSH, gradients through plsh)::
     out.square().mean().backward()                    # q.grad, k.grad, v.grad from C++
 """
 
+import collections as _collections
 import math as _math
 import operator as _operator
+import os as _os
+import sys as _sys
 import warnings as _warnings
 from typing import List, Optional, Sequence, Tuple, Union
 
@@ -325,6 +328,30 @@ def _axis_text(tensor, layout, axis):
     return f'axis {axis} of layout "{layout}" {axes}'
 
 
+# torch.utils.checkpoint's source file, and the functions in it that re-run a checkpointed
+# forward during the backward: CheckpointFunction.backward (use_reentrant=True), the saved tensors'
+# unpack hook (use_reentrant=False; recompute_fn in newer releases).
+_CHECKPOINT_FILE = _os.path.join("torch", "utils", "checkpoint.py")
+_RECOMPUTING_FUNCTIONS = ("backward", "unpack", "recompute_fn", "unpack_hook")
+# Checkpointed training forwards whose seeds a module keeps for their recomputation.
+_CHECKPOINTED_FORWARDS = 256
+
+
+def _checkpoint_phase():
+    """None outside torch.utils.checkpoint, "recompute" inside its re-run of a forward during
+    the backward, "forward" inside a checkpointed forward otherwise (read from the call stack)."""
+    frame = _sys._getframe(1)
+    phase = None
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename.endswith(_CHECKPOINT_FILE):
+            if code.co_name in _RECOMPUTING_FUNCTIONS:
+                return "recompute"
+            phase = "forward"
+        frame = frame.f_back
+    return phase
+
+
 class AlibiAttention(_torch.nn.Module):
     """Attention with a positional bias computed by plsh: ``forward(q, k, v) -> out``.
 
@@ -350,6 +377,16 @@ class AlibiAttention(_torch.nn.Module):
     partitions, deterministic evaluation). The counter advances on every training forward of the
     module that returns (also for the other methods, which ignore it); a forward that raises
     leaves it as it was.
+
+    Activation checkpointing: a forward that ``torch.utils.checkpoint`` runs again during the
+    backward (either ``use_reentrant``) uses the seed of the forward it recomputes and does not
+    advance the counter, so the gradients are those of the partitions that made the output, and
+    the counter counts training steps. It finds that forward by one number drawn from torch's
+    default CPU generator in each checkpointed training forward (as dropout draws its mask), which
+    the recomputation draws again because checkpointing restores the generator's state
+    (``preserve_rng_state=True``, its default). A recomputation that draws a number no checkpointed
+    forward drew (``preserve_rng_state=False``) raises a ``RuntimeError`` instead of differentiating
+    other partitions. Forwards outside checkpointing draw nothing from torch's generators.
 
     alibi_slopes: one per head, default (None) ``plsh.alibi_slopes(heads)``; ``slopes=`` is its
     deprecated name.
@@ -402,6 +439,8 @@ class AlibiAttention(_torch.nn.Module):
             raise ValueError(f"alibi_slopes has {len(self.alibi_slopes)} entries, one per head "
                              f"expected: heads is {self.heads}")
         self.register_buffer("training_forwards", _torch.zeros((), dtype=_torch.int64))
+        # The seeds of the latest checkpointed training forwards, by the number each one drew.
+        self._checkpointed_seeds = _collections.OrderedDict()
 
     @property
     def slopes(self) -> List[float]:
@@ -415,10 +454,30 @@ class AlibiAttention(_torch.nn.Module):
                 f"tolerance={self.tolerance}, layout={self.layout!r}")
 
     def current_seed(self) -> int:
-        """The seed the next forward uses."""
+        """The seed the next forward uses (outside a checkpoint's recomputation)."""
         if self.training:
             return (self.seed + int(self.training_forwards)) % _SEED_LIMIT
         return self.seed
+
+    def _training_seed(self):
+        """(seed of this training forward, whether it is a new forward that advances the
+        counter): a checkpoint's recomputation takes the seed of the forward it recomputes."""
+        phase = _checkpoint_phase()
+        if phase is None:
+            return self.current_seed(), True
+        tag = int(_torch.randint(0, 2 ** 62, ()))
+        if phase == "forward":
+            seed = self.current_seed()
+            self._checkpointed_seeds[tag] = seed
+            while len(self._checkpointed_seeds) > _CHECKPOINTED_FORWARDS:
+                self._checkpointed_seeds.popitem(last=False)
+            return seed, True
+        if tag not in self._checkpointed_seeds:
+            raise RuntimeError(
+                "AlibiAttention: a torch.utils.checkpoint recomputation whose forward this module "
+                "did not see: its partitions cannot be reproduced (checkpoint with "
+                "preserve_rng_state=True, the default)")
+        return self._checkpointed_seeds.pop(tag), False
 
     def forward(self, q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor) -> _torch.Tensor:
         """Attention of q over k and v, in the module's layout."""
@@ -431,10 +490,10 @@ class AlibiAttention(_torch.nn.Module):
                     f"q has {q.shape[axis]} heads ({_axis_text(q, self.layout, axis)}) but the "
                     f"module has {self.heads}{hint}")
         options = dict(causal=self.causal, softmax_scale=self.softmax_scale, layout=self.layout)
+        seed, new_forward = self._training_seed() if self.training else (self.seed, False)
         if self.method == "plsh":
-            out = plsh_attention(q, k, v, self.alibi_slopes, samples=self.samples,
-                                 seed=self.current_seed(), sampling=self.sampling,
-                                 near_field=self.near_field, **options)
+            out = plsh_attention(q, k, v, self.alibi_slopes, samples=self.samples, seed=seed,
+                                 sampling=self.sampling, near_field=self.near_field, **options)
         elif self.method == "exact":
             out = exact_alibi_attention(q, k, v, self.alibi_slopes, **options)
         elif self.method == "windowed":
@@ -444,7 +503,7 @@ class AlibiAttention(_torch.nn.Module):
             out = exact_alibi_attention(q, k, v, [0.0] * self.heads, **options)
         else:
             out = fixed_block_attention(q, k, v, self.block_size, **options)
-        if self.training:
+        if new_forward:
             self.training_forwards += 1
         return out
 
