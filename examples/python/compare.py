@@ -21,12 +21,24 @@ From the repository root:
 
 --quick trains a tiny model for 50 steps with every variant into a temporary directory and
 exits with status 1 unless each run's training loss fell by at least 0.5 nats/byte.
+
+The long-context study (--long; docs/training/long.md and long.png): a larger model (2 layers,
+d_model 256, 8 heads of dimension 32) at L = 2048 and 8192, each configuration of LONG_CONFIGS with
+two seeds, one run at a time by default. It is meant to run in the background across many
+interruptions:
+  PYTHONPATH=build/python /usr/bin/python3 examples/python/compare.py --long   # starts or resumes
+  PYTHONPATH=build/python /usr/bin/python3 examples/python/compare.py --status # what is complete
+Its runs use a copy of the built module in the state folder (--state, default
+~/.cache/plsh/training-study: module/, checkpoints/), so rebuilding the module does not touch them;
+each run writes a checkpoint every few minutes there and resumes from it when started again
+(lm.py --checkpoint). A run is complete when its JSON result exists in docs/training/long-runs/.
 """
 
 import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -92,6 +104,35 @@ LABELS["plsh"] = "Positional LSH"  # evaluation method names in the result files
 QUICK = ["--layers", "2", "--d-model", "64", "--heads", "4", "--length", "64", "--batch", "8",
          "--steps", "50", "--warmup", "5", "--eval-every", "25", "--log-every", "25",
          "--curve-bytes", "4096", "--eval-bytes", "8192"]
+# The long-context study: the model, and per training length the batch and the steps.
+LONG_MODEL = ["--d-model", "256", "--heads", "8", "--layers", "2", "--warmup", "40",
+              "--eval-every", "50", "--log-every", "10", "--curve-bytes", "16384",
+              "--eval-bytes", "131072", "--eval-multiples", "1,2"]
+LONG_LENGTHS = {2048: ["--batch", "2", "--steps", "400"], 8192: ["--batch", "1", "--steps", "300"]}
+
+
+def long_configs(length):
+    """(name, lm.py arguments, label) of each configuration of the long study at `length`."""
+    extra = ["--length", str(length)] + LONG_LENGTHS[length] + LONG_MODEL
+    named = [
+        ("alibi", ["--variant", "alibi"], "exact ALiBi"),
+        ("plsh-defaults", ["--variant", "plsh", "--samples", "100", "--sampling",
+                           "latin_hypercube", "--near-field", "0.05"],
+         "Positional LSH, the defaults (s=100, Latin hypercube, exact where the factor ≥ 0.05)"),
+        ("plsh-paper", ["--variant", "plsh", "--samples", "20", "--sampling", "independent"],
+         "Positional LSH, the paper's estimator (s=20, independent)"),
+        ("none", ["--variant", "none"], "no positional bias"),
+        ("truncated", ["--variant", "truncated", "--truncate-factor", "0.05"],
+         "truncated ALiBi (keys whose factor ≥ 0.05)"),
+    ]
+    return [(f"{name}-L{length}", arguments + extra, label) for name, arguments, label in named]
+
+
+# In start order: every configuration at 2048, then at 8192.
+LONG_CONFIGS = [(config, (1, 2)) for length in LONG_LENGTHS for config in long_configs(length)]
+LONG_LABELS = {name: label for (name, _, label), _ in LONG_CONFIGS}
+DEFAULT_STATE = os.path.join(os.path.expanduser("~"), ".cache", "plsh", "training-study")
+
 # The paper's figures (Qwen3-0.6B from scratch, 8k context, Wikitext-103 perplexity).
 PAPER = [("ALiBi", 18.92), ("Positional LSH, s = 20", 19.05), ("fixed blocks", 19.79),
          ("no positional bias", 20.21)]
@@ -111,12 +152,13 @@ def running_pid(path):
     return pid if alive else None
 
 
-def run_all(runs, out_dir, extra, jobs, env):
+def run_all(runs, out_dir, extra, jobs, env, checkpoints=None):
     """Starts the missing runs, at most `jobs` at once; `runs` holds (name, seed, lm.py arguments).
 
     A run whose result file exists is reused. A run still going in a process started by an
     earlier invocation (its .pid file names a live lm.py writing that result) is waited for,
-    counted among the `jobs`, not started again.
+    counted among the `jobs`, not started again. With `checkpoints` (a folder), each run writes
+    its training state there and resumes from it (lm.py --checkpoint); its log is appended to.
     """
     pending = []
     running = []  # (poll function, log file or None, label, path)
@@ -135,9 +177,11 @@ def run_all(runs, out_dir, extra, jobs, env):
     while pending or running:
         while pending and len(running) < jobs:
             arguments, label, path = pending.pop(0)
-            log = open(path[: -len(".json")] + ".log", "w")
+            log = open(path[: -len(".json")] + ".log", "a" if checkpoints else "w")
             cmd = [sys.executable, LM, *arguments, "--out", path,
                    "--data-cache", os.path.join(ROOT, "build", "kjv.txt")] + extra
+            if checkpoints:
+                cmd += ["--checkpoint", checkpoint_file(checkpoints, path)]
             print(f"compare: starting {label} (log {os.path.relpath(log.name)})", flush=True)
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
             with open(path[: -len(".json")] + ".pid", "w") as f:
@@ -158,6 +202,39 @@ def run_all(runs, out_dir, extra, jobs, env):
                   + ("" if os.path.exists(path) else " without a result file"), flush=True)
     if failed:
         sys.exit("compare: runs failed: " + ", ".join(failed))
+
+
+def checkpoint_file(checkpoints, result_path):
+    """The training-state file of the run whose result file is `result_path`."""
+    return os.path.join(checkpoints, os.path.basename(result_path)[: -len(".json")] + ".pt")
+
+
+def run_status(runs, out_dir, checkpoints):
+    """One line per run: complete, running, resumable (steps done) or not started."""
+    import torch
+
+    lines, complete = [], 0
+    for name, seed, arguments in runs:
+        path = os.path.join(out_dir, f"{name}-s{seed}.json")
+        steps = int(arguments[arguments.index("--steps") + 1])
+        state = checkpoint_file(checkpoints, path)
+        if os.path.exists(path):
+            with open(path) as f:
+                record = json.load(f)
+            complete += 1
+            status = (f"complete ({fmt_time(record['seconds_total'])}, "
+                      f"{record.get('processes', 1)} process(es))")
+        else:
+            done = 0
+            if os.path.exists(state):
+                done = torch.load(state)["progress"]["step"]
+            pid = running_pid(path)
+            status = (f"running (process {pid}), " if pid else "") + (
+                f"{done} of {steps} steps done" if done else "not started")
+        lines.append(f"  {name} seed {seed}: {status}")
+    print(f"compare: {complete} of {len(runs)} runs complete")
+    print("\n".join(lines))
+    return complete == len(runs)
 
 
 def load_runs(runs_dir):
@@ -392,6 +469,134 @@ def write_curves(records, path):
     fig.savefig(path, dpi=120)
 
 
+def long_rows(records):
+    """One row per (configuration, L) of the long study: losses at L and 2L as trained, the gaps
+    to exact ALiBi of the same seed (as trained, and the weights evaluated with exact ALiBi), CPU
+    time per step and the whole run's time, as means over the seeds with half their spread."""
+    rows = []
+    for (name, _, label), _ in LONG_CONFIGS:
+        seeds = sorted(s for n, s in records if n == name)
+        if not seeds:
+            continue
+        first = records[(name, seeds[0])]
+        length = first["config"]["length"]
+        variant = first["variant"]
+        alibi = f"alibi-L{length}"
+        paired = [s for s in seeds if (alibi, s) in records]
+
+        def loss(n, s, method, multiple=1):
+            return records[(n, s)]["eval"][method][str(length * multiple)]
+
+        row = {"name": name, "label": label, "length": length, "seeds": seeds, "paired": paired,
+               "loss": mean_spread([loss(name, s, variant) for s in seeds]),
+               "loss2": mean_spread([loss(name, s, variant, 2) for s in seeds]),
+               "cpu": mean_spread([records[(name, s)]["cpu_seconds_per_step"] for s in seeds]),
+               "run": mean_spread([records[(name, s)]["seconds_total"] for s in seeds])}
+        if paired:
+            row["gap"] = mean_spread([loss(name, s, variant) - loss(alibi, s, "alibi")
+                                      for s in paired])
+            row["gap2"] = mean_spread([loss(name, s, variant, 2) - loss(alibi, s, "alibi", 2)
+                                       for s in paired])
+            if "alibi" in first["eval"] and variant != "alibi":
+                row["gap_exact"] = mean_spread([loss(name, s, "alibi") - loss(alibi, s, "alibi")
+                                                for s in paired])
+        rows.append(row)
+    for row in rows:
+        exact = next((r for r in rows if r["name"] == f"alibi-L{row['length']}"), None)
+        row["speed"] = exact["cpu"][0] / row["cpu"][0] if exact else None
+    return rows
+
+
+def write_long(records, out_dir, runs):
+    """docs/training/long.md (the table) and long.png (validation loss against training time)."""
+    rows = long_rows(records)
+    cfg = next(iter(records.values()))["config"]
+    missing = [f"{name} seed {seed}" for name, seed, _ in runs if (name, seed) not in records]
+    lines = [
+        "# Long context: training at L = 2048 and 8192", "",
+        "Generated by `examples/python/compare.py --long` (do not edit by hand).", "",
+        f"Byte-level decoder-only transformer without positional embedding, "
+        f"{cfg['layers']} layers, d_model {cfg['d_model']}, {cfg['heads']} heads of dimension "
+        f"{cfg['d_model'] // cfg['heads']} (standard ALiBi slopes), MLP 4x, tied embeddings, "
+        f"{next(iter(records.values()))['parameters']:,} parameters; the King James Bible "
+        f"(Debian's bible-kjv); AdamW (lr {cfg['lr']:g}, {cfg['warmup']} warmup steps, cosine to "
+        "10%). " + "; ".join(f"L = {length}: {LONG_LENGTHS[length][3]} steps of "
+                            f"{LONG_LENGTHS[length][1]} window(s)" for length in LONG_LENGTHS)
+        + ". One thread per run; same initialisation and data order for every configuration of a "
+        "seed. Validation: the first "
+        f"{cfg['eval_bytes']:,} bytes of the last 10% of the text in windows of L and 2L, nats per "
+        "byte.", "",
+        "Gap: the loss minus that of exact ALiBi of the same seed, mean over the seeds ± half "
+        f"their spread (the paper's gap is +0.7% perplexity, {PAPER_GAP:.4f} nats); *as trained*: "
+        "evaluated with the attention the model was trained with (Positional LSH with fixed "
+        "partitions); *exact*: the same weights evaluated with exact ALiBi. CPU per step: the "
+        "process's CPU time for one training step (forward, backward, optimiser; one thread); "
+        "speed: exact ALiBi's CPU per step over the configuration's. Run: the whole run's wall "
+        "time, evaluations included, on a 2-core machine shared with other work.", "",
+        "| configuration | L | seeds | loss @L | gap, as trained | gap, exact | loss @2L "
+        "| gap @2L | CPU per step | speed | run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def gap(row, key):
+        return f"{row[key][0]:+.4f} ± {row[key][1]:.4f}" if key in row else "–"
+
+    for r in sorted(rows, key=lambda r: r["length"]):
+        lines.append(
+            f"| {r['label']} | {r['length']} | {', '.join(map(str, r['seeds']))} | "
+            f"{r['loss'][0]:.4f} | {gap(r, 'gap')} | {gap(r, 'gap_exact')} | {r['loss2'][0]:.4f} | "
+            f"{gap(r, 'gap2')} | {r['cpu'][0]:.2f} s | "
+            + (f"{r['speed']:.2f}×" if r["speed"] else "–") + f" | {fmt_time(r['run'][0])} |")
+    if missing:
+        lines += ["", "Runs not yet complete (`compare.py --status`): " + ", ".join(missing) + "."]
+    lines += ["", "![validation loss against training time at L = 8192](long.png)", ""]
+    with open(os.path.join(out_dir, "long.md"), "w") as f:
+        f.write("\n".join(lines))
+
+    plt = pyplot()
+    lengths = sorted({r["length"] for r in rows})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(7 * len(lengths), 5), squeeze=False)
+    colors = ["tab:blue", "tab:red", "tab:orange", "tab:green", "tab:gray"]
+    for ax, length in zip(axes[0], lengths):
+        for color, ((name, _, label), _) in zip(colors * 2, LONG_CONFIGS):
+            if not name.endswith(f"-L{length}"):
+                continue
+            for seed in (1, 2):
+                if (name, seed) not in records:
+                    continue
+                curve = records[(name, seed)]["curve"]
+                ax.plot([c[2] / 60 for c in curve], [c[1] for c in curve],
+                        "-" if seed == 1 else "--", color=color,
+                        label=f"{label}, seed {seed}")
+        ax.set_xlabel("training CPU time (minutes, one thread)")
+        ax.set_ylabel(f"validation loss at L = {length} (nats/byte)")
+        ax.set_title(f"Time to quality, L = {length}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        low = min(c[1] for (n, s), r in records.items() if n.endswith(f"-L{length}")
+                  for c in r["curve"])
+        ax.set_ylim(low - 0.05, low + 1.2)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "long.png"), dpi=120)
+    return rows
+
+
+def prepare_module(state, refresh):
+    """The folder of the module copy the long runs import (state/module), made from the built
+    package that this interpreter imports when it is missing or `refresh` is set."""
+    import plsh
+
+    target = os.path.join(state, "module")
+    source = os.path.dirname(os.path.abspath(plsh.__file__))
+    if refresh or not os.path.isdir(os.path.join(target, "plsh")):
+        if os.path.abspath(os.path.join(target, "plsh")) == source:
+            return target
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(source, os.path.join(target, "plsh"))
+        print(f"compare: the long runs import a copy of {source} in {target}", flush=True)
+    return target
+
+
 def quick(extra, jobs, env):
     start = time.time()
     configs = [baseline(v, v) for v in ("none", "alibi", "fixed")]
@@ -419,14 +624,47 @@ def quick(extra, jobs, env):
 def main():
     p = argparse.ArgumentParser(description="Train every configuration and tabulate the results.")
     p.add_argument("--quick", action="store_true", help="tiny model, 50 steps, checks the loss falls")
-    p.add_argument("--jobs", type=int, default=2, help="runs at once (each uses one thread)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="runs at once, each on one thread (default 2; 1 with --long)")
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "training"))
     p.add_argument("--report-only", action="store_true", help="only rewrite the tables and plots")
+    p.add_argument("--long", action="store_true",
+                   help="the long-context study (L = 2048 and 8192) instead of the miniature one")
+    p.add_argument("--status", action="store_true",
+                   help="list the long study's runs: complete, resumable or not started")
+    p.add_argument("--state", default=DEFAULT_STATE,
+                   help="the long study's module copy and checkpoints (default %(default)s)")
+    p.add_argument("--refresh-module", action="store_true",
+                   help="copy the built module into the state folder again")
     args, extra = p.parse_known_args()
 
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    if args.jobs is None:
+        args.jobs = 1 if args.long else 2
     if args.quick:
         quick(extra, args.jobs, env)
+        return
+    if args.long or args.status:
+        runs_dir = os.path.join(args.out, "long-runs")
+        os.makedirs(runs_dir, exist_ok=True)
+        checkpoints = os.path.join(args.state, "checkpoints")
+        os.makedirs(checkpoints, exist_ok=True)
+        runs = [(name, seed, arguments) for (name, arguments, _), seeds in LONG_CONFIGS
+                for seed in seeds]
+        if args.status:
+            run_status(runs, runs_dir, checkpoints)
+            return
+        if not args.report_only:
+            module = prepare_module(args.state, args.refresh_module)
+            env["PYTHONPATH"] = module
+            run_all(runs, runs_dir, extra, args.jobs, env, checkpoints)
+        records = load_runs(runs_dir)
+        if not records:
+            sys.exit(f"compare: no results in {runs_dir}")
+        LABELS.update(LONG_LABELS)
+        write_long(records, args.out, runs)
+        print(f"compare: wrote long.md and long.png in {os.path.relpath(args.out)} from "
+              f"{len(records)} runs")
         return
     runs_dir = os.path.join(args.out, "runs")
     os.makedirs(runs_dir, exist_ok=True)
