@@ -95,6 +95,9 @@ void run(const char* type) {
       forward("windowed_alibi_attention", [&](auto out) {
         plsh::windowed_alibi_attention<Scalar>(q, k, v, out, slopes, 1e-3, options);
       });
+      forward("truncated_alibi_attention", [&](auto out) {
+        plsh::truncated_alibi_attention<Scalar>(q, k, v, out, slopes, 0.05, options);
+      });
       const Tensor<Scalar> fused = forward("plsh_attention(fused)", [&](auto out) {
         plsh::plsh_attention<Scalar>(q, k, v, out, slopes, options);
       });
