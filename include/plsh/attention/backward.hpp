@@ -594,6 +594,8 @@ void batched_plsh_attention_backward(
                     memory_of(q));
   validate_slopes(function, slopes, q.heads);
   const auto grids = kernel_grids(slopes, options, function);
+  // The forward's check: these options never evaluate the near-field estimator.
+  require_near_field_kernel(options, options.kernel == Kernel::Passes, function);
   block_counts_backward(q, k, v, out, dout, dq, dk, dv, slopes, grids, options, options.near_field);
 }
 
@@ -689,11 +691,13 @@ void truncated_alibi_attention_backward(
 }
 
 /// Gradients of plsh_attention with respect to q, k and v: the function of the fused kernel,
-/// softmax of \f$S_{ij} + \log c_{ij}\f$, with the draws of `options.seed` (Kernel::Passes
-/// evaluates the same function, so `options.kernel` does not matter).
+/// softmax of \f$S_{ij} + \log c_{ij}\f$, with the draws of `options.seed` and the near field of
+/// `options.near_field`. Kernel::Passes evaluates the same function when `near_field` is 0; with a
+/// near field it is refused, as by the forward.
 ///
 /// Arguments as exact_alibi_attention_backward, with the options of plsh_attention.
-/// \throws std::invalid_argument as exact_alibi_attention_backward, and for `samples < 1`.
+/// \throws std::invalid_argument as exact_alibi_attention_backward, for `samples < 1`, and for
+/// Kernel::Passes with `options.near_field` above 0 (the forward's message).
 template <class Scalar>
 void plsh_attention_backward(HeadsView<const detail::NonDeduced<Scalar>> q,
                              HeadsView<const detail::NonDeduced<Scalar>> k,
