@@ -139,7 +139,8 @@ def torch_inputs(batch=2, n=24, heads=4, kv_heads=2, dim=8, value_dim=6, n_k=Non
                  dtype=torch.float64):
     generator = torch.Generator().manual_seed(seed)
     n_k = n if n_k is None else n_k
-    shapes = [(batch, n, heads, dim), (batch, n_k, kv_heads, dim), (batch, n_k, kv_heads, value_dim)]
+    shapes = [(batch, n, heads, dim), (batch, n_k, kv_heads, dim),
+              (batch, n_k, kv_heads, value_dim)]
     return [torch.randn(*shape, generator=generator, dtype=dtype).requires_grad_()
             for shape in shapes]
 
