@@ -26,6 +26,10 @@
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,              \
       const std::vector<double>&, const plsh::AttentionOptions&);                            \
+  PREFIX void plsh::detail::batched_truncated_alibi_attention<S>(                            \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,              \
+      const std::vector<double>&, double, const plsh::AttentionOptions&, const char*);       \
   PREFIX void plsh::detail::batched_windowed_alibi_attention<S>(                             \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>*,              \
@@ -45,6 +49,12 @@
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,              \
       const plsh::BatchedHeadsView<S>&, const plsh::BatchedHeadsView<S>&,                    \
       const std::vector<double>&, const plsh::AttentionOptions&);                            \
+  PREFIX void plsh::detail::batched_truncated_alibi_attention_backward<S>(                   \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,              \
+      const plsh::BatchedHeadsView<S>&, const plsh::BatchedHeadsView<S>&,                    \
+      const std::vector<double>&, double, const plsh::AttentionOptions&, const char*);       \
   PREFIX void plsh::detail::batched_windowed_alibi_attention_backward<S>(                    \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \

@@ -1,7 +1,8 @@
-// Tests of attention/backward.hpp: the gradients of exact ALiBi and Positional LSH attention
-// against central finite differences of the forward kernels, against the dense double reference
-// (plsh::reference::*_backward), the convergence of the Positional LSH gradients to the exact ones
-// as the number of draws grows, independence from the thread count, and every rejected argument.
+// Tests of attention/backward.hpp: the gradients of exact ALiBi, truncated ALiBi and Positional
+// LSH attention against central finite differences of the forward kernels, against the dense
+// double reference (plsh::reference::*_backward), the convergence of the Positional LSH gradients
+// to the exact ones as the number of draws grows, independence from the thread count, and every
+// rejected argument.
 //
 // The loss is L = sum(dout o out) for a fixed random dout, so dL/dout = dout and the backward's
 // dq, dk, dv are dL/dq, dL/dk, dL/dv. Errors are measured per tensor as
@@ -93,13 +94,15 @@ struct Problem : plsh_test::Problem<Scalar> {
   HeadsView<Scalar> dv_view() { return dv.view; }
 };
 
-enum class Method { Exact, Plsh };
+enum class Method { Exact, Truncated, Plsh };
 
-/// One forward function: exact ALiBi, or Positional LSH with `options.samples` draws.
+/// One forward function: exact ALiBi, ALiBi truncated at `factor_tolerance`, or Positional LSH
+/// with `options.samples` draws.
 struct Case {
   std::string name;
   Method method;
   plsh::PlshOptions options;
+  double factor_tolerance = 0;
 };
 
 Case make_case(const std::string& name, Method method, Index samples, bool causal,
@@ -113,11 +116,21 @@ Case make_case(const std::string& name, Method method, Index samples, bool causa
   return c;
 }
 
+Case truncated_case(const std::string& name, double factor_tolerance, bool causal,
+                    Index query_position, Index key_position) {
+  Case c = make_case(name, Method::Truncated, 1, causal, query_position, key_position);
+  c.factor_tolerance = factor_tolerance;
+  return c;
+}
+
 template <class Scalar>
 void forward(const Case& c, Problem<Scalar>& p, const std::vector<double>& slopes) {
   if (c.method == Method::Exact) {
     plsh::exact_alibi_attention<Scalar>(p.q_view(), p.k_view(), p.v_view(), p.out_mutable(), slopes,
                                         c.options);
+  } else if (c.method == Method::Truncated) {
+    plsh::truncated_alibi_attention<Scalar>(p.q_view(), p.k_view(), p.v_view(), p.out_mutable(),
+                                            slopes, c.factor_tolerance, c.options);
   } else {
     plsh::plsh_attention<Scalar>(p.q_view(), p.k_view(), p.v_view(), p.out_mutable(), slopes,
                                  c.options);
@@ -130,6 +143,10 @@ void backward(const Case& c, Problem<Scalar>& p, const std::vector<double>& slop
     plsh::exact_alibi_attention_backward<Scalar>(p.q_view(), p.k_view(), p.v_view(), p.out_view(),
                                                  p.dout_view(), p.dq_view(), p.dk_view(),
                                                  p.dv_view(), slopes, c.options);
+  } else if (c.method == Method::Truncated) {
+    plsh::truncated_alibi_attention_backward<Scalar>(
+        p.q_view(), p.k_view(), p.v_view(), p.out_view(), p.dout_view(), p.dq_view(), p.dk_view(),
+        p.dv_view(), slopes, c.factor_tolerance, c.options);
   } else {
     plsh::plsh_attention_backward<Scalar>(p.q_view(), p.k_view(), p.v_view(), p.out_view(),
                                           p.dout_view(), p.dq_view(), p.dk_view(), p.dv_view(),
@@ -142,6 +159,10 @@ void reference_backward(const Case& c, Problem<double>& p, const std::vector<dou
     plsh::reference::alibi_attention_backward<double>(p.q_view(), p.k_view(), p.v_view(),
                                                       p.dout_view(), p.dq_view(), p.dk_view(),
                                                       p.dv_view(), slopes, c.options);
+  } else if (c.method == Method::Truncated) {
+    plsh::reference::truncated_alibi_attention_backward<double>(
+        p.q_view(), p.k_view(), p.v_view(), p.dout_view(), p.dq_view(), p.dk_view(), p.dv_view(),
+        slopes, c.factor_tolerance, c.options);
   } else {
     plsh::reference::plsh_attention_backward<double>(p.q_view(), p.k_view(), p.v_view(),
                                                      p.dout_view(), p.dq_view(), p.dk_view(),
@@ -193,6 +214,12 @@ const std::vector<Case>& forward_cases() {
       make_case("exact, bidirectional", Method::Exact, 1, false, 0, 0),
       make_case("exact, causal, offsets", Method::Exact, 1, true, 6, 3),
       make_case("exact, bidirectional, offsets", Method::Exact, 1, false, 2, 9),
+      // Factor tolerance 0.3: bands of 2 and 9 positions for the slopes 0.5 and 0.125 of the
+      // finite differences, narrower than their 12 to 15 positions.
+      truncated_case("truncated 0.3, causal", 0.3, true, 0, 0),
+      truncated_case("truncated 0.3, bidirectional", 0.3, false, 0, 0),
+      truncated_case("truncated 0.3, causal, offsets", 0.3, true, 6, 3),
+      truncated_case("truncated 0.3, bidirectional, offsets", 0.3, false, 2, 9),
       make_case("plsh s = 3, causal", Method::Plsh, 3, true, 0, 0),
       make_case("plsh s = 3, bidirectional", Method::Plsh, 3, false, 0, 0),
       make_case("plsh s = 3, causal, offsets", Method::Plsh, 3, true, 6, 3),
@@ -244,6 +271,11 @@ TEST_CASE("backward equals the dense reference in double and in float", "[backwa
       make_case("exact, causal", Method::Exact, 1, true, 0, 0),
       make_case("exact, bidirectional, offsets", Method::Exact, 1, false, 40, 7),
       make_case("exact, causal, queries before the keys", Method::Exact, 1, true, 0, 5),
+      // Bands of 7, 46, every key and 147 positions at 0.1; 23, 138, every key at 1e-3.
+      truncated_case("truncated 0.1, causal", 0.1, true, 0, 0),
+      truncated_case("truncated 0.1, bidirectional", 0.1, false, 0, 0),
+      truncated_case("truncated 1e-3, bidirectional, offsets", 1e-3, false, 40, 7),
+      truncated_case("truncated 0.1, causal, queries before the keys", 0.1, true, 0, 5),
       make_case("plsh s = 3, causal", Method::Plsh, 3, true, 0, 0),
       make_case("plsh s = 20, causal, offsets", Method::Plsh, 20, true, 30, 10),
       make_case("plsh s = 20, bidirectional, offsets", Method::Plsh, 20, false, 40, 7),
@@ -391,6 +423,7 @@ TEST_CASE("backward results do not depend on the number of threads", "[backward]
   const std::vector<double> slopes = {0.5, 0.1, 1.0 / 32, 0.0};
   const Shape shape{300, 300, 4, 2, 16, 16};
   for (const Case& c : {make_case("exact", Method::Exact, 1, true, 0, 0),
+                        truncated_case("truncated 0.05, bidirectional", 0.05, false, 0, 0),
                         make_case("plsh s = 20", Method::Plsh, 20, true, 0, 0),
                         make_case("plsh s = 20, bidirectional", Method::Plsh, 20, false, 0, 0)}) {
     INFO(c.name);
@@ -421,6 +454,7 @@ TEST_CASE("backward results do not depend on the number of threads", "[backward]
 TEST_CASE("backward of empty query or key spans", "[backward]") {
   const std::vector<double> slopes = {0.1};
   for (const Case& c : {make_case("exact", Method::Exact, 1, true, 0, 0),
+                        truncated_case("truncated", 0.1, true, 0, 0),
                         make_case("plsh", Method::Plsh, 4, true, 0, 0)}) {
     INFO(c.name << ": no queries gives zero dk and dv; no keys gives zero dq");
     Problem<double> no_queries(Shape{0, 5, 1, 1, 3, 2}, 1, 1.0);
@@ -431,6 +465,100 @@ TEST_CASE("backward of empty query or key spans", "[backward]") {
     forward(c, no_keys, slopes);
     backward(c, no_keys, slopes);
     for (const double x : no_keys.dq.storage) CHECK(x == 0);
+  }
+}
+
+TEST_CASE("truncated ALiBi's backward at the edges of its band", "[backward][truncated]") {
+  const std::vector<double> slopes = {0.3, 0.05, 0.0, 1.0 / 64};
+  SECTION("factor tolerance 0 is exact ALiBi's backward, bit for bit") {
+    for (const bool causal : {true, false}) {
+      INFO((causal ? "causal" : "bidirectional"));
+      Problem<double> exact(Shape{150, 170, 4, 2, 8, 5}, 29, 2.0);
+      const Case exact_case = make_case("exact", Method::Exact, 1, causal, 30, 10);
+      forward(exact_case, exact, slopes);
+      Problem<double> truncated = exact;
+      backward(exact_case, exact, slopes);
+      backward(truncated_case("truncated 0", 0.0, causal, 30, 10), truncated, slopes);
+      CHECK(truncated.dq.storage == exact.dq.storage);
+      CHECK(truncated.dk.storage == exact.dk.storage);
+      CHECK(truncated.dv.storage == exact.dv.storage);
+    }
+  }
+  SECTION("one query token, against the dense reference") {
+    // Decoding (the last position of 257 keys, causal), and one query against one key.
+    struct Edge {
+      Shape shape;
+      bool causal;
+      Index query_position;
+    };
+    for (const Edge& edge :
+         {Edge{Shape{1, 257, 4, 2, 8, 5}, true, 256}, Edge{Shape{1, 257, 4, 4, 8, 5}, false, 100},
+          Edge{Shape{1, 1, 4, 1, 8, 5}, true, 0}}) {
+      for (const double tolerance : {0.1, 1.0}) {
+        const Case c = truncated_case("truncated", tolerance, edge.causal, edge.query_position, 0);
+        INFO(edge.shape << ", " << plsh_test::describe(c.options) << ", factor tolerance "
+                        << tolerance);
+        Problem<double> p(edge.shape, 31, 2.0);
+        forward(c, p, slopes);
+        backward(c, p, slopes);
+        Problem<double> expected = p;
+        reference_backward(c, expected, slopes);
+        CHECK(plsh_test::max_abs_difference(p.dq.in(), expected.dq.in()) <= 1e-13);
+        CHECK(plsh_test::max_abs_difference(p.dk.in(), expected.dk.in()) <= 1e-13);
+        CHECK(plsh_test::max_abs_difference(p.dv.in(), expected.dv.in()) <= 1e-13);
+      }
+    }
+  }
+  SECTION("factor tolerance 1: each query sees the key at its own position only") {
+    // Softmax over one key: out_i = v_j, so dq = dk = 0 up to rounding of dP - D and dV_j sums
+    // dO_i over the group's query heads at p_i = p_j. Queries 40..189 against keys 7..176, so
+    // the last 13 queries have no key at their position and no gradient.
+    const std::vector<double> steep = {0.3, 0.05};
+    const Case c = truncated_case("truncated 1", 1.0, false, 40, 7);
+    Problem<double> p(Shape{150, 170, 2, 1, 8, 5}, 37, 2.0);
+    forward(c, p, steep);
+    backward(c, p, steep);
+    for (Index t = 0; t < 150; ++t) {
+      for (Index h = 0; h < 2; ++h) {
+        for (Index e = 0; e < 8; ++e) CHECK(std::abs(p.dq.at(t, h, e)) <= 1e-14);
+      }
+    }
+    for (Index j = 0; j < 170; ++j) {
+      const Index t = j + 7 - 40;  // the query row at the key's position
+      INFO("key " << j);
+      for (Index e = 0; e < 8; ++e) CHECK(std::abs(p.dk.at(j, 0, e)) <= 1e-14);
+      for (Index e = 0; e < 5; ++e) {
+        const double expected = t >= 0 ? p.dout.at(t, 0, e) + p.dout.at(t, 1, e) : 0.0;
+        CHECK(p.dv.at(j, 0, e) == Approx(expected).margin(1e-15));
+      }
+    }
+  }
+  SECTION("keys outside every band get zero gradients, whatever their values") {
+    // Queries at 100..119 against keys 0..199, bands of 7 and 46 positions at 0.1: no query
+    // sees keys 0..53 or 166..199; NaN and infinite k, v there change nothing else.
+    const std::vector<double> steep = {0.3, 0.05};
+    const Case c = truncated_case("truncated 0.1", 0.1, false, 100, 0);
+    Problem<double> clean(Shape{20, 200, 2, 1, 8, 5}, 41, 2.0);
+    forward(c, clean, steep);
+    Problem<double> poisoned = clean;
+    for (Index j = 0; j < 200; ++j) {
+      if (j >= 54 && j < 166) continue;
+      for (Index e = 0; e < 8; ++e) poisoned.k.at(j, 0, e) = std::nan("");
+      for (Index e = 0; e < 5; ++e) {
+        poisoned.v.at(j, 0, e) = std::numeric_limits<double>::infinity();
+      }
+    }
+    backward(c, clean, steep);
+    backward(c, poisoned, steep);
+    CHECK(poisoned.dq.storage == clean.dq.storage);
+    CHECK(poisoned.dk.storage == clean.dk.storage);
+    CHECK(poisoned.dv.storage == clean.dv.storage);
+    for (const Index j : {Index(0), Index(53), Index(166), Index(199)}) {
+      INFO("key " << j);
+      for (Index e = 0; e < 8; ++e) CHECK(clean.dk.at(j, 0, e) == 0);
+      for (Index e = 0; e < 5; ++e) CHECK(clean.dv.at(j, 0, e) == 0);
+    }
+    CHECK(clean.dk.at(54, 0, 0) != 0);  // the first key of the wider band has a gradient
   }
 }
 
@@ -456,8 +584,13 @@ TEST_CASE("backward rejects bad arguments", "[backward][validation]") {
     plsh::exact_alibi_attention_backward<double>(a.q, a.k, a.v, a.out, a.dout, a.dq, a.dk, a.dv,
                                                  a.slopes, a.options);
   };
+  const auto truncated_call = [](const Arguments& a, double factor_tolerance = 0.1) {
+    plsh::truncated_alibi_attention_backward<double>(a.q, a.k, a.v, a.out, a.dout, a.dq, a.dk, a.dv,
+                                                     a.slopes, factor_tolerance, a.options);
+  };
   REQUIRE_NOTHROW(plsh_call(good));
   REQUIRE_NOTHROW(exact_call(good));
+  REQUIRE_NOTHROW(truncated_call(good));
 
   // A second buffer, large enough for any of the views below to point into.
   std::vector<double> spare(1000, 0.0);
@@ -524,12 +657,25 @@ TEST_CASE("backward rejects bad arguments", "[backward][validation]") {
     INFO("rejected argument: " << b.argument);
     REQUIRE_THROWS_AS(plsh_call(b.arguments), std::invalid_argument);
     REQUIRE_THROWS_AS(exact_call(b.arguments), std::invalid_argument);
+    REQUIRE_THROWS_AS(truncated_call(b.arguments), std::invalid_argument);
     REQUIRE_THROWS_WITH(plsh_call(b.arguments), Catch::Contains("plsh_attention_backward: ") &&
                                                     Catch::Contains(b.argument));
     REQUIRE_THROWS_WITH(
         exact_call(b.arguments),
         Catch::Contains("exact_alibi_attention_backward: ") && Catch::Contains(b.argument));
+    REQUIRE_THROWS_WITH(
+        truncated_call(b.arguments),
+        Catch::Contains("truncated_alibi_attention_backward: ") && Catch::Contains(b.argument));
   }
+  for (const double factor_tolerance : {-0.1, 1.5, std::numeric_limits<double>::quiet_NaN(),
+                                        std::numeric_limits<double>::infinity()}) {
+    INFO("factor_tolerance " << factor_tolerance << " is rejected by the truncated backward");
+    REQUIRE_THROWS_AS(truncated_call(good, factor_tolerance), std::invalid_argument);
+    REQUIRE_THROWS_WITH(truncated_call(good, factor_tolerance),
+                        "truncated_alibi_attention_backward: factor_tolerance must lie in [0, 1]");
+  }
+  REQUIRE_NOTHROW(truncated_call(good, 0.0));
+  REQUIRE_NOTHROW(truncated_call(good, 1.0));
   Arguments no_samples = good;
   no_samples.options.samples = 0;
   INFO("samples < 1 is rejected by the Positional LSH backward only");
@@ -544,5 +690,8 @@ TEST_CASE("backward rejects bad arguments", "[backward][validation]") {
                     std::invalid_argument);
   REQUIRE_THROWS_AS(plsh::reference::alibi_attention_backward<double>(
                         good.q, good.k, good.v, good.dout, good.dq, good.dk, good.dv, {0.1}, {}),
+                    std::invalid_argument);
+  REQUIRE_THROWS_AS(plsh::reference::truncated_alibi_attention_backward<double>(
+                        good.q, good.k, good.v, good.dout, good.dq, good.dk, good.dv, {0.1}, 0.1),
                     std::invalid_argument);
 }

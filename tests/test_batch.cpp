@@ -81,6 +81,10 @@ void for_each_forward(const std::vector<double>& slopes, const plsh::AttentionOp
         [&](const auto& q, const auto& k, const auto& v, const auto& o) {
           plsh::windowed_alibi_attention<Scalar>(q, k, v, o, slopes, 1e-3, options);
         });
+  visit("truncated_alibi_attention",
+        [&](const auto& q, const auto& k, const auto& v, const auto& o) {
+          plsh::truncated_alibi_attention<Scalar>(q, k, v, o, slopes, 0.05, options);
+        });
   visit("plsh_attention (fused)", [&](const auto& q, const auto& k, const auto& v, const auto& o) {
     plsh::plsh_attention<Scalar>(q, k, v, o, slopes, fused);
   });
@@ -102,6 +106,12 @@ void for_each_backward(const std::vector<double>& slopes, const plsh::PlshOption
                                               const auto& dk, const auto& dv) {
     plsh::exact_alibi_attention_backward<Scalar>(q, k, v, out, dout, dq, dk, dv, slopes, options);
   });
+  visit("truncated_alibi_attention_backward",
+        [&](const auto& q, const auto& k, const auto& v, const auto& out, const auto& dout,
+            const auto& dq, const auto& dk, const auto& dv) {
+          plsh::truncated_alibi_attention_backward<Scalar>(q, k, v, out, dout, dq, dk, dv, slopes,
+                                                           0.05, options);
+        });
   visit("plsh_attention_backward",
         [&](const auto& q, const auto& k, const auto& v, const auto& out, const auto& dout,
             const auto& dq, const auto& dk, const auto& dv) {
@@ -360,6 +370,12 @@ TEST_CASE("Batched kernels: argument checks", "[batch]") {
     const BatchedHeadsView<float> one_out(1, out[0], out.batch_stride);
     REQUIRE_THROWS_WITH(exact(q, k, one_out),
                         "exact_alibi_attention: out.batch (1) must equal q.batch (2)");
+    REQUIRE_THROWS_AS(plsh::truncated_alibi_attention<float>(q, k, v, one_out, slopes, 0.05),
+                      std::invalid_argument);
+    REQUIRE_THROWS_WITH(plsh::truncated_alibi_attention<float>(q, k, v, one_out, slopes, 0.05),
+                        "truncated_alibi_attention: out.batch (1) must equal q.batch (2)");
+    REQUIRE_THROWS_WITH(plsh::truncated_alibi_attention<float>(q, k, v, out, slopes, -1.0),
+                        "truncated_alibi_attention: factor_tolerance must lie in [0, 1]");
     const BatchedHeadsView<const float> negative(-1, q[0], q.batch_stride);
     REQUIRE_THROWS_WITH(exact(negative, k, out),
                         "exact_alibi_attention: q.batch must be non-negative");
@@ -397,6 +413,16 @@ TEST_CASE("Batched kernels: argument checks", "[batch]") {
     REQUIRE_THROWS_WITH(plsh::plsh_attention_backward<float>(q, k, v, dout, dout, dq_view, dk_on_dq,
                                                              dv_view, slopes),
                         "plsh_attention_backward: dk overlaps dq");
+    REQUIRE_THROWS_AS(plsh::truncated_alibi_attention_backward<float>(
+                          q, k, v, dout, dout, dq_view, dk_on_dq, dv_view, slopes, 0.05),
+                      std::invalid_argument);
+    REQUIRE_THROWS_WITH(plsh::truncated_alibi_attention_backward<float>(
+                            q, k, v, dout, dout, dq_view, dk_on_dq, dv_view, slopes, 0.05),
+                        "truncated_alibi_attention_backward: dk overlaps dq");
+    REQUIRE_THROWS_WITH(
+        plsh::truncated_alibi_attention_backward<float>(q, k, v, dout, dout, dq_view,
+                                                        batched(dk.view, 2), dv_view, slopes, 2.0),
+        "truncated_alibi_attention_backward: factor_tolerance must lie in [0, 1]");
     REQUIRE_THROWS_AS(plsh::fixed_block_attention_backward<float>(q, k, v, dout, dout, dq_view,
                                                                   dk_on_dq, dv_view, 16),
                       std::invalid_argument);

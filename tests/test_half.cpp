@@ -1,6 +1,6 @@
 // Tests of the bfloat16 and half storage of the tiled kernels (regular.hpp, alibi_attention.hpp,
-// backward.hpp, batch.hpp): exact and windowed ALiBi attention and the three backward kernels on
-// Eigen::bfloat16 and Eigen::half views.
+// backward.hpp, batch.hpp): exact, windowed and truncated ALiBi attention and four backward
+// kernels on Eigen::bfloat16 and Eigen::half views.
 //
 // Oracle 1, the rounding alone: the float kernel run on the same inputs rounded to the storage
 // type. A 16-bit kernel converts its tiles exactly to float and computes as the float kernel does,
@@ -143,6 +143,10 @@ void for_each_forward(const std::vector<double>& slopes, const plsh::AttentionOp
     using S = std::remove_pointer_t<decltype(out.data)>;
     plsh::windowed_alibi_attention<S>(q, k, v, out, slopes, 1e-3, options);
   });
+  check("truncated_alibi_attention", [&](auto q, auto k, auto v, auto out) {
+    using S = std::remove_pointer_t<decltype(out.data)>;
+    plsh::truncated_alibi_attention<S>(q, k, v, out, slopes, 0.05, options);
+  });
 }
 
 /// Calls `check(name, kernel)` for each backward kernel; `kernel(q, k, v, out, dout, dq, dk, dv)`.
@@ -157,6 +161,12 @@ void for_each_backward(const std::vector<double>& slopes, const plsh::AttentionO
         [&](auto q, auto k, auto v, auto out, auto dout, auto dq, auto dk, auto dv) {
           using S = std::remove_pointer_t<decltype(dq.data)>;
           plsh::exact_alibi_attention_backward<S>(q, k, v, out, dout, dq, dk, dv, slopes, options);
+        });
+  check("truncated_alibi_attention_backward",
+        [&](auto q, auto k, auto v, auto out, auto dout, auto dq, auto dk, auto dv) {
+          using S = std::remove_pointer_t<decltype(dq.data)>;
+          plsh::truncated_alibi_attention_backward<S>(q, k, v, out, dout, dq, dk, dv, slopes, 0.05,
+                                                      options);
         });
   check("plsh_attention_backward",
         [=](auto q, auto k, auto v, auto out, auto dout, auto dq, auto dk, auto dv) {

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <limits>
 #include <stdexcept>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -415,4 +416,57 @@ TEST_CASE("near_field arguments are checked", "[near_field][validation]") {
       Catch::Contains("near_field must be 0"));
   CHECK_THROWS_WITH(plsh::KvCache<float>(2, 2, 4, 4, slopes, passes),
                     Catch::Contains("near_field must be 0"));
+}
+
+TEST_CASE("the backward refuses a near field with Kernel::Passes, as the forward does",
+          "[near_field][validation][backward]") {
+  // The pass kernel evaluates block masks only: a backward that accepted these options would
+  // return the gradients of the near-field estimator, a function its forward never computes.
+  const Shape shape{16, 16, 2, 2, 4, 4};
+  Problem<float> p(shape, 3);
+  const std::vector<double> slopes = plsh::alibi_slopes(2);
+  Buffer<float> dq(16, 2, 4), dk(16, 2, 4), dv(16, 2, 4);
+  plsh::PlshOptions passes;
+  passes.near_field = 0.05;
+  passes.kernel = plsh::Kernel::Passes;
+  const auto message = [](auto&& call) {
+    try {
+      call();
+    } catch (const std::invalid_argument& error) {
+      return std::string(error.what());
+    }
+    return std::string("no exception");
+  };
+  const std::string forward = message([&] {
+    plsh::plsh_attention<float>(p.q.in(), p.k.in(), p.v.in(), p.out.view, slopes, passes);
+  });
+  const std::string prefix = "plsh_attention: ";
+  REQUIRE(forward.rfind(prefix, 0) == 0);
+  const std::string expected = "plsh_attention_backward: " + forward.substr(prefix.size());
+  const auto backward = [&](const plsh::PlshOptions& options) {
+    plsh::plsh_attention_backward<float>(p.q.in(), p.k.in(), p.v.in(), p.out.in(), p.out.in(),
+                                         dq.view, dk.view, dv.view, slopes, options);
+  };
+  const auto batched_backward = [&](const plsh::PlshOptions& options) {
+    const auto one = [](const auto& view) {
+      using Element = std::remove_pointer_t<decltype(view.data)>;
+      return BatchedHeadsView<Element>(1, view);
+    };
+    plsh::plsh_attention_backward<float>(one(p.q.in()), one(p.k.in()), one(p.v.in()),
+                                         one(p.out.in()), one(p.out.in()), one(dq.view),
+                                         one(dk.view), one(dv.view), slopes, options);
+  };
+  REQUIRE_THROWS_AS(backward(passes), std::invalid_argument);
+  CHECK(message([&] { backward(passes); }) == expected);
+  REQUIRE_THROWS_AS(batched_backward(passes), std::invalid_argument);
+  CHECK(message([&] { batched_backward(passes); }) == expected);
+  INFO("block masks only, or the fused kernel, are accepted");
+  plsh::PlshOptions blocks = passes;
+  blocks.near_field = 0;
+  CHECK_NOTHROW(backward(blocks));
+  CHECK_NOTHROW(batched_backward(blocks));
+  plsh::PlshOptions fused = passes;
+  fused.kernel = plsh::Kernel::Fused;
+  CHECK_NOTHROW(backward(fused));
+  CHECK_NOTHROW(batched_backward(fused));
 }

@@ -129,6 +129,21 @@ void windowed_alibi_attention(const BatchedHeadsView<const detail::NonDeduced<Sc
   });
 }
 
+/// truncated_alibi_attention on every batch element (shapes as the batched
+/// exact_alibi_attention).
+template <class Scalar>
+void truncated_alibi_attention(const BatchedHeadsView<const detail::NonDeduced<Scalar>>& q,
+                               const BatchedHeadsView<const detail::NonDeduced<Scalar>>& k,
+                               const BatchedHeadsView<const detail::NonDeduced<Scalar>>& v,
+                               const BatchedHeadsView<Scalar>& out,
+                               const std::vector<double>& slopes, double factor_tolerance,
+                               const AttentionOptions& options = {}) {
+  detail::run_forward_batch<Scalar>("truncated_alibi_attention", q, k, v, out, [&] {
+    detail::batched_truncated_alibi_attention<Scalar>(q, k, v, out, slopes, factor_tolerance,
+                                                      options);
+  });
+}
+
 /// plsh_attention on every batch element (shapes as the batched exact_alibi_attention). Every
 /// element uses the same draws (those of `options.seed`).
 template <class Scalar>
@@ -190,6 +205,25 @@ void windowed_alibi_attention_backward(
       "windowed_alibi_attention_backward", q, k, v, out, dout, dq, dk, dv, [&] {
         detail::batched_windowed_alibi_attention_backward<Scalar>(q, k, v, out, dout, dq, dk, dv,
                                                                   slopes, tolerance, options);
+      });
+}
+
+/// truncated_alibi_attention_backward on every batch element (shapes as the batched
+/// exact_alibi_attention_backward).
+template <class Scalar>
+void truncated_alibi_attention_backward(
+    const BatchedHeadsView<const detail::NonDeduced<Scalar>>& q,
+    const BatchedHeadsView<const detail::NonDeduced<Scalar>>& k,
+    const BatchedHeadsView<const detail::NonDeduced<Scalar>>& v,
+    const BatchedHeadsView<const detail::NonDeduced<Scalar>>& out,
+    const BatchedHeadsView<const detail::NonDeduced<Scalar>>& dout,
+    const BatchedHeadsView<Scalar>& dq, const BatchedHeadsView<Scalar>& dk,
+    const BatchedHeadsView<Scalar>& dv, const std::vector<double>& slopes, double factor_tolerance,
+    const AttentionOptions& options = {}) {
+  detail::run_backward_batch<Scalar>(
+      "truncated_alibi_attention_backward", q, k, v, out, dout, dq, dk, dv, [&] {
+        detail::batched_truncated_alibi_attention_backward<Scalar>(
+            q, k, v, out, dout, dq, dk, dv, slopes, factor_tolerance, options);
       });
 }
 

@@ -38,6 +38,8 @@ from ._plsh import (
     mask_error,
     plsh_attention,
     plsh_attention_backward,
+    truncated_alibi_attention,
+    truncated_alibi_attention_backward,
     windowed_alibi_attention,
     windowed_alibi_attention_backward,
 )
@@ -60,6 +62,8 @@ __all__ = [
     "mask_error",
     "plsh_attention",
     "plsh_attention_backward",
+    "truncated_alibi_attention",
+    "truncated_alibi_attention_backward",
     "windowed_alibi_attention",
     "windowed_alibi_attention_backward",
 ]

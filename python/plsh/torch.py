@@ -52,6 +52,7 @@ __all__ = [
     "exact_alibi_attention",
     "fixed_block_attention",
     "plsh_attention",
+    "truncated_alibi_attention",
     "windowed_alibi_attention",
 ]
 
@@ -206,6 +207,7 @@ _EXACT_KERNELS = (_plsh.exact_alibi_attention, _plsh.exact_alibi_attention_backw
 _PLSH_KERNELS = (_plsh.plsh_attention, _plsh.plsh_attention_backward)
 _FIXED_BLOCK_KERNELS = (_plsh.fixed_block_attention, _plsh.fixed_block_attention_backward)
 _WINDOWED_KERNELS = (_plsh.windowed_alibi_attention, _plsh.windowed_alibi_attention_backward)
+_TRUNCATED_KERNELS = (_plsh.truncated_alibi_attention, _plsh.truncated_alibi_attention_backward)
 
 
 def _attention_options(causal, softmax_scale, query_position, key_position, layout):
@@ -263,6 +265,29 @@ def windowed_alibi_attention(q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tenso
                                  key_position, layout)
     options.update(tolerance=float(tolerance))
     return _AttentionFunction.apply(q, k, v, _WINDOWED_KERNELS, alibi_slopes, options)
+
+
+def truncated_alibi_attention(q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor,
+                              alibi_slopes: Slopes, factor_tolerance: float, *,
+                              causal: bool = True, softmax_scale: Optional[float] = None,
+                              query_position: int = 0, key_position: int = 0,
+                              layout: str = "bthd") -> _torch.Tensor:
+    """ALiBi attention truncated where the factor falls below ``factor_tolerance``, with autograd.
+
+    Head h keeps the keys with ``|i - j| <= floor(ln(1 / factor_tolerance) / m_h)``, where the
+    factor ``exp(-m_h |i - j|)`` is at least ``factor_tolerance``, and drops the others whatever
+    their scores: no bound on the error against :func:`exact_alibi_attention` (a far key of high
+    score keeps a large weight under exact ALiBi); :func:`windowed_alibi_attention` is the kernel
+    whose tolerance is a guarantee. The gradients are those of the function computed: exact
+    ALiBi's over each head's band, zero from the keys outside it. ``factor_tolerance`` in [0, 1];
+    0 is exact ALiBi. ``alibi_slopes`` and ``factor_tolerance`` are required (``alibi_slopes=None``
+    means the standard slopes). Other arguments and shapes as :func:`exact_alibi_attention`.
+    """
+    _check_inputs(q, k, v, layout)
+    options = _attention_options(causal, _softmax_scale(softmax_scale, _UNSET), query_position,
+                                 key_position, layout)
+    options.update(factor_tolerance=float(factor_tolerance))
+    return _AttentionFunction.apply(q, k, v, _TRUNCATED_KERNELS, _slopes(alibi_slopes), options)
 
 
 def plsh_attention(q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor,

@@ -1,7 +1,7 @@
-// The attention kernels: exact_alibi_attention, windowed_alibi_attention, plsh_attention and
-// fixed_block_attention, and their backward kernels, each on the batched views of
-// plsh/batch.hpp with the GIL released. Forward and backward share instantiations of plsh's
-// kernel code, so one translation unit compiles them faster than two.
+// The attention kernels: exact_alibi_attention, windowed_alibi_attention,
+// truncated_alibi_attention, plsh_attention and fixed_block_attention, and their backward kernels,
+// each on the batched views of plsh/batch.hpp with the GIL released. Forward and backward share
+// instantiations of plsh's kernel code, so one translation unit compiles them faster than two.
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -76,6 +76,19 @@ py::array windowed_alibi_attention(const Inputs& inputs, const Slopes& slopes, d
                    using Scalar = ScalarOf<decltype(ov)>;
                    plsh::windowed_alibi_attention<Scalar>(
                        qv, kv, vv, ov, slopes_or_default(slopes, qv.heads), tolerance, options);
+                 });
+}
+
+py::array truncated_alibi_attention(const Inputs& inputs, const Slopes& slopes,
+                                    double factor_tolerance, const AttentionArguments& attention,
+                                    const OutputArguments& output, const ArrayArguments& format) {
+  const auto options = options_of(attention);
+  return forward(inputs, &slopes, output, format,
+                 [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov) {
+                   using Scalar = ScalarOf<decltype(ov)>;
+                   plsh::truncated_alibi_attention<Scalar>(qv, kv, vv, ov,
+                                                           slopes_or_default(slopes, qv.heads),
+                                                           factor_tolerance, options);
                  });
 }
 
@@ -165,6 +178,22 @@ py::tuple windowed_alibi_attention_backward(const BackwardInputs& inputs, const 
                   });
 }
 
+py::tuple truncated_alibi_attention_backward(const BackwardInputs& inputs, const Slopes& slopes,
+                                             double factor_tolerance,
+                                             const AttentionArguments& attention,
+                                             const GradientArguments& gradients,
+                                             const ArrayArguments& format) {
+  const auto options = options_of(attention);
+  return backward(inputs, &slopes, gradients, format,
+                  [&](const auto& qv, const auto& kv, const auto& vv, const auto& ov,
+                      const auto& dov, const auto& dqv, const auto& dkv, const auto& dvv) {
+                    using Scalar = ScalarOf<decltype(dqv)>;
+                    plsh::truncated_alibi_attention_backward<Scalar>(
+                        qv, kv, vv, ov, dov, dqv, dkv, dvv, slopes_or_default(slopes, qv.heads),
+                        factor_tolerance, options);
+                  });
+}
+
 py::tuple plsh_attention_backward(const BackwardInputs& inputs, const Slopes& slopes,
                                   const AttentionArguments& attention, const DrawArguments& draws,
                                   const GradientArguments& gradients,
@@ -231,6 +260,16 @@ void bind_attention(py::module_& m) {
           "for every query row the exact-ALiBi weight of all its dropped keys is at most "
           "`tolerance`, so each output entry is within 2 tolerance max|v| of exact "
           "ALiBi. tolerance 0 is exact ALiBi."));
+  def_function(
+      m, "truncated_alibi_attention", &truncated_alibi_attention, Inputs::arguments(),
+      "alibi_slopes"_a, "factor_tolerance"_a, py::kw_only(), AttentionArguments::arguments(),
+      OutputArguments::arguments(), ArrayArguments::arguments(),
+      doc("ALiBi truncated where the factor exp(-m_h |i - j|) falls below `factor_tolerance`: "
+          "head h keeps the keys with |i - j| <= floor(ln(1/factor_tolerance) / m_h). No bound "
+          "on the error (a far key of high score keeps a large weight under exact ALiBi); "
+          "windowed_alibi_attention is the kernel whose tolerance is a guarantee. "
+          "factor_tolerance in [0, 1], 0 is exact ALiBi. alibi_slopes and factor_tolerance "
+          "are both required (alibi_slopes=None: the standard slopes)."));
   def_function(m, "plsh_attention", &plsh_attention, Inputs::arguments(), "alibi_slopes"_a = none,
                py::kw_only(), AttentionArguments::arguments(), DrawArguments::arguments(),
                "kernel"_a = "fused", OutputArguments::arguments(), ArrayArguments::arguments(),
@@ -259,6 +298,13 @@ void bind_attention(py::module_& m) {
                doc("Gradients (dq, dk, dv) of windowed_alibi_attention as computed: exact ALiBi "
                    "over the keys each query tile kept (the forward's certificate, evaluated "
                    "again)."));
+  def_function(m, "truncated_alibi_attention_backward", &truncated_alibi_attention_backward,
+               BackwardInputs::arguments(), "alibi_slopes"_a, "factor_tolerance"_a, py::kw_only(),
+               AttentionArguments::arguments(), GradientArguments::arguments(),
+               ArrayArguments::arguments(),
+               doc("Gradients (dq, dk, dv) of truncated_alibi_attention with the same "
+                   "alibi_slopes and factor_tolerance: exact ALiBi's over each head's band, zero "
+                   "from the keys outside it."));
   def_function(m, "plsh_attention_backward", &plsh_attention_backward, BackwardInputs::arguments(),
                "alibi_slopes"_a = none, py::kw_only(), AttentionArguments::arguments(),
                DrawArguments::arguments(), GradientArguments::arguments(),

@@ -71,6 +71,22 @@ def alibi_log_factor(slopes, samples=None, seed=None, sampling=DEFAULT_SAMPLING,
     return counted
 
 
+def truncated_log_factor(slopes, factor_tolerance):
+    """log F_h(i, j) of ALiBi truncated where the factor exp(-m_h |i - j|) falls below
+    factor_tolerance: -m_h |i - j| for |i - j| <= floor(ln(1/factor_tolerance) / m_h), -inf
+    beyond (every key when m_h or factor_tolerance is 0)."""
+    exact = alibi_log_factor(slopes)
+
+    def factor(h, i, j):
+        distance = np.abs(i - j)
+        if slopes[h] == 0 or factor_tolerance == 0:
+            return exact(h, i, j)
+        band = math.floor(math.log(1 / factor_tolerance) / slopes[h])
+        return np.where(distance <= band, exact(h, i, j), -np.inf)
+
+    return factor
+
+
 def fixed_log_factor(block_size):
     grid = plsh.Grid(float(block_size), 0.0)
 
@@ -130,11 +146,13 @@ def call_forward(name, q, k, v, **kwargs):
     """The forward `name` with its required extra argument."""
     if name == "fixed_block_attention":
         return plsh.fixed_block_attention(q, k, v, 8, **kwargs)
+    if name == "truncated_alibi_attention":
+        return plsh.truncated_alibi_attention(q, k, v, None, 0.05, **kwargs)
     return getattr(plsh, name)(q, k, v, **kwargs)
 
 
-FORWARDS = ["exact_alibi_attention", "windowed_alibi_attention", "plsh_attention",
-            "fixed_block_attention"]
+FORWARDS = ["exact_alibi_attention", "windowed_alibi_attention", "truncated_alibi_attention",
+            "plsh_attention", "fixed_block_attention"]
 
 
 def to_storage(x, storage):

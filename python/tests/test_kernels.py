@@ -9,7 +9,7 @@ import pytest
 
 import plsh
 from conftest import (FORWARDS, alibi_log_factor, call_forward, fixed_log_factor, random_inputs,
-                      reference_attention)
+                      reference_attention, truncated_log_factor)
 
 FORWARD_TOLERANCE = {np.float64: 1e-12, np.float32: 3e-5}
 
@@ -43,6 +43,9 @@ def test_forward_kernels_against_dense_references(dtype, causal, positions):
         "fused defaults": (plsh.plsh_attention(q, k, v, slopes, samples=6, seed=4, **options),
                            alibi_log_factor(slopes, 6, 4)),
         "fixed": (plsh.fixed_block_attention(q, k, v, 8, **options), fixed_log_factor(8)),
+        # Bands of 4, 9 and 23 positions, and every key for slope 0.
+        "truncated": (plsh.truncated_alibi_attention(q, k, v, slopes, 0.1, **options),
+                      truncated_log_factor(slopes, 0.1)),
     }
     for name, (result, log_factor) in cases.items():
         assert result.dtype == dtype and result.shape == (2, 37, 4, 5), name
@@ -125,7 +128,8 @@ def reference_backward(q, k, v, dout, log_factor, causal=True, softmax_scale=Non
     return dq, dk, dv
 
 
-@pytest.mark.parametrize("method", ["exact", "plsh", "plsh latin", "plsh latin near field"])
+@pytest.mark.parametrize("method", ["exact", "truncated", "truncated 1", "plsh", "plsh latin",
+                                    "plsh latin near field"])
 def test_backward_kernels_against_dense_reference(method):
     q, k, v = random_inputs((33, 4, 6), kv_heads=2, value_dim=5, n_k=40, seed=8)
     dout = np.random.default_rng(9).standard_normal((33, 4, 5))
@@ -135,6 +139,13 @@ def test_backward_kernels_against_dense_reference(method):
         out = plsh.exact_alibi_attention(q, k, v, slopes, **options)
         grads = plsh.exact_alibi_attention_backward(q, k, v, out, dout, slopes, **options)
         log_factor = alibi_log_factor(slopes)
+    elif method.startswith("truncated"):
+        # 0.1: bands of 7, 23 and 46 positions; 1: each query sees the key at its own position.
+        factor_tolerance = 1.0 if method == "truncated 1" else 0.1
+        out = plsh.truncated_alibi_attention(q, k, v, slopes, factor_tolerance, **options)
+        grads = plsh.truncated_alibi_attention_backward(q, k, v, out, dout, slopes,
+                                                        factor_tolerance, **options)
+        log_factor = truncated_log_factor(slopes, factor_tolerance)
     else:
         sampling = "latin_hypercube" if method.startswith("plsh latin") else "independent"
         near_field = 0.1 if method.endswith("near field") else 0.0
@@ -160,11 +171,12 @@ def test_batched_forward_equals_per_item_calls(name, inputs):
                                                                query_position=4))
 
 
-@pytest.mark.parametrize("method", ["exact", "plsh"])
+@pytest.mark.parametrize("method", ["exact", "truncated", "plsh"])
 def test_batched_backward_equals_per_item_calls(method, inputs):
     q, k, v = inputs
-    backward = (plsh.exact_alibi_attention_backward if method == "exact"
-                else plsh.plsh_attention_backward)
+    backward = {"exact": plsh.exact_alibi_attention_backward,
+                "truncated": lambda *a: plsh.truncated_alibi_attention_backward(*a, None, 0.05),
+                "plsh": plsh.plsh_attention_backward}[method]
     out = plsh.exact_alibi_attention(q, k, v)
     dout = np.random.default_rng(3).standard_normal(out.shape)
     batched = backward(q, k, v, out, dout)
@@ -246,6 +258,7 @@ def test_zero_tokens_and_heads_one():
 
 
 BACKWARDS = {"exact": (plsh.exact_alibi_attention_backward, ()),
+             "truncated": (plsh.truncated_alibi_attention_backward, (None, 0.05)),
              "plsh": (plsh.plsh_attention_backward, ()),
              "fixed": (plsh.fixed_block_attention_backward, (8,))}
 

@@ -26,6 +26,8 @@ def tensors(batch=2, n=12, heads=4, kv_heads=2, dim=6, value_dim=5, seed=0, dtyp
 FUNCTIONS = {
     "exact": lambda q, k, v, **o: pt.exact_alibi_attention(q, k, v, **o),
     "windowed": lambda q, k, v, **o: pt.windowed_alibi_attention(q, k, v, tolerance=1e-3, **o),
+    # Factor tolerance 0.9: bands of 0, 1, 6 and 26 positions for the standard slopes of 4 heads.
+    "truncated": lambda q, k, v, **o: pt.truncated_alibi_attention(q, k, v, None, 0.9, **o),
     "plsh": lambda q, k, v, **o: pt.plsh_attention(q, k, v, samples=4, seed=3, **o),
     "plsh latin": lambda q, k, v, **o: pt.plsh_attention(q, k, v, samples=4, seed=3,
                                                          sampling="latin_hypercube", **o),

@@ -95,6 +95,9 @@ void run(const char* type) {
       forward("windowed_alibi_attention", [&](auto out) {
         plsh::windowed_alibi_attention<Scalar>(q, k, v, out, slopes, 1e-3, options);
       });
+      const Tensor<Scalar> truncated = forward("truncated_alibi_attention", [&](auto out) {
+        plsh::truncated_alibi_attention<Scalar>(q, k, v, out, slopes, 0.05, options);
+      });
       const Tensor<Scalar> fused = forward("plsh_attention(fused)", [&](auto out) {
         plsh::plsh_attention<Scalar>(q, k, v, out, slopes, options);
       });
@@ -119,6 +122,11 @@ void run(const char* type) {
         plsh::exact_alibi_attention_backward<Scalar>(q, k, v, out, dout.in(), dq, dk, dv, slopes,
                                                      options);
       });
+      backward("truncated_alibi_attention_backward", truncated,
+               [&](auto out, auto dq, auto dk, auto dv) {
+                 plsh::truncated_alibi_attention_backward<Scalar>(q, k, v, out, dout.in(), dq, dk,
+                                                                  dv, slopes, 0.05, options);
+               });
       backward("plsh_attention_backward", fused, [&](auto out, auto dq, auto dk, auto dv) {
         plsh::plsh_attention_backward<Scalar>(q, k, v, out, dout.in(), dq, dk, dv, slopes, options);
       });

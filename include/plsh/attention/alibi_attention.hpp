@@ -2,12 +2,14 @@
 #define PLSH_ATTENTION_ALIBI_ATTENTION_HPP
 
 /// \file alibi_attention.hpp
-/// Exact ALiBi attention, and windowed ALiBi: the keys whose weight a bound certifies to be
-/// below a tolerance are dropped (windowed.hpp).
+/// Exact ALiBi attention; windowed ALiBi: the keys whose weight a bound certifies to be below a
+/// tolerance are dropped (windowed.hpp); truncated ALiBi: the keys whose factor is below a
+/// tolerance are dropped, without a bound. Their gradients are in backward.hpp.
 ///
 /// \f$o_i = \sum_j e^{\text{scale}\,q_i\cdot k_j - m_h|p_i - p_j|} v_j / \sum_j e^{\ldots}\f$.
 /// Cost: tiled online softmax (regular.hpp), \f$2(d + d_v)\f$ flops per computed score; causal
-/// key tiles above the diagonal are skipped; the windowed kernel visits key tiles nearest first
+/// key tiles above the diagonal are skipped, and the truncated kernel's outside its band; the
+/// windowed kernel visits key tiles nearest first
 /// and stops at its certificate (windowed.hpp).
 /// Memory: O(tile) per thread, nothing n x n. Parallel over (batch element, head, query tile)
 /// with OpenMP, in one parallel region (batch.hpp: the batched overloads). Views of float,
@@ -15,7 +17,8 @@
 /// (regular.hpp).
 ///
 /// Tested against plsh::reference::alibi_attention (dense, double) in
-/// tests/test_alibi_attention.cpp; non-finite inputs (the contract of online_softmax.hpp) and
+/// tests/test_alibi_attention.cpp, windowed and truncated ALiBi against their references in
+/// tests/test_windowed.cpp; non-finite inputs (the contract of online_softmax.hpp) and
 /// float accuracy at far absolute positions in tests/test_nonfinite.cpp; bfloat16 and half
 /// against the float kernel in tests/test_half.cpp.
 
@@ -72,8 +75,35 @@ void linear_bias_attention(const BatchedHeadsView<const Scalar>& q,
   });
 }
 
-/// exact_alibi_attention on a batch whose shapes validate_batch has checked: the checks of one
-/// element, then the kernel.
+/// The keys truncated_alibi_attention keeps: \f$e^{-m r} \ge \text{tolerance} \iff r \le
+/// \ln(1/\text{tolerance})/m\f$.
+inline Index factor_window(double slope, double tolerance) {
+  if (slope == 0 || tolerance == 0) return kNoWindow;
+  const double window = std::floor(std::log(1.0 / tolerance) / slope);
+  return window >= static_cast<double>(kNoWindow) ? kNoWindow : static_cast<Index>(window);
+}
+
+/// truncated_alibi_attention on a batch whose shapes validate_batch has checked: the checks of one
+/// element, then the kernel with head h's band factor_window(m_h, factor_tolerance). Tolerance 0
+/// is exact ALiBi: exact_alibi_attention is this core under its own `function` name.
+template <class Scalar>
+void batched_truncated_alibi_attention(const BatchedHeadsView<const Scalar>& q,
+                                       const BatchedHeadsView<const Scalar>& k,
+                                       const BatchedHeadsView<const Scalar>& v,
+                                       const BatchedHeadsView<Scalar>& out,
+                                       const std::vector<double>& slopes, double factor_tolerance,
+                                       const AttentionOptions& options,
+                                       const char* function = "truncated_alibi_attention") {
+  validate_attention(function, q[0], k[0], v[0], out[0], options, memory_of(q));
+  validate_slopes(function, slopes, q.heads);
+  require_tolerance(factor_tolerance, function, "factor_tolerance");
+  linear_bias_attention(q, k, v, out, options, [&](Index h) {
+    const double slope = slopes[static_cast<std::size_t>(h)];
+    return LinearBias{slope, factor_window(slope, factor_tolerance)};
+  });
+}
+
+/// exact_alibi_attention on a checked batch: batched_truncated_alibi_attention with tolerance 0.
 template <class Scalar>
 void batched_exact_alibi_attention(const BatchedHeadsView<const Scalar>& q,
                                    const BatchedHeadsView<const Scalar>& k,
@@ -81,20 +111,8 @@ void batched_exact_alibi_attention(const BatchedHeadsView<const Scalar>& q,
                                    const BatchedHeadsView<Scalar>& out,
                                    const std::vector<double>& slopes,
                                    const AttentionOptions& options) {
-  const char* function = "exact_alibi_attention";
-  validate_attention(function, q[0], k[0], v[0], out[0], options, memory_of(q));
-  validate_slopes(function, slopes, q.heads);
-  linear_bias_attention(q, k, v, out, options, [&](Index h) {
-    return LinearBias{slopes[static_cast<std::size_t>(h)], kNoWindow};
-  });
-}
-
-/// The keys truncated_alibi_attention keeps: \f$e^{-m r} \ge \text{tolerance} \iff r \le
-/// \ln(1/\text{tolerance})/m\f$.
-inline Index factor_window(double slope, double tolerance) {
-  if (slope == 0 || tolerance == 0) return kNoWindow;
-  const double window = std::floor(std::log(1.0 / tolerance) / slope);
-  return window >= static_cast<double>(kNoWindow) ? kNoWindow : static_cast<Index>(window);
+  batched_truncated_alibi_attention<Scalar>(q, k, v, out, slopes, 0.0, options,
+                                            "exact_alibi_attention");
 }
 
 /// Keys of the sequence that the caller does not hold (the sequence-parallel kernel's halo):
@@ -122,7 +140,7 @@ void batched_windowed_alibi_attention(
     validate_attention(function, q[0], k[0], v[0], (*out)[0], options, memory_of(q));
   }
   validate_slopes(function, slopes, q.heads);
-  require(tolerance >= 0 && tolerance <= 1, function, "tolerance must lie in [0, 1]");
+  require_tolerance(tolerance, function);
   if (tolerance == 0) {
     if (out != nullptr) {
       linear_bias_attention(q, k, v, *out, options, [&](Index h) {
@@ -209,7 +227,8 @@ void windowed_alibi_attention(HeadsView<const detail::NonDeduced<Scalar>> q,
 /// far above the kept ones (an attention sink, a copied span) keeps a large weight under exact
 /// ALiBi, so the output can be far from exact ALiBi at any `factor_tolerance`. It is the cheapest
 /// band, for comparison and for logits known to be flat; windowed_alibi_attention is the kernel
-/// whose tolerance is a guarantee. `factor_tolerance = 0` is exact ALiBi.
+/// whose tolerance is a guarantee. `factor_tolerance = 0` is exact ALiBi. Gradients:
+/// truncated_alibi_attention_backward (backward.hpp).
 ///
 /// Arguments as exact_alibi_attention; \param factor_tolerance in [0, 1].
 template <class Scalar>
@@ -218,17 +237,9 @@ void truncated_alibi_attention(HeadsView<const detail::NonDeduced<Scalar>> q,
                                HeadsView<const detail::NonDeduced<Scalar>> v, HeadsView<Scalar> out,
                                const std::vector<double>& slopes, double factor_tolerance,
                                const AttentionOptions& options = {}) {
-  const char* function = "truncated_alibi_attention";
-  detail::validate_attention(function, q, k, v, out, options);
-  detail::validate_slopes(function, slopes, q.heads);
-  detail::require(factor_tolerance >= 0 && factor_tolerance <= 1, function,
-                  "factor_tolerance must lie in [0, 1]");
-  detail::linear_bias_attention(
+  detail::batched_truncated_alibi_attention<Scalar>(
       detail::batch_of_one(q), detail::batch_of_one(k), detail::batch_of_one(v),
-      detail::batch_of_one(out), options, [&](Index h) {
-        const double slope = slopes[static_cast<std::size_t>(h)];
-        return detail::LinearBias{slope, detail::factor_window(slope, factor_tolerance)};
-      });
+      detail::batch_of_one(out), slopes, factor_tolerance, options);
 }
 
 }  // namespace plsh

@@ -2,11 +2,12 @@
 #define PLSH_ATTENTION_BACKWARD_HPP
 
 /// \file backward.hpp
-/// Gradients of exact and windowed ALiBi attention, of Positional LSH attention and of fixed
-/// blocks with respect to q, k, v.
+/// Gradients of exact, truncated and windowed ALiBi attention, of Positional LSH attention and of
+/// fixed blocks with respect to q, k, v.
 ///
-/// Both forwards are softmax attention with logits \f$l_{ij}\f$: exact ALiBi
-/// \f$l_{ij} = S_{ij} - m|p_i - p_j|\f$, Positional LSH \f$l_{ij} = S_{ij} + \log c_{ij}\f$ with
+/// All the forwards are softmax attention with logits \f$l_{ij}\f$: exact ALiBi
+/// \f$l_{ij} = S_{ij} - m|p_i - p_j|\f$ (truncated and windowed ALiBi: the same, masked outside
+/// the keys they keep), Positional LSH \f$l_{ij} = S_{ij} + \log c_{ij}\f$ with
 /// \f$c_{ij}\f$ the number of draws in which i and j share a block (\f$c = 0\f$: masked), and
 /// \f$S_{ij} = \text{scale}\; q_i\cdot k_j\f$. With \f$P_{ij} = e^{l_{ij} - \mathrm{lse}_i}\f$,
 /// \f$o_i = \sum_j P_{ij} v_j\f$ and the gradient \f$dO\f$ of a loss with respect to the output:
@@ -40,9 +41,11 @@
 /// \f$dK = dV = 0\f$ and a non-finite k or v of a masked key changes no other gradient.
 ///
 /// Tested in tests/test_backward.cpp against central finite differences of
-/// exact_alibi_attention and plsh_attention, and against the dense double references
-/// plsh::reference::alibi_attention_backward and plsh::reference::plsh_attention_backward
-/// (reference.hpp); bfloat16 and half storage in tests/test_half.cpp.
+/// exact_alibi_attention, truncated_alibi_attention and plsh_attention, and against the dense
+/// double references plsh::reference::alibi_attention_backward,
+/// plsh::reference::truncated_alibi_attention_backward and
+/// plsh::reference::plsh_attention_backward (reference.hpp); the windowed backward in
+/// tests/test_windowed.cpp; bfloat16 and half storage in tests/test_half.cpp.
 
 #include <Eigen/Core>
 #include <algorithm>
@@ -90,33 +93,41 @@ BackwardWorkspace<Scalar>& backward_workspace() {
   return workspace;
 }
 
-/// Logits of exact ALiBi: \f$S_{ij} - m_h|p_i - p_j|\f$, causal keys masked.
+/// Logits of exact ALiBi: \f$S_{ij} - m_h|p_i - p_j|\f$, causal keys masked; with a
+/// `factor_tolerance` above 0, those of truncated_alibi_attention: the keys outside head h's band
+/// \f$|p_i - p_j| \le W_h\f$ = factor_window(m_h, factor_tolerance) masked too.
 template <class Scalar>
 class AlibiLogits {
  public:
   AlibiLogits(const std::vector<double>& slopes, const AttentionOptions& options, Index queries,
-              Index keys)
+              Index keys, double factor_tolerance = 0)
       : slopes_(slopes),
         options_(options),
         query_end_(options.query_position + queries),
-        key_end_(options.key_position + keys) {}
+        key_end_(options.key_position + keys),
+        factor_tolerance_(factor_tolerance) {}
 
   Index query_tile(Index) const { return kQueryTile; }
   Index key_tile(Index, Index) const { return kKeyTile; }
 
   /// Key positions that query positions `[first_query, first_query + rows)` of batch element b
   /// and head h may see.
-  Block prepare_rows(Index, Index, Index first_query, Index rows,
+  Block prepare_rows(Index, Index h, Index first_query, Index rows,
                      BackwardWorkspace<Scalar>&) const {
-    const Index end = options_.causal ? std::min(key_end_, first_query + rows) : key_end_;
-    return Block{options_.key_position, std::max(options_.key_position, end)};
+    const Index window = band(h);
+    const Index last_query = first_query + rows - 1;
+    const Index begin = std::max(options_.key_position, first_query - window);
+    const Index end = std::min(key_end_, (options_.causal ? last_query : last_query + window) + 1);
+    return Block{begin, std::max(begin, end)};
   }
 
   /// Query positions that may see a key of `[first_key, first_key + cols)`.
-  Block queries_of_keys(Index, Index first_key, Index) const {
-    const Index begin =
-        options_.causal ? std::max(options_.query_position, first_key) : options_.query_position;
-    return Block{begin, std::max(begin, query_end_)};
+  Block queries_of_keys(Index h, Index first_key, Index cols) const {
+    const Index window = band(h);
+    const Index earliest = options_.causal ? first_key : first_key - window;
+    const Index begin = std::max(options_.query_position, earliest);
+    const Index end = std::min(query_end_, first_key + cols + window);
+    return Block{begin, std::max(begin, end)};
   }
 
   /// Adds the bias to a tile of scores whose first row and column are at the given positions.
@@ -129,15 +140,21 @@ class AlibiLogits {
     // The same key span as the forward (attend_rows): the logits carry the same row shift.
     const KeySpan span{first_query - options_.key_position, first_query - (key_end_ - 1)};
     apply_linear_bias(scores, first_query - first_key, options_.causal,
-                      LinearBias{slopes_[static_cast<std::size_t>(h)], kNoWindow}, span,
+                      LinearBias{slopes_[static_cast<std::size_t>(h)], band(h)}, span,
                       workspace.offsets);
   }
 
  private:
+  /// \f$W_h\f$: kNoWindow for exact ALiBi.
+  Index band(Index h) const {
+    return factor_window(slopes_[static_cast<std::size_t>(h)], factor_tolerance_);
+  }
+
   const std::vector<double>& slopes_;
   AttentionOptions options_;
   Index query_end_;
   Index key_end_;
+  double factor_tolerance_;
 };
 
 /// Logits of windowed_alibi_attention as computed: exact ALiBi over the key rows `kept` that each
@@ -482,8 +499,29 @@ void attention_backward(const BatchedHeadsView<const Scalar>& q,
   });
 }
 
-/// exact_alibi_attention_backward on a batch whose shapes validate_batch has checked: the checks
-/// of one element, then both sweeps.
+/// truncated_alibi_attention_backward on a batch whose shapes validate_batch has checked: the
+/// checks of one element, then both sweeps over each head's band. Tolerance 0 is exact ALiBi:
+/// exact_alibi_attention_backward is this core under its own `function` name.
+template <class Scalar>
+void batched_truncated_alibi_attention_backward(
+    const BatchedHeadsView<const Scalar>& q, const BatchedHeadsView<const Scalar>& k,
+    const BatchedHeadsView<const Scalar>& v, const BatchedHeadsView<const Scalar>& out,
+    const BatchedHeadsView<const Scalar>& dout, const BatchedHeadsView<Scalar>& dq,
+    const BatchedHeadsView<Scalar>& dk, const BatchedHeadsView<Scalar>& dv,
+    const std::vector<double>& slopes, double factor_tolerance, const AttentionOptions& options,
+    const char* function = "truncated_alibi_attention_backward") {
+  validate_backward(function, q[0], k[0], v[0], out[0], dout[0], dq[0], dk[0], dv[0], options,
+                    memory_of(q));
+  validate_slopes(function, slopes, q.heads);
+  require_tolerance(factor_tolerance, function, "factor_tolerance");
+  AttentionOptions resolved = options;
+  resolved.scale = resolved_scale(options, q.dim);
+  const AlibiLogits<Compute<Scalar>> logits(slopes, resolved, q.tokens, k.tokens, factor_tolerance);
+  attention_backward(q, k, v, out, dout, dq, dk, dv, resolved, logits);
+}
+
+/// exact_alibi_attention_backward on a checked batch: batched_truncated_alibi_attention_backward
+/// with tolerance 0.
 template <class Scalar>
 void batched_exact_alibi_attention_backward(
     const BatchedHeadsView<const Scalar>& q, const BatchedHeadsView<const Scalar>& k,
@@ -491,14 +529,8 @@ void batched_exact_alibi_attention_backward(
     const BatchedHeadsView<const Scalar>& dout, const BatchedHeadsView<Scalar>& dq,
     const BatchedHeadsView<Scalar>& dk, const BatchedHeadsView<Scalar>& dv,
     const std::vector<double>& slopes, const AttentionOptions& options) {
-  const char* function = "exact_alibi_attention_backward";
-  validate_backward(function, q[0], k[0], v[0], out[0], dout[0], dq[0], dk[0], dv[0], options,
-                    memory_of(q));
-  validate_slopes(function, slopes, q.heads);
-  AttentionOptions resolved = options;
-  resolved.scale = resolved_scale(options, q.dim);
-  const AlibiLogits<Compute<Scalar>> logits(slopes, resolved, q.tokens, k.tokens);
-  attention_backward(q, k, v, out, dout, dq, dk, dv, resolved, logits);
+  batched_truncated_alibi_attention_backward<Scalar>(q, k, v, out, dout, dq, dk, dv, slopes, 0.0,
+                                                     options, "exact_alibi_attention_backward");
 }
 
 /// windowed_alibi_attention_backward on a checked batch: the checks of one element, the forward's
@@ -515,7 +547,7 @@ void batched_windowed_alibi_attention_backward(
   validate_backward(function, q[0], k[0], v[0], out[0], dout[0], dq[0], dk[0], dv[0], options,
                     memory_of(q));
   validate_slopes(function, slopes, q.heads);
-  require(tolerance >= 0 && tolerance <= 1, function, "tolerance must lie in [0, 1]");
+  require_tolerance(tolerance, function);
   AttentionOptions resolved = options;
   resolved.scale = resolved_scale(options, q.dim);
   if (tolerance == 0) {
@@ -562,6 +594,8 @@ void batched_plsh_attention_backward(
                     memory_of(q));
   validate_slopes(function, slopes, q.heads);
   const auto grids = kernel_grids(slopes, options, function);
+  // The forward's check: these options never evaluate the near-field estimator.
+  require_near_field_kernel(options, options.kernel == Kernel::Passes, function);
   block_counts_backward(q, k, v, out, dout, dq, dk, dv, slopes, grids, options, options.near_field);
 }
 
@@ -634,12 +668,36 @@ void windowed_alibi_attention_backward(
       detail::batch_of_one(dk), detail::batch_of_one(dv), slopes, tolerance, options);
 }
 
+/// Gradients of truncated_alibi_attention with respect to q, k and v: exact ALiBi's over each
+/// head's band \f$|p_i - p_j| \le \lfloor \ln(1/\text{factor\_tolerance}) / m_h \rfloor\f$,
+/// the keys outside it masked, so they get \f$dK = dV = 0\f$ from that head and change no other
+/// gradient. Key tiles outside the band are skipped, as in the forward. `factor_tolerance = 0` is
+/// exact_alibi_attention_backward.
+///
+/// Arguments as exact_alibi_attention_backward, with the forward's `factor_tolerance`.
+/// \throws std::invalid_argument as exact_alibi_attention_backward, and for a factor_tolerance
+/// outside [0, 1].
+template <class Scalar>
+void truncated_alibi_attention_backward(
+    HeadsView<const detail::NonDeduced<Scalar>> q, HeadsView<const detail::NonDeduced<Scalar>> k,
+    HeadsView<const detail::NonDeduced<Scalar>> v, HeadsView<const detail::NonDeduced<Scalar>> out,
+    HeadsView<const detail::NonDeduced<Scalar>> dout, HeadsView<Scalar> dq, HeadsView<Scalar> dk,
+    HeadsView<Scalar> dv, const std::vector<double>& slopes, double factor_tolerance,
+    const AttentionOptions& options = {}) {
+  detail::batched_truncated_alibi_attention_backward<Scalar>(
+      detail::batch_of_one(q), detail::batch_of_one(k), detail::batch_of_one(v),
+      detail::batch_of_one(out), detail::batch_of_one(dout), detail::batch_of_one(dq),
+      detail::batch_of_one(dk), detail::batch_of_one(dv), slopes, factor_tolerance, options);
+}
+
 /// Gradients of plsh_attention with respect to q, k and v: the function of the fused kernel,
-/// softmax of \f$S_{ij} + \log c_{ij}\f$, with the draws of `options.seed` (Kernel::Passes
-/// evaluates the same function, so `options.kernel` does not matter).
+/// softmax of \f$S_{ij} + \log c_{ij}\f$, with the draws of `options.seed` and the near field of
+/// `options.near_field`. Kernel::Passes evaluates the same function when `near_field` is 0; with a
+/// near field it is refused, as by the forward.
 ///
 /// Arguments as exact_alibi_attention_backward, with the options of plsh_attention.
-/// \throws std::invalid_argument as exact_alibi_attention_backward, and for `samples < 1`.
+/// \throws std::invalid_argument as exact_alibi_attention_backward, for `samples < 1`, and for
+/// Kernel::Passes with `options.near_field` above 0 (the forward's message).
 template <class Scalar>
 void plsh_attention_backward(HeadsView<const detail::NonDeduced<Scalar>> q,
                              HeadsView<const detail::NonDeduced<Scalar>> k,

@@ -155,23 +155,33 @@ void windowed_alibi_attention(const HeadsView<const Scalar>& q, const HeadsView<
   factor_attention(q, k, v, out, options, windowed_log_factor(slopes, window, options, k.tokens));
 }
 
-/// ALiBi without the keys whose factor \f$e^{-m|p_i - p_j|}\f$ is below `factor_tolerance`
-/// (truncated_alibi_attention): the keys with \f$|p_i - p_j| \le \lfloor
-/// \ln(1/\text{factor\_tolerance})/m\rfloor\f$, every key when m or the tolerance is 0.
+/// The ALiBi log-factor (alibi_row_log_factor) without the keys whose factor
+/// \f$e^{-m|p_i - p_j|}\f$ is below `factor_tolerance`: the keys with \f$|p_i - p_j| \le
+/// \lfloor \ln(1/\text{factor\_tolerance})/m\rfloor\f$ are kept, every key when m or the
+/// tolerance is 0. Written from the definition, not with the kernel's factor_window, so that the
+/// two cannot share a mistake. `slopes` must outlive the returned function.
+inline auto truncated_log_factor(const std::vector<double>& slopes, double factor_tolerance,
+                                 const AttentionOptions& options, Index key_tokens) {
+  return [row_log_factor = alibi_row_log_factor(slopes, options, key_tokens), &slopes,
+          factor_tolerance](Index h, Index i, Index j) {
+    const double slope = slopes[static_cast<std::size_t>(h)];
+    const bool kept = slope == 0 || factor_tolerance == 0 ||
+                      static_cast<double>(i > j ? i - j : j - i) <=
+                          std::floor(std::log(1.0 / factor_tolerance) / slope);
+    return kept ? row_log_factor(h, i, j) : detail::kMasked;
+  };
+}
+
+/// ALiBi truncated where the factor falls below `factor_tolerance` (truncated_log_factor): the
+/// function truncated_alibi_attention computes.
 template <class Scalar>
 void truncated_alibi_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
                                const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
                                const std::vector<double>& slopes, double factor_tolerance,
                                const AttentionOptions& options = {}) {
   detail::validate_slopes("reference::truncated_alibi_attention", slopes, q.heads);
-  const auto row_log_factor = alibi_row_log_factor(slopes, options, k.tokens);
-  factor_attention(q, k, v, out, options, [&](Index h, Index i, Index j) {
-    const double slope = slopes[static_cast<std::size_t>(h)];
-    const bool kept = slope == 0 || factor_tolerance == 0 ||
-                      static_cast<double>(i > j ? i - j : j - i) <=
-                          std::floor(std::log(1.0 / factor_tolerance) / slope);
-    return kept ? row_log_factor(h, i, j) : detail::kMasked;
-  });
+  factor_attention(q, k, v, out, options,
+                   truncated_log_factor(slopes, factor_tolerance, options, k.tokens));
 }
 
 /// The log-factor \f$\log \hat K_{ij} = \log(c_{ij}/s)\f$ as a function `(h, p_i, p_j)`, with
@@ -334,6 +344,22 @@ void windowed_alibi_attention_backward(
   detail::validate_slopes("reference::windowed_alibi_attention_backward", slopes, q.heads);
   factor_attention_backward(q, k, v, dout, dq, dk, dv, options,
                             windowed_log_factor(slopes, window, options, k.tokens));
+}
+
+/// Backward of truncated ALiBi (truncated_log_factor): the masked softmax attention's gradients,
+/// exactly zero from the keys outside the band.
+template <class Scalar>
+void truncated_alibi_attention_backward(const HeadsView<const Scalar>& q,
+                                        const HeadsView<const Scalar>& k,
+                                        const HeadsView<const Scalar>& v,
+                                        const HeadsView<const Scalar>& dout,
+                                        const HeadsView<Scalar>& dq, const HeadsView<Scalar>& dk,
+                                        const HeadsView<Scalar>& dv,
+                                        const std::vector<double>& slopes, double factor_tolerance,
+                                        const AttentionOptions& options = {}) {
+  detail::validate_slopes("reference::truncated_alibi_attention_backward", slopes, q.heads);
+  factor_attention_backward(q, k, v, dout, dq, dk, dv, options,
+                            truncated_log_factor(slopes, factor_tolerance, options, k.tokens));
 }
 
 /// Backward of Positional LSH with the grids plsh_attention draws for `options.seed`:

@@ -57,6 +57,13 @@ inline void require_slope(double slope, const char* function, const char* name =
                      " must be finite and non-negative (got " + std::to_string(slope) + ")");
 }
 
+/// A tolerance (a weight or a factor below which keys are dropped) must lie in [0, 1]; NaN does
+/// not.
+inline void require_tolerance(double tolerance, const char* function,
+                              const char* name = "tolerance") {
+  require(tolerance >= 0 && tolerance <= 1, function, name, " must lie in [0, 1]");
+}
+
 /// A number of draws per head of the multi-head kernels: 1 to kMaxSamples.
 inline void require_samples(Index samples, const char* function, const char* name = "samples") {
   require(samples >= 1 && samples <= kMaxSamples, function, [&] {
