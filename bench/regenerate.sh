@@ -24,8 +24,9 @@
 #   qkv      the trained set: examples/python/qk_dump.py --qkv-out -> docs/accuracy/qkv.bin and
 #            qkv.json, from build/accuracy/alibi-s1.pt, which is trained first (as
 #            docs/accuracy/regenerate.sh attention does, a few minutes) when it is missing.
-#   plots    bench/plot.py over the JSON above -> docs/bench/time_vs_n.png, error_vs_time.png
-#            and frontier.png (processor time; needs python3-matplotlib).
+#   plots    bench/plot.py over the JSON above -> docs/bench/time_vs_n.png, error_vs_time.png,
+#            frontier.png and train_vs_n.png (processor time, train_vs_n.png's 2 threads wall
+#            time; needs python3-matplotlib).
 #   report   bench/report.py: the tables of README.md and docs/*.md, from the files above.
 #
 # Benchmarks run with OMP_NUM_THREADS=1 (fused_threads, team_step and the training families set
@@ -139,8 +140,13 @@ for part in "${parts[@]}"; do
       if [[ -f "${out}/frontier.json" ]]; then
         frontier=(--frontier "${out}/frontier.json")
       fi
+      train=()
+      if [[ -f "${out}/train.json" ]]; then
+        train=(--train "${out}/train.json")
+      fi
       "${python}" bench/plot.py --bench "${out}/scaling.json" --bench "${out}/bench.json" \
-        --accuracy "${out}/accuracy.json" "${frontier[@]}" --clock cpu --out-dir "${out}"
+        --accuracy "${out}/accuracy.json" "${frontier[@]}" "${train[@]}" --clock cpu \
+        --out-dir "${out}"
       ;;
     report)
       "${python}" bench/report.py

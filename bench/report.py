@@ -528,7 +528,7 @@ def train_threads():
               "cores used, 1 thread", "cores used, 2 threads"]
     return (table(header, body, ["---", "---"] + ["---:"] * 6)
             + "\n\nCores used: processor time of the process over wall time (2 on an idle "
-            "machine for 2 threads that never wait). " + train.source() + ".")
+            "machine for 2 threads that never wait); " + train.source() + ".")
 
 
 def train_growth():
