@@ -17,8 +17,8 @@
 /// (plsh_attention with PlshOptions{}: s = 100, Latin hypercube, near field 0.05);
 /// `fused_paper` (the paper's estimator: s = 20, independent draws, no near field);
 /// `fixed_blocks` (fixed_block_attention, b = 64). n = 1024, 2048, ..., 65536 (exact up to
-/// 16384, where one forward and backward take tens of seconds); threads 1 and 2 (OpenMP builds;
-/// 1 otherwise), set for the benchmark with omp_set_num_threads.
+/// 16384, where one forward and backward take about 17 s on one core); threads 1 and 2 (OpenMP
+/// builds; 1 otherwise), set for the benchmark with omp_set_num_threads.
 ///
 /// Times are wall times (`real_time`); `cpu_time` is the processor time of the whole process,
 /// every thread included. Counters: `tokens_per_second` (n per wall second), `threads`.
@@ -54,7 +54,7 @@ constexpr Index kTrainDim = 64;
 constexpr Index kTrainFixedBlock = 64;
 constexpr double kCertifiedTolerance = 1e-3;
 const std::vector<Index> kTrainLengths = {1024, 2048, 4096, 8192, 16384, 32768, 65536};
-/// The quadratic kernel stops here: at 16384 one forward and backward already take many seconds.
+/// The quadratic kernel stops here: at 16384 one forward and backward already take seconds.
 constexpr Index kExactLongest = 16384;
 /// Exact ALiBi from this length runs one iteration per repetition (each takes seconds).
 constexpr Index kExactOneIteration = 8192;
