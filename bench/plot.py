@@ -16,6 +16,12 @@ plsh_accuracy (--json=FILE), and writes:
   frontier.png      from plsh_frontier's JSON (--frontier): relative error against time per call
                     (log-log), one panel per input set, one curve per method family, points
                     labelled by their parameter (tolerance, s or block size).
+  train_vs_n.png    from the training families' JSON (--train): time against n (log-log) of the
+                    forward and of the forward then backward, one line per kernel, and the
+                    forward and backward's time over n log2 n relative to the smallest n (a line
+                    that rises grows faster than n log n). Top row 1 thread, processor time;
+                    bottom row 2 threads, wall time (the processor time of 2 threads is the sum
+                    of both).
 
 With repetitions (--benchmark_repetitions=R) the median aggregate is used, or the median of the
 repetitions when only those were written. --bench may be given several times: a benchmark found
@@ -24,6 +30,7 @@ in a later file replaces the same one of an earlier file. Needs python3 and matp
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -212,6 +219,95 @@ def plot_error_vs_time(pyplot, accuracy, clock, path):
     print(f"wrote {path}")
 
 
+TRAIN_KERNELS = [("exact", "exact", dict(color="tab:red", marker="o")),
+                 ("windowed_1e3", "windowed, certified 1e-3", dict(color="tab:orange", marker="v")),
+                 ("truncated_1e3", "truncated, factor 1e-3",
+                  dict(color="tab:brown", marker="<", linestyle="--")),
+                 ("truncated_5e2", "truncated, factor 0.05",
+                  dict(color="tab:pink", marker=">", linestyle="--")),
+                 ("fused_defaults", "fused, defaults (s = 100, LHS, near field 0.05)",
+                  dict(color="tab:olive", marker="P")),
+                 ("fused_paper", "fused, paper (s = 20, independent)",
+                  dict(color="tab:green", marker="D")),
+                 ("fixed_blocks", "fixed blocks, b = 64", dict(color="tab:purple", marker="s"))]
+
+
+def read_train(path):
+    """{(family, kernel, n, threads): {"real": seconds, "cpu": seconds}} from the training
+    families' JSON (train_forward/<kernel>/<n>/<threads>, train/...): the median aggregate when
+    written, else the median of the runs."""
+    with open(path) as file:
+        report = json.load(file)
+    medians, runs = {}, {}
+    for entry in report.get("benchmarks", []):
+        if entry.get("error_occurred"):
+            continue
+        name = entry.get("run_name", entry["name"])
+        if entry.get("run_type") == "aggregate":
+            if entry.get("aggregate_name") == "median":
+                medians[name] = entry
+        else:
+            runs.setdefault(name, []).append(entry)
+    results = {}
+    for name in set(medians) | set(runs):
+        parts = name.split("/")
+        if len(parts) < 4 or parts[0] not in ("train", "train_forward"):
+            continue
+        chosen = [medians[name]] if name in medians else runs[name]
+        scale = TIME_UNIT_SECONDS[chosen[0].get("time_unit", "ns")]
+        results[(parts[0], parts[1], int(parts[2]), int(parts[3]))] = {
+            clock: statistics.median(entry[clock + "_time"] for entry in chosen) * scale
+            for clock in ("real", "cpu")}
+    return results
+
+
+def plot_train(pyplot, results, path):
+    if not results:
+        print(f"plot.py: no training benchmark in the input; {path} not written", file=sys.stderr)
+        return
+    figure, panels = pyplot.subplots(2, 3, figsize=(17, 10), squeeze=False)
+    lengths = sorted({key[2] for key in results})
+    rows = [(1, "cpu", "1 thread, processor time"), (2, "real", "2 threads, wall time")]
+    for (threads, clock, row_label), axes_row in zip(rows, panels):
+        for column, (family, title) in enumerate([("train_forward", "forward"),
+                                                  ("train", "forward + backward")]):
+            axes = axes_row[column]
+            for kernel, label, style in TRAIN_KERNELS:
+                points = sorted((n, sample[clock]) for (f, k, n, t), sample in results.items()
+                                if f == family and k == kernel and t == threads)
+                if points:
+                    axes.loglog([n for n, _ in points], [1e3 * s for _, s in points],
+                                label=label, **style)
+            axes.set_title(f"{title}: {row_label}")
+            axes.set_ylabel("time per call, ms")
+        axes = axes_row[2]
+        for kernel, label, style in TRAIN_KERNELS:
+            points = sorted((n, sample[clock]) for (f, k, n, t), sample in results.items()
+                            if f == "train" and k == kernel and t == threads)
+            if points:
+                base = points[0][1] / (points[0][0] * math.log2(points[0][0]))
+                axes.semilogx([n for n, _ in points],
+                              [s / (n * math.log2(n)) / base for n, s in points], label=label,
+                              **style)
+        axes.axhline(1, color="0.5", linewidth=0.8)
+        axes.set_yscale("log", base=2)
+        axes.set_title(f"forward + backward / (n log2 n), relative to n = {lengths[0]}")
+        axes.set_ylabel(f"time / (n log2 n), relative ({row_label})")
+        for axes in axes_row:
+            axes.set_xticks(lengths)
+            axes.set_xticklabels([str(n) for n in lengths], rotation=30)
+            axes.minorticks_off()
+            axes.set_xlabel("sequence length n")
+            axes.grid(True, which="both", alpha=0.3)
+    handles, labels = panels[0][0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="lower center", ncol=4, fontsize="small")
+    figure.suptitle("Training step's attention: 8 heads, d = 64, causal, float")
+    figure.tight_layout(rect=(0, 0.05, 1, 0.97))
+    figure.savefig(path, dpi=100)
+    pyplot.close(figure)
+    print(f"wrote {path}")
+
+
 FRONTIER_SETS = ["normal", "peaked", "trained"]
 FRONTIER_FAMILIES = [("exact", "exact (float)"), ("windowed", "windowed, certified tolerance"),
                      ("fused", "Positional LSH fused, independent, s"),
@@ -308,14 +404,16 @@ def main():
                         help="plsh_bench JSON output (may be repeated; later files win)")
     parser.add_argument("--accuracy", help="plsh_accuracy --json output")
     parser.add_argument("--frontier", help="plsh_frontier JSON output")
+    parser.add_argument("--train", help="plsh_bench JSON output of the training families")
     parser.add_argument("--out-dir", default=".", help="where the PNG files go (default: .)")
     parser.add_argument("--samples", type=int, default=20,
                         help="number of samples s of the PLSH curves in time_vs_n.png")
     parser.add_argument("--clock", choices=["real", "cpu"], default="real",
                         help="benchmark time to plot (default: real, the wall time)")
     arguments = parser.parse_args()
-    if not arguments.bench and not arguments.accuracy and not arguments.frontier:
-        parser.error("give --bench FILE, --accuracy FILE, --frontier FILE, or several")
+    if not (arguments.bench or arguments.accuracy or arguments.frontier or arguments.train):
+        parser.error("give --bench FILE, --accuracy FILE, --frontier FILE, --train FILE, or "
+                     "several")
 
     pyplot = load_matplotlib()
     os.makedirs(arguments.out_dir, exist_ok=True)
@@ -331,6 +429,9 @@ def main():
     if arguments.frontier:
         plot_frontier(pyplot, read_frontier(arguments.frontier, arguments.clock), arguments.clock,
                       os.path.join(arguments.out_dir, "frontier.png"))
+    if arguments.train:
+        plot_train(pyplot, read_train(arguments.train), os.path.join(arguments.out_dir,
+                                                                      "train_vs_n.png"))
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@
 #include <plsh/plsh.hpp>
 
 #include "../tests/fill.hpp"
+#include "touch_pages.hpp"
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -54,6 +55,7 @@
 namespace {
 
 using plsh::Index;
+using plsh_bench::touch_pages;
 
 constexpr Index kHeads = 8;
 constexpr Index kDim = 64;
@@ -90,23 +92,6 @@ struct Problem {
     return plsh::HeadsView<float>{out.data(), n, kHeads, kValueDim};
   }
 };
-
-/// Reads one element of every page of each tensor. On the virtual machines measured, the first
-/// access to each page after the process returns memory to the system (the setup's temporaries,
-/// the entry counts, the reference of relative_error) costs about 2 microseconds: the first
-/// fused call at n = 2^16 took 590-950 ms against 345 ms for the next ones. The timed calls start
-/// with every page of their inputs and output mapped.
-template <class... Vectors>
-void touch_pages(const Vectors&... tensors) {
-  float sum = 0;
-  const auto touch = [&sum](const auto& tensor) {
-    using Element = typename std::decay_t<decltype(tensor)>::value_type;
-    constexpr std::size_t kStep = 4096 / sizeof(Element);
-    for (std::size_t i = 0; i < tensor.size(); i += kStep) sum += static_cast<float>(tensor[i]);
-  };
-  (touch(tensors), ...);
-  benchmark::DoNotOptimize(sum);
-}
 
 /// The cached inputs of the families on float (the latest length only).
 std::unique_ptr<Problem>& problem_cache() {

@@ -9,6 +9,11 @@
 #            accuracy.md. About 10 minutes on one core.
 #   long     plsh_bench, the long families (n = 2^16, 2^18, 2^20) and exact/65536 ->
 #            docs/bench/scaling.json. Several minutes; about 9 GiB of memory.
+#   train    plsh_bench, the training families (train_forward/ and train/: the forward, and the
+#            forward then the backward, of exact, windowed_1e3, truncated_1e3, truncated_5e2,
+#            fused_defaults, fused_paper, fixed_blocks; n = 1024 ... 65536; 1 and 2 threads),
+#            two repetitions -> docs/bench/train.json, then docs/bench/train_vs_n.png. About 10
+#            minutes of processor time.
 #   decode   plsh_bench, the decoding families (decode_plsh, decode_exact, team_step) ->
 #            docs/bench/decode.json. A few minutes.
 #   mpi      mpi_bench (build/mpi, PLSH_MPI=ON): the bytes each rank receives on 2 and 4 ranks ->
@@ -19,14 +24,16 @@
 #   qkv      the trained set: examples/python/qk_dump.py --qkv-out -> docs/accuracy/qkv.bin and
 #            qkv.json, from build/accuracy/alibi-s1.pt, which is trained first (as
 #            docs/accuracy/regenerate.sh attention does, a few minutes) when it is missing.
-#   plots    bench/plot.py over the JSON above -> docs/bench/time_vs_n.png, error_vs_time.png
-#            and frontier.png (processor time; needs python3-matplotlib).
+#   plots    bench/plot.py over the JSON above -> docs/bench/time_vs_n.png, error_vs_time.png,
+#            frontier.png and train_vs_n.png (processor time, train_vs_n.png's 2 threads wall
+#            time; needs python3-matplotlib).
 #   report   bench/report.py: the tables of README.md and docs/*.md, from the files above.
 #
-# Benchmarks run with OMP_NUM_THREADS=1 (fused_threads sets its own). Environment: PLSH_JOBS
-# (build jobs, default 2), PLSH_BUILD_DIR (default build/release), PLSH_BENCH_ARGS (extra
-# plsh_bench arguments, e.g. --benchmark_repetitions=3), PLSH_FRONTIER_ARGS (extra plsh_frontier
-# arguments), PLSH_PYTHON (default /usr/bin/python3, whose matplotlib Debian installs).
+# Benchmarks run with OMP_NUM_THREADS=1 (fused_threads, team_step and the training families set
+# their own). Environment: PLSH_JOBS (build jobs, default 2), PLSH_BUILD_DIR (default
+# build/release), PLSH_BENCH_ARGS (extra plsh_bench arguments, e.g. --benchmark_repetitions=3),
+# PLSH_FRONTIER_ARGS (extra plsh_frontier arguments), PLSH_PYTHON (default /usr/bin/python3, whose
+# matplotlib Debian installs).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -39,9 +46,10 @@ if ((${#parts[@]} == 0)); then
 fi
 for part in "${parts[@]}"; do
   case "${part}" in
-    kernels | long | decode | mpi | frontier | qkv | plots | report) ;;
+    kernels | long | train | decode | mpi | frontier | qkv | plots | report) ;;
     *)
-      echo "usage: bench/regenerate.sh [kernels|long|decode|mpi|frontier|qkv|plots|report]..." >&2
+      echo "usage: bench/regenerate.sh" \
+        "[kernels|long|train|decode|mpi|frontier|qkv|plots|report]..." >&2
       exit 2
       ;;
   esac
@@ -80,6 +88,13 @@ for part in "${parts[@]}"; do
     long)
       build_bench plsh_bench
       run_bench '^(long_fused|long_windowed)/|^exact/65536/' "${out}/scaling.json"
+      ;;
+    train)
+      build_bench plsh_bench
+      # Two repetitions: the tables and the plot take the median (of two: their mean).
+      PLSH_BENCH_ARGS="--benchmark_repetitions=2 ${PLSH_BENCH_ARGS:-}" \
+        run_bench '^train(_forward)?/' "${out}/train.json"
+      "${python}" bench/plot.py --train "${out}/train.json" --out-dir "${out}"
       ;;
     decode)
       build_bench plsh_bench
@@ -125,8 +140,13 @@ for part in "${parts[@]}"; do
       if [[ -f "${out}/frontier.json" ]]; then
         frontier=(--frontier "${out}/frontier.json")
       fi
+      train=()
+      if [[ -f "${out}/train.json" ]]; then
+        train=(--train "${out}/train.json")
+      fi
       "${python}" bench/plot.py --bench "${out}/scaling.json" --bench "${out}/bench.json" \
-        --accuracy "${out}/accuracy.json" "${frontier[@]}" --clock cpu --out-dir "${out}"
+        --accuracy "${out}/accuracy.json" "${frontier[@]}" "${train[@]}" --clock cpu \
+        --out-dir "${out}"
       ;;
     report)
       "${python}" bench/report.py

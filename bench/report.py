@@ -19,6 +19,7 @@ Sources (a missing source leaves a line saying which command writes it):
     docs/bench/accuracy.json       plsh_accuracy --n=4096 (bench/regenerate.sh kernels)
     docs/bench/frontier.json       plsh_frontier, time and error on three input sets
                                    (bench/regenerate.sh frontier)
+    docs/bench/train.json          plsh_bench, the training families (bench/regenerate.sh train)
     docs/bench/decode.json         plsh_bench, the decoding families (bench/regenerate.sh decode);
                                    docs/bench/bench.json's decode_* entries when it is missing
     docs/bench/mpi-bytes-<P>.txt   mpirun -np P mpi_bench bytes 16 20 (bench/regenerate.sh mpi)
@@ -32,6 +33,7 @@ Standard library only.
 import argparse
 import glob
 import json
+import math
 import os
 import re
 import statistics
@@ -63,7 +65,7 @@ def short_name(run_name):
     """gemm/1024/real_time -> gemm/1024; long_fused/65536/20/float/iterations:1/real_time ->
     long_fused/65536/20/float."""
     parts = [p for p in run_name.split("/")
-             if p != "real_time" and not p.startswith("iterations:")
+             if p not in ("real_time", "process_time") and not p.startswith("iterations:")
              and not p.startswith("repeats:")]
     return "/".join(parts)
 
@@ -427,6 +429,129 @@ def half_precision():
 
 
 # ---------------------------------------------------------------------------------------------
+# Training: the forward, and the forward then the backward (train_forward/ and train/)
+
+TRAIN_COMMAND = "bash bench/regenerate.sh train"
+TRAIN_SOURCE = "docs/bench/train.json"
+TRAIN_KERNELS = [("exact", "exact"), ("windowed_1e3", "windowed, certified 1e-3"),
+                 ("truncated_1e3", "truncated, factor 1e-3"),
+                 ("truncated_5e2", "truncated, factor ≥ 0.05"),
+                 ("fused_defaults", "fused, defaults"), ("fused_paper", "fused, paper's estimator"),
+                 ("fixed_blocks", "fixed blocks, b = 64")]
+TRAIN_PASSES = [("train_forward", "forward"), ("train", "forward + backward")]
+# Each thread count's clock: one thread's processor time is its work whatever else runs on the
+# machine; the processor time of two threads is their sum, so their figure is the wall time.
+TRAIN_CLOCKS = {1: ("cpu_time", "processor time"), 2: ("real_time", "wall time")}
+
+
+class Train:
+    """The training families: time of family/kernel/n/threads (median over repetitions)."""
+
+    def __init__(self):
+        self.runs = Runs([TRAIN_SOURCE], TRAIN_COMMAND)
+        if not self.runs.names("train"):
+            raise Missing(f"no train/ entries in `{TRAIN_SOURCE}`: `{TRAIN_COMMAND}` writes them.")
+        self.lengths = sorted({int(n.split("/")[2]) for n in self.runs.names("train")})
+
+    def seconds(self, family, kernel, n, threads, clock=None):
+        clock = clock or TRAIN_CLOCKS[threads][0]
+        return self.runs.seconds(f"{family}/{kernel}/{n}/{threads}", clock)
+
+    def cores(self, family, kernel, n, threads):
+        """Processor time over wall time: the cores the run had on average."""
+        wall = self.seconds(family, kernel, n, threads, "real_time")
+        cpu = self.seconds(family, kernel, n, threads, "cpu_time")
+        return cpu / wall if cpu and wall else None
+
+    def source(self):
+        entry = self.runs.get(self.runs.names("train")[0]) or {}
+        repetitions = entry.get("repetitions", 1)
+        return (f"median of {repetitions} repetitions, from "
+                + describe_context(self.runs.context, TRAIN_SOURCE))
+
+
+def train_time():
+    """docs/performance.md: time per call of every training family on 1 thread, n by n."""
+    train = Train()
+    body = []
+    for kernel, label in TRAIN_KERNELS:
+        for family, step in TRAIN_PASSES:
+            times = [train.seconds(family, kernel, n, 1) for n in train.lengths]
+            if any(times):
+                body.append([label, step] + [ms(t) for t in times])
+    header = ["kernel", "pass"] + [f"n = {n}" for n in train.lengths]
+    return (table(header, body, ["---", "---"] + ["---:"] * len(train.lengths))
+            + "\n\nProcessor time per call, ms, 1 thread (wall time stretches with the machine's "
+            "load, processor time much less), " + train.source() + ".")
+
+
+def train_ratios():
+    """docs/performance.md: how much faster than exact ALiBi each kernel is at n = 8192 and
+    16384, forward and forward + backward, 1 and 2 threads."""
+    train = Train()
+    sizes = [n for n in (8192, 16384) if n in train.lengths]
+    body = []
+    for kernel, label in TRAIN_KERNELS[1:]:
+        cells = [label]
+        for n in sizes:
+            for threads in (1, 2):
+                for family, _ in TRAIN_PASSES:
+                    exact = train.seconds(family, "exact", n, threads)
+                    time = train.seconds(family, kernel, n, threads)
+                    cells.append(f"{exact / time:.1f}×" if exact and time else "—")
+        body.append(cells)
+    header = ["kernel"] + [f"n = {n}, {threads} thread{'s' if threads > 1 else ''}, {step}"
+                           for n in sizes for threads in (1, 2) for _, step in TRAIN_PASSES]
+    return (table(header, body) + "\n\nTime of exact ALiBi over the kernel's in the same run: "
+            "1 thread by processor time, 2 threads by wall time; " + train.source() + ".")
+
+
+def train_threads():
+    """docs/performance.md: what the second thread gives at the largest n of each kernel."""
+    train = Train()
+    body = []
+    for kernel, label in TRAIN_KERNELS:
+        measured = [n for n in train.lengths if train.seconds("train", kernel, n, 2)]
+        family = "train"
+        if not measured:
+            family = "train_forward"
+            measured = [n for n in train.lengths if train.seconds(family, kernel, n, 2)]
+        if not measured:
+            continue
+        n = measured[-1]
+        one = train.seconds(family, kernel, n, 1, "real_time")
+        two = train.seconds(family, kernel, n, 2, "real_time")
+        body.append((label, dict(TRAIN_PASSES)[family], n, ms(one), ms(two),
+                     f"{one / two:.2f}×", fmt(train.cores(family, kernel, n, 1), 2),
+                     fmt(train.cores(family, kernel, n, 2), 2)))
+    header = ["kernel", "pass", "n", "1 thread, wall ms", "2 threads, wall ms", "speed-up",
+              "cores used, 1 thread", "cores used, 2 threads"]
+    return (table(header, body, ["---", "---"] + ["---:"] * 6)
+            + "\n\nCores used: processor time of the process over wall time (2 on an idle "
+            "machine for 2 threads that never wait); " + train.source() + ".")
+
+
+def train_growth():
+    """docs/performance.md: time over n log2 n relative to the smallest n, 1 thread: a row that
+    rises grows faster than n log n."""
+    train = Train()
+    body = []
+    for kernel, label in TRAIN_KERNELS:
+        for family, step in TRAIN_PASSES:
+            points = [(n, train.seconds(family, kernel, n, 1)) for n in train.lengths]
+            points = [(n, t) for n, t in points if t]
+            if not points:
+                continue
+            base = points[0][1] / (points[0][0] * math.log2(points[0][0]))
+            by_n = {n: t / (n * math.log2(n)) / base for n, t in points}
+            body.append([label, step] + [fmt(by_n.get(n), 2) for n in train.lengths])
+    header = ["kernel", "pass"] + [f"n = {n}" for n in train.lengths]
+    return (table(header, body, ["---", "---"] + ["---:"] * len(train.lengths))
+            + f"\n\nProcessor time per call over n log2 n, relative to n = {train.lengths[0]}, "
+            "1 thread; " + train.source() + ".")
+
+
+# ---------------------------------------------------------------------------------------------
 # Decoding
 
 DECODE_COMMAND = "bash bench/regenerate.sh decode"
@@ -584,6 +709,10 @@ TABLES = {
     "sampler-study": sampler_study,
     "long-sequences": long_sequences,
     "half-precision": half_precision,
+    "train-time": train_time,
+    "train-ratios": train_ratios,
+    "train-threads": train_threads,
+    "train-growth": train_growth,
     "decoding": decoding,
     "mpi-bytes": mpi_bytes,
     "exponents": exponents,
