@@ -38,13 +38,6 @@
 #include "../tests/thread_count.hpp"
 #include "touch_pages.hpp"
 
-/// truncated_alibi_attention_backward (the arguments of exact_alibi_attention_backward, then
-/// `double factor_tolerance` after the slopes): 1 where plsh provides it. Where it is 0, the
-/// truncated kernels have their `train_forward/` benchmarks only.
-#ifndef PLSH_BENCH_TRUNCATED_BACKWARD
-#define PLSH_BENCH_TRUNCATED_BACKWARD 0
-#endif
-
 namespace {
 
 using plsh::Index;
@@ -125,21 +118,17 @@ std::vector<TrainKernel> train_kernels() {
                        }};
   };
   const auto truncated_kernel = [slopes](const std::string& name, double factor_tolerance) {
-    TrainKernel kernel{name,
-                       kTrainLengths.back(),
+    TrainKernel kernel{name, kTrainLengths.back(),
                        [=](TrainProblem& p) {
                          plsh::truncated_alibi_attention<float>(p.in(p.q), p.in(p.k), p.in(p.v),
                                                                 p.at(p.out), slopes,
                                                                 factor_tolerance);
                        },
-                       {}};
-#if PLSH_BENCH_TRUNCATED_BACKWARD
-    kernel.backward = [=](TrainProblem& p) {
-      plsh::truncated_alibi_attention_backward<float>(p.in(p.q), p.in(p.k), p.in(p.v), p.in(p.out),
-                                                      p.in(p.dout), p.at(p.dq), p.at(p.dk),
-                                                      p.at(p.dv), slopes, factor_tolerance);
-    };
-#endif
+                       [=](TrainProblem& p) {
+                         plsh::truncated_alibi_attention_backward<float>(
+                             p.in(p.q), p.in(p.k), p.in(p.v), p.in(p.out), p.in(p.dout), p.at(p.dq),
+                             p.at(p.dk), p.at(p.dv), slopes, factor_tolerance);
+                       }};
     return kernel;
   };
   return {
