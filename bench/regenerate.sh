@@ -9,8 +9,8 @@
 #            accuracy.md. About 10 minutes on one core.
 #   long     plsh_bench, the long families (n = 2^16, 2^18, 2^20) and exact/65536 ->
 #            docs/bench/scaling.json. Several minutes; about 9 GiB of memory.
-#   decode   plsh_bench, the decoding families (decode_plsh, decode_exact, team_step) ->
-#            docs/bench/decode.json. A few minutes.
+#   decode   plsh_bench, the decoding families (decode_plsh, decode_exact, team_step,
+#            decode_estimator) -> docs/bench/decode.json. A few minutes.
 #   mpi      mpi_bench (build/mpi, PLSH_MPI=ON): the bytes each rank receives on 2 and 4 ranks ->
 #            docs/bench/mpi-bytes-2.txt, mpi-bytes-4.txt. Seconds once built; needs mpirun.
 #   frontier plsh_frontier, time and error of every method on the normal, peaked and trained
@@ -83,7 +83,7 @@ for part in "${parts[@]}"; do
       ;;
     decode)
       build_bench plsh_bench
-      run_bench '^(decode_plsh|decode_exact|team_step)/' "${out}/decode.json"
+      run_bench '^(decode_plsh|decode_exact|team_step|decode_estimator)/' "${out}/decode.json"
       ;;
     mpi)
       plsh_ensure_deps libopenmpi-dev openmpi-bin
