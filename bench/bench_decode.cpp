@@ -16,6 +16,9 @@
 /// - `decode_exact/context`: exact ALiBi decoding with a full cache: plsh::exact_alibi_attention
 ///   of one query at position `context` against all `context` keys, float, with
 ///   omp_get_max_threads() threads. Counter `resident` = context.
+/// - `decode_estimator/16384/estimator/type/1`: decode_plsh's steps at context 16384 on 1 thread
+///   with the defaults (`defaults`, PlshOptions{}: s = 100 Latin hypercube draws, near field 0.05)
+///   beside the paper's estimator (`paper`, decode_plsh's options).
 ///
 /// Counter `tokens_per_second`: decoded tokens per second. Goals (issue 10): at most 15 us per
 /// token at context 65536 on 1 thread, 2 threads at least 1.6x faster than 1.
@@ -43,6 +46,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #if defined(_OPENMP)
@@ -94,14 +98,22 @@ const TokenPool<Scalar>& token_pool() {
   return pool;
 }
 
-template <class Scalar>
-void decode_plsh(benchmark::State& state, Index context, int threads) {
-  const plsh_test::ThreadCount thread_count(threads);
-  const TokenPool<Scalar>& pool = token_pool<Scalar>();
+/// The paper's estimator: s = 20 independent draws, no near field.
+plsh::PlshOptions paper_options() {
   plsh::PlshOptions options;
   options.samples = kDecodeSamples;
-  options.sampling = plsh::Sampling::Independent;  // the paper's estimator
+  options.sampling = plsh::Sampling::Independent;
   options.near_field = 0;
+  return options;
+}
+
+/// One-token decode steps of a KvCache<Scalar> with `options`, prefilled with `context` tokens,
+/// on `threads` threads.
+template <class Scalar>
+void decode_cache(benchmark::State& state, Index context, int threads,
+                  const plsh::PlshOptions& options) {
+  const plsh_test::ThreadCount thread_count(threads);
+  const TokenPool<Scalar>& pool = token_pool<Scalar>();
   plsh::KvCache<Scalar> cache(kDecodeHeads, kDecodeHeads, kDecodeDim, kDecodeDim,
                               plsh::alibi_slopes(kDecodeHeads), options);
   for (Index done = 0; done < context; done += kPrefillChunk) {
@@ -123,6 +135,11 @@ void decode_plsh(benchmark::State& state, Index context, int threads) {
   state.counters["threads"] = threads;
   state.counters["tokens_per_second"] =
       benchmark::Counter(static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
+}
+
+template <class Scalar>
+void decode_plsh(benchmark::State& state, Index context, int threads) {
+  decode_cache<Scalar>(state, context, threads, paper_options());
 }
 
 /// Keys and values of a full cache of `context` tokens. Only the latest context is kept: at 65536
@@ -306,5 +323,34 @@ bool register_decode_benchmarks() {
 }
 
 [[maybe_unused]] const bool decode_registered = register_decode_benchmarks();
+
+// ---------------------------------------------------------------------------------------------
+// decode_estimator: the defaults beside the paper's estimator.
+
+/// `decode_estimator/context/estimator/type/threads`: decode_plsh's steps with the estimator
+/// `defaults` (PlshOptions{}: s = 100 Latin hypercube draws, near field 0.05) or `paper` (s = 20
+/// independent draws, no near field), at the context a long prompt leaves.
+bool register_estimator_benchmarks() {
+  const Index context = 16384;
+  const std::pair<const char*, plsh::PlshOptions> estimators[] = {{"paper", paper_options()},
+                                                                  {"defaults", {}}};
+  for (const auto& [estimator, options] : estimators) {
+    const std::string name = "decode_estimator/" + std::to_string(context) + "/" + estimator + "/";
+    benchmark::RegisterBenchmark((name + "float/1").c_str(), decode_cache<float>, context, 1,
+                                 options)
+        ->Unit(benchmark::kMicrosecond)
+        ->UseRealTime();
+    benchmark::RegisterBenchmark((name + "bf16/1").c_str(), decode_cache<Eigen::bfloat16>, context,
+                                 1, options)
+        ->Unit(benchmark::kMicrosecond)
+        ->UseRealTime();
+  }
+  return true;
+}
+
+[[maybe_unused]] const bool estimator_registered = register_estimator_benchmarks();
+
+// End of decode_estimator.
+// ---------------------------------------------------------------------------------------------
 
 }  // namespace

@@ -14,8 +14,8 @@
 #            fused_defaults, fused_paper, fixed_blocks; n = 1024 ... 65536; 1 and 2 threads),
 #            two repetitions -> docs/bench/train.json, then docs/bench/train_vs_n.png. About 10
 #            minutes of processor time.
-#   decode   plsh_bench, the decoding families (decode_plsh, decode_exact, team_step) ->
-#            docs/bench/decode.json. A few minutes.
+#   decode   plsh_bench, the decoding families (decode_plsh, decode_exact, team_step,
+#            decode_estimator) -> docs/bench/decode.json. A few minutes.
 #   mpi      mpi_bench (build/mpi, PLSH_MPI=ON): the bytes each rank receives on 2 and 4 ranks ->
 #            docs/bench/mpi-bytes-2.txt, mpi-bytes-4.txt. Seconds once built; needs mpirun.
 #   frontier plsh_frontier, time and error of every method on the normal, peaked and trained
@@ -98,7 +98,7 @@ for part in "${parts[@]}"; do
       ;;
     decode)
       build_bench plsh_bench
-      run_bench '^(decode_plsh|decode_exact|team_step)/' "${out}/decode.json"
+      run_bench '^(decode_plsh|decode_exact|team_step|decode_estimator)/' "${out}/decode.json"
       ;;
     mpi)
       plsh_ensure_deps libopenmpi-dev openmpi-bin

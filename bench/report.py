@@ -590,6 +590,36 @@ def decoding():
         + describe_context(runs.context, source) + "."
 
 
+# decoding-estimators: the defaults beside the paper's estimator (decode_estimator).
+ESTIMATORS = {"defaults": "the defaults (s = 100, Latin hypercube, near field 0.05)",
+              "paper": "the paper's (s = 20, independent, no near field)"}
+
+
+def decoding_estimators():
+    source = "docs/bench/decode.json"
+    runs = Runs([source], DECODE_COMMAND)
+    rows = []
+    for name in runs.names("decode_estimator/"):
+        _, context, estimator, storage, thread_count = name.split("/")
+        paper = f"decode_estimator/{context}/paper/{storage}/{thread_count}"
+        cpu, paper_cpu = runs.seconds(name, "cpu_time"), runs.seconds(paper, "cpu_time")
+        order = list(ESTIMATORS).index(estimator) if estimator in ESTIMATORS else len(ESTIMATORS)
+        rows.append(((int(context), storage, int(thread_count), order),
+                     (ESTIMATORS.get(estimator, estimator), context, storage, thread_count,
+                      fmt(runs.seconds(name) * 1e6), fmt(cpu * 1e6),
+                      f"{cpu / paper_cpu:.2f}×" if paper_cpu else "—",
+                      f"{runs.get(name).get('resident', 0):,.0f}")))
+    if not rows:
+        raise Missing(f"no decode_estimator entries in `{source}`: `{DECODE_COMMAND}` writes them.")
+    header = ["estimator", "context", "storage", "threads", "µs per token",
+              "processor µs per token", "processor time / the paper's", "resident tokens"]
+    return (table(header, [row for _, row in sorted(rows)],
+                  ["---", "---:", "---", "---:", "---:", "---:", "---:", "---:"])
+            + "\n\nOne `decode` of one token per iteration (8 heads, d = 64) after a prefill of "
+            "the context; processor time beside wall time, which a loaded machine inflates; from "
+            + describe_context(runs.context, source) + ".")
+
+
 # ---------------------------------------------------------------------------------------------
 # MPI
 
@@ -714,6 +744,7 @@ TABLES = {
     "train-threads": train_threads,
     "train-growth": train_growth,
     "decoding": decoding,
+    "decoding-estimators": decoding_estimators,
     "mpi-bytes": mpi_bytes,
     "exponents": exponents,
     "training-means": training_means,

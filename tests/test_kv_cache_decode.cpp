@@ -1,15 +1,20 @@
 // Tests of KvCache's decoding steps (kv_cache.hpp): identical results at 1, 2 and 3 threads (on
 // the helper team, with the team busy, inside an OpenMP region), one-token decode steps at 1 and
 // 2 threads bit for bit, decode against append then attend bit for bit, caches that interleave
-// their steps on one thread unaffected by each other, and no allocation in a step once warm.
+// their steps on one thread unaffected by each other, no allocation in a step once warm, and the
+// single-query path with a near field against the dense reference (reference::plsh_attention in
+// double), with jobs that the near field covers in part, in whole or not at all.
 
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include <plsh/alibi.hpp>
+#include <plsh/attention/reference.hpp>
 #include <plsh/detail/thread_team.hpp>
 #include <plsh/kv_cache.hpp>
 
@@ -242,6 +247,51 @@ TEST_CASE("a decoding step allocates nothing once the cache is warm", "[kv_cache
       INFO(decode_allocations << " allocations in " << counted << " decoding steps");
       CHECK(counted >= 200);
       CHECK(decode_allocations == 0);
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("KvCache decoding with a near field equals the dense reference",
+                   "[kv_cache][near_field]", float, Eigen::bfloat16, Eigen::half) {
+  // d = 64 on grouped heads, the steps of the single-query path only (one token, and chunks of up
+  // to 16 rows, whose older rows have block starts of their own). Jobs hold 128 keys
+  // (detail::kDecodeKeyChunk) from the start of a head's union; with near_field 0.05 the reach of
+  // slope m is floor(ln(20) / m): slope 1/64 reaches 191 of the 300 to 400 keys of the later
+  // steps' unions (a job beyond the near field, one across its edge, one inside it), 1/256
+  // reaches 766 (every key near), 0.5 reaches 5 of a single job, slope 0 every key. The 16-bit
+  // caches against the reference on their rounded inputs, within u |o| of it (u the unit roundoff
+  // of the storage).
+  const double roundoff = std::is_same<TestType, Eigen::bfloat16>::value ? std::ldexp(1.0, -8)
+                          : std::is_same<TestType, Eigen::half>::value   ? std::ldexp(1.0, -11)
+                                                                         : 0.0;
+  const Sequence<TestType> stored(Sequence<float>(400, 8, 2, 64, 64, 61));
+  const Sequence<double> widened(stored);
+  const std::vector<double> slopes = {1.0 / 64, 1.0 / 256, 0.5,   0.0,
+                                      1.0 / 16, 1.0 / 128, 0.125, 1.0 / 32};
+  plsh::PlshOptions defaults;  // s = 100, Latin hypercube, near_field 0.05
+  defaults.seed = 6;
+  defaults.key_position = 1000;
+  plsh::PlshOptions independent = defaults;  // s = 20 independent draws, a narrower near field
+  independent.samples = 20;
+  independent.sampling = plsh::Sampling::Independent;
+  independent.near_field = 0.3;
+  for (const plsh::PlshOptions& options : {defaults, independent}) {
+    std::vector<double> expected(
+        static_cast<std::size_t>(widened.tokens * widened.heads * widened.value_dim));
+    plsh::PlshOptions whole = options;
+    whole.query_position = options.key_position;
+    plsh::reference::plsh_attention<double>(
+        widened.queries(0, widened.tokens), widened.keys(0, widened.tokens),
+        widened.values(0, widened.tokens),
+        HeadsView<double>{expected.data(), widened.tokens, widened.heads, widened.value_dim},
+        slopes, whole);
+    for (const auto& pattern : std::vector<std::vector<Index>>{{1}, {1, 7, 16, 3}}) {
+      const DecodeResult result = decode(
+          stored, slopes, options, chunk_schedule(stored.tokens, pattern), expected, roundoff);
+      INFO("s = " << options.samples << ", near_field " << options.near_field << ", chunks of "
+                  << pattern.front() << (pattern.size() > 1 ? ", ..." : "")
+                  << ": max (|cache - reference| - u |reference|) = " << result.max_difference);
+      CHECK(result.max_difference <= plsh_test::reference_tolerance<float>());
     }
   }
 }

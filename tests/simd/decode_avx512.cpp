@@ -9,6 +9,15 @@
 // (u = 2^-24); the products of two bfloat16 numbers are exact in float. The maximum the score
 // products return is compared with the scores they wrote, exactly. exp_counts is compared with
 // the counts computed one key at a time times the exponential in double.
+//
+// The near field: avx512::near_log_weights against its definition DecodeNear::log_weight, each
+// lane equal to the scalar form rounded to float (the scalar form may be contracted into one fused
+// multiply-add or not, the vector form is one: the two differ by at most one rounding in double,
+// which changes the float only for the rare value within 2^-29 of a float's rounding boundary,
+// and none of these inputs is one, contracted or not); the scores with a near
+// field against the same scores without it plus those weights, for every place of the first near
+// key (before the keys, inside them, at their end, past them); exp_counts with near keys against
+// the exponential alone for them.
 
 #include <catch2/catch.hpp>
 
@@ -198,6 +207,147 @@ TEST_CASE("avx512::exp_counts weighs each exponential by the number of block sta
       }
       CHECK(std::abs(sum - exact_sum) <=
             (static_cast<double>(count) + 4.0 + 16.0) * kFloatRoundoff * exact_sum);
+    }
+  }
+}
+
+namespace {
+
+/// Slopes of the near-field tests: powers of two, others whose products with a distance round in
+/// double, zero (every key near) and a steep one.
+const std::vector<double> kNearSlopes = {1.0 / 256, 0.3, 1e-4 * 3.14159, 0.0, 3.0, 0.0421};
+
+/// `near` for the query at `position`, with its near keys from `first` on, s = `samples`.
+plsh::detail::DecodeNear near_field(Index first, Index position, double slope, Index samples) {
+  plsh::detail::DecodeNear near;
+  near.first = first;
+  near.position = position;
+  near.slope = slope;
+  near.log_samples = std::log(static_cast<double>(samples));
+  return near;
+}
+
+}  // namespace
+
+TEST_CASE("avx512::near_log_weights is DecodeNear::log_weight rounded to float", "[simd][near]") {
+  // Distances from 0 to past 2000, at positions near 0 and far from it.
+  for (const double slope : kNearSlopes) {
+    for (const Index samples : {Index{1}, Index{20}, Index{100}, Index{7}}) {
+      for (const Index position : {Index{2047}, Index{1} << 40}) {
+        const plsh::detail::DecodeNear near = near_field(0, position, slope, samples);
+        for (Index key = position - 2047; key <= position - 15; key += 13) {
+          alignas(64) float lanes[16];
+          _mm512_store_ps(lanes, avx512::near_log_weights(near, key));
+          for (Index l = 0; l < 16; ++l) {
+            const float expected = static_cast<float>(near.log_weight(key + l));
+            INFO("slope " << slope << ", s = " << samples << ", distance " << position - key - l
+                          << ": " << lanes[l] << " against " << expected);
+            CHECK(lanes[l] == expected);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("avx512::scores with a near field adds the near keys' log weights",
+                   "[simd][near]", float, Eigen::bfloat16, Eigen::half) {
+  const Index dim = 64;
+  const Index position = 5000;  // of the first key
+  for (const double slope : kNearSlopes) {
+    for (Index count = 1; count <= 40; ++count) {
+      const std::vector<TestType> keys = rows<TestType>(count, dim, dim + 3, 700 + count);
+      const std::vector<float> query = rows<float>(1, dim, dim, 701);
+      std::vector<float> plain(static_cast<std::size_t>(count));
+      avx512::scores(keys.data(), count, dim, dim + 3, query.data(), plain.data());
+      for (const Index near_from :
+           {Index{-5}, Index{0}, Index{1}, count / 2, count - 1, count, count + 3}) {
+        const plsh::detail::DecodeNear near =
+            near_field(position + near_from, position + count + 2, slope, 20);
+        std::vector<float> logits(static_cast<std::size_t>(count) + 1, -7.0f);
+        const float max = avx512::scores(keys.data(), count, dim, dim + 3, query.data(),
+                                         logits.data(), position, near);
+        INFO("slope " << slope << ", count " << count << ", near from key " << near_from);
+        CHECK(max == *std::max_element(logits.begin(), logits.begin() + count));
+        CHECK(logits[static_cast<std::size_t>(count)] == -7.0f);
+        for (Index j = 0; j < count; ++j) {
+          const float raw = plain[static_cast<std::size_t>(j)];
+          const float got = logits[static_cast<std::size_t>(j)];
+          INFO("key " << j);
+          if (j < near_from) {
+            CHECK(got == raw);
+          } else {
+            CHECK(got == raw + static_cast<float>(near.log_weight(position + j)));
+          }
+        }
+      }
+    }
+  }
+}
+
+#if defined(PLSH_DECODE_AVX512_BF16)
+TEST_CASE("avx512::scores_bf16 with a near field adds the near keys' log weights",
+          "[simd][near][bf16]") {
+  const Index dim = 64;
+  const Index position = 300;
+  const float scale = 0.125f;
+  for (Index count = 1; count <= 40; ++count) {
+    const std::vector<Eigen::bfloat16> keys = rows<Eigen::bfloat16>(count, dim, dim, 800 + count);
+    const std::vector<Eigen::bfloat16> query = rows<Eigen::bfloat16>(1, dim, dim, 801);
+    std::vector<float> plain(static_cast<std::size_t>(count));
+    avx512::scores_bf16(keys.data(), count, dim, dim, query.data(), scale, plain.data());
+    for (const Index near_from : {Index{0}, count / 3, count - 1, count}) {
+      const plsh::detail::DecodeNear near =
+          near_field(position + near_from, position + count - 1, 0.3, 100);
+      std::vector<float> logits(static_cast<std::size_t>(count) + 1, -7.0f);
+      const float max = avx512::scores_bf16(keys.data(), count, dim, dim, query.data(), scale,
+                                            logits.data(), position, near);
+      INFO("count " << count << ", near from key " << near_from);
+      CHECK(max == *std::max_element(logits.begin(), logits.begin() + count));
+      CHECK(logits[static_cast<std::size_t>(count)] == -7.0f);
+      for (Index j = 0; j < count; ++j) {
+        const float raw = plain[static_cast<std::size_t>(j)];
+        INFO("key " << j);
+        CHECK(logits[static_cast<std::size_t>(j)] ==
+              (j < near_from ? raw : raw + static_cast<float>(near.log_weight(position + j))));
+      }
+    }
+  }
+}
+#endif
+
+TEST_CASE("avx512::exp_counts takes the near keys' weights from their logits", "[simd][near]") {
+  // Starts before, among the counted keys and among the near keys (which must not count).
+  const std::vector<std::vector<Index>> begin_lists = {
+      {1000}, {990, 1003, 1017, 1017, 1030, 1039}, {1001, 1005, 1016, 1033}};
+  const Index first = 1000;
+  for (const auto& begins : begin_lists) {
+    for (Index count = 1; count <= 40; ++count) {
+      for (const Index near_from : {Index{0}, Index{1}, count / 2, Index{16}, count - 1, count}) {
+        if (near_from > count) continue;
+        std::vector<float> weights = plsh_test::uniform_values<float>(
+            static_cast<std::size_t>(count), 900 + static_cast<std::uint64_t>(count), 8.0);
+        const std::vector<float> logits = weights;
+        const float max = *std::max_element(logits.begin(), logits.end());
+        const float sum = avx512::exp_counts(weights.data(), count, first, begins.data(),
+                                             static_cast<Index>(begins.size()), max, near_from);
+        double exact_sum = 0;
+        for (Index j = 0; j < count; ++j) {
+          const auto reached = j < near_from
+                                   ? std::count_if(begins.begin(), begins.end(),
+                                                   [&](Index begin) { return begin <= first + j; })
+                                   : 1;
+          const double shifted = static_cast<double>(logits[static_cast<std::size_t>(j)] - max);
+          const double expected = static_cast<double>(reached) * std::exp(shifted);
+          INFO("begins from " << begins.front() << ", count " << count << ", near from "
+                              << near_from << ", key " << j);
+          CHECK(std::abs(weights[static_cast<std::size_t>(j)] - expected) <=
+                (4.0 + std::abs(shifted)) * kFloatRoundoff * expected);
+          exact_sum += expected;
+        }
+        CHECK(std::abs(sum - exact_sum) <=
+              (static_cast<double>(count) + 4.0 + 16.0) * kFloatRoundoff * exact_sum);
+      }
     }
   }
 }

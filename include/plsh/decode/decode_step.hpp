@@ -26,10 +26,15 @@
 /// order): a decoder that alternates it starts a step on the keys that the step before read
 /// last, still in cache when a step's keys outgrow it.
 ///
+/// With a near field (near_field.hpp) a key within the reach w of the query, at distance
+/// \f$d = p - j \le w\f$, has the weight \f$s e^{-m d}\f$ in place of \f$c_j\f$, and the union
+/// reaches back to \f$p - w\f$ at least.
+///
 /// A job's products run in the AVX-512 code of detail/decode_simd.hpp when the library is
-/// compiled for it (scores with their maximum, then the exponentials times the counts in one
-/// pass; bfloat16 keys meet the bfloat16 query in `vdpbf16ps` where AVX-512 BF16 is present),
-/// else in Eigen's matrix-vector products. A job whose output or sum comes out non-finite is
+/// compiled for it (scores plus the near keys' log weights, with their maximum, then the
+/// exponentials times the counts in one pass; bfloat16 keys meet the bfloat16 query in
+/// `vdpbf16ps` where AVX-512 BF16 is present), else in Eigen's matrix-vector products (a job
+/// with near keys by OnlineSoftmax). A job whose output or sum comes out non-finite is
 /// recomputed by OnlineSoftmax, which applies the non-finite contract.
 ///
 /// Cost per query and head: \f$(d + d_v)\f$ multiply-adds times the union width (about
@@ -139,16 +144,6 @@ void add_log_counts(Scalar* scores, Index count, Index first_position, const Ind
   }
 }
 
-/// The near field of one job (near_field.hpp): its keys from `first` on lie within the reach of
-/// the query at `position`, whose weight is \f$s e^{-m(p - j)}\f$ (`log_samples` = \f$\log s\f$);
-/// `first` past the job's keys: none.
-struct DecodeNear {
-  Index first;
-  Index position;
-  double slope;
-  double log_samples;
-};
-
 /// The logits of one job, \f$q \cdot k_j + \log c_j\f$ over its keys (q already scaled), or
 /// \f$q \cdot k_j + \log s - m(p - j)\f$ for its near keys, into an online softmax of one row;
 /// writes the job's normalised output and log-sum-exp. The general path: any input, with the
@@ -169,8 +164,7 @@ void decode_job_general(const ConstHeadMap<Storage>& keys, const ConstHeadMap<St
   const Index blocked = std::clamp<Index>(near.first - first_position, 0, count);
   add_log_counts(scores.data(), blocked, first_position, begins, samples, log_count);
   for (Index j = blocked; j < count; ++j) {
-    const double distance = static_cast<double>(near.position - first_position - j);
-    scores.data()[j] += static_cast<Scalar>(near.log_samples - near.slope * distance);
+    scores.data()[j] += static_cast<Scalar>(near.log_weight(first_position + j));
   }
   state.softmax.reset(1, values.cols());
   state.softmax.update(scores, v);
@@ -178,11 +172,14 @@ void decode_job_general(const ConstHeadMap<Storage>& keys, const ConstHeadMap<St
 }
 
 /// One job: decode_job_general's result without its non-finite bookkeeping. Every key of a job
-/// has a count of at least 1 (the union starts at the smallest block start), so no logit is
-/// masked, and with finite inputs the plain arithmetic below is the online softmax of one row.
-/// Any non-finite input that reaches the output leaves a non-finite output or sum, and the job
-/// is then recomputed by decode_job_general. `raw_query` is the query as stored and `scale` its
-/// scale (the bfloat16 product scales its sums). A job with near keys takes decode_job_general.
+/// has a weight of at least 1 before the near field (a count: the union starts at the smallest
+/// block start) and a positive one within it, so no logit is masked, and with finite inputs the
+/// plain arithmetic below is the online softmax of one row. Any non-finite input that reaches the
+/// output leaves a non-finite output or sum, and the job is then recomputed by
+/// decode_job_general. `raw_query` is the query as stored and `scale` its scale (the bfloat16
+/// product scales its sums). With the AVX-512 products the near keys' logits take their log
+/// weight (DecodeNear::log_weight) as decode_job_general's do; with Eigen's, a job with near keys
+/// takes decode_job_general.
 template <class Storage>
 void decode_job(const ConstHeadMap<Storage>& keys, const ConstHeadMap<Storage>& values,
                 const Compute<Storage>* query, const Storage* raw_query, Compute<Storage> scale,
@@ -192,31 +189,33 @@ void decode_job(const ConstHeadMap<Storage>& keys, const ConstHeadMap<Storage>& 
   using Scalar = Compute<Storage>;
   const Index count = keys.rows();
   const Index value_dim = values.cols();
-  if (near.first < first_position + count) {
+  constexpr bool simd = kDecodeSimd && std::is_same<Scalar, float>::value;
+  // The index of the job's first near key (count: none).
+  const Index near_from = std::clamp<Index>(near.first - first_position, 0, count);
+  if (!simd && near_from < count) {
     decode_job_general(keys, values, query, first_position, begins, samples, log_count, state, out,
                        lse, near);
     return;
   }
   Eigen::Map<Eigen::Matrix<Scalar, Eigen::Dynamic, 1>, Eigen::Aligned64> scores(state.scores,
                                                                                 count);
-  constexpr bool simd = kDecodeSimd && std::is_same<Scalar, float>::value;
   static_cast<void>(raw_query);
   static_cast<void>(scale);
-  // Logits: with the AVX-512 products, the scores alone and their maximum (the counts later
-  // multiply the exponentials instead of adding their logarithms here); else Eigen's product plus
-  // log c_j.
+  // Logits: with the AVX-512 products, the scores plus the near keys' log weights, and their
+  // maximum (the counts later multiply the exponentials instead of adding their logarithms here);
+  // else Eigen's product plus log c_j.
   Scalar max = -std::numeric_limits<Scalar>::infinity();
   if constexpr (simd) {
 #if defined(PLSH_DECODE_AVX512)
 #if defined(PLSH_DECODE_AVX512_BF16)
     if constexpr (std::is_same<Storage, Eigen::bfloat16>::value) {
       max = avx512::scores_bf16(keys.data(), count, keys.cols(), keys.outerStride(), raw_query,
-                                scale, state.scores);
+                                scale, state.scores, first_position, near);
     } else
 #endif
     {
-      max =
-          avx512::scores(keys.data(), count, keys.cols(), keys.outerStride(), query, state.scores);
+      max = avx512::scores(keys.data(), count, keys.cols(), keys.outerStride(), query, state.scores,
+                           first_position, near);
     }
 #endif
   } else {
@@ -230,7 +229,8 @@ void decode_job(const ConstHeadMap<Storage>& keys, const ConstHeadMap<Storage>& 
     Scalar sum = 0;
     if constexpr (simd) {
 #if defined(PLSH_DECODE_AVX512)
-      sum = avx512::exp_counts(state.scores, count, first_position, begins, samples, max);
+      sum =
+          avx512::exp_counts(state.scores, count, first_position, begins, samples, max, near_from);
       avx512::weighted_sum(values.data(), count, value_dim, values.outerStride(), state.scores,
                            out);
 #endif

@@ -11,14 +11,17 @@
 ///   one fused multiply-add per 16 entries (each key row read whole before the next, in two
 ///   chains of sums for d = 64), then the 16 accumulators reduced together by three rounds of
 ///   shuffles (45 operations per 16 keys instead of a horizontal sum per key). Keys in float, or
-///   in bfloat16 or half converted in registers (no copy of the key rows). Returns the largest
-///   score as well, so that no other pass looks for it.
+///   in bfloat16 or half converted in registers (no copy of the key rows). The near keys of a
+///   near field (DecodeNear) get their log weight \f$\log s - m d\f$ added there
+///   (`avx512::near_log_weights`, the vector form of DecodeNear::log_weight). Returns the largest
+///   logit as well, so that no other pass looks for it.
 /// - With AVX-512 BF16 as well (`-mavx512bf16`), bfloat16 keys and the bfloat16 query go to
 ///   `vdpbf16ps`: products of two bfloat16 numbers are exact in float, and pairs of them are
 ///   summed into float accumulators, so the scores differ from the converted path by the order
 ///   of the float sums (and denormals flushed to zero) only. The scale multiplies the sums.
 /// - `avx512::exp_counts`: the weights \f$w_j = c_j e^{s_j - \max}\f$ and their sum in one pass,
-///   with Eigen's vectorised exponential and the counts \f$c_j\f$ by vector compares.
+///   with Eigen's vectorised exponential and the counts \f$c_j\f$ by vector compares (near keys:
+///   \f$e^{s_j - \max}\f$, their weight being in their logit).
 /// - `avx512::weighted_sum`: \f$o = \sum_j w_j v_j\f$, 64 output columns at a time in registers,
 ///   values converted in registers; bfloat16 values 32 at a time by a shift and a mask (even and
 ///   odd columns summed apart, interleaved once at the end).
@@ -28,8 +31,9 @@
 ///
 /// Rows are `stride` entries apart; every size is allowed (tails by masked loads, which do not
 /// touch memory past the last row). Tested in tests/simd/decode_avx512.cpp (test_simd)
-/// against sums and exponentials in double, for every size from 1 to past two vectors, where the
-/// build machine has these instructions.
+/// against sums and exponentials in double, for every size from 1 to past two vectors, and the
+/// near log weights against DecodeNear::log_weight, where the build machine has these
+/// instructions.
 
 #include <Eigen/Core>
 
@@ -39,6 +43,30 @@
 #include "../tensor.hpp"
 
 #include "simd.hpp"
+
+namespace plsh {
+namespace detail {
+
+/// The near field of one job of the single-query path (decode/decode_step.hpp; near_field.hpp):
+/// its keys from position `first` on lie within the reach of the query at `position`, and weigh
+/// \f$s e^{-m(p - j)}\f$ (`log_samples` = \f$\log s\f$) in place of their count; `first` past
+/// the job's keys: none.
+struct DecodeNear {
+  Index first = std::numeric_limits<Index>::max();
+  Index position = 0;
+  double slope = 0;
+  double log_samples = 0;
+
+  /// The log weight \f$\log s - m d\f$ of the near key at position `key`, at distance
+  /// \f$d = p - j\f$, in double: the definition that avx512::near_log_weights vectorises.
+  double log_weight(Index key) const {
+    const double distance = static_cast<double>(position - key);
+    return log_samples - slope * distance;
+  }
+};
+
+}  // namespace detail
+}  // namespace plsh
 
 #if defined(PLSH_DECODE_AVX512)
 
@@ -133,6 +161,33 @@ inline __m512 raise_max(__m512 best, __mmask16 mask, __m512 sums) {
   return _mm512_mask_max_ps(best, mask, sums, best);
 }
 
+/// DecodeNear::log_weight of the 16 keys at positions `key` .. `key + 15`, each rounded to float:
+/// the distances \f$d = p - j\f$ are exact in double (integers below \f$2^{53}\f$), and
+/// \f$\log s - m d\f$ is one fused multiply-add in double, which is what the scalar form
+/// compiles to where the compiler contracts it (GCC's default, Clang's within an expression);
+/// elsewhere the two differ by one rounding in double, which the float rounding hides but for
+/// values within \f$2^{-29}\f$ of a float rounding boundary.
+inline __m512 near_log_weights(const DecodeNear& near, Index key) {
+  const __m512d low_lanes = _mm512_setr_pd(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m512d high_lanes = _mm512_setr_pd(8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512d distance = _mm512_set1_pd(static_cast<double>(near.position - key));
+  const __m512d slope = _mm512_set1_pd(near.slope);
+  const __m512d log_samples = _mm512_set1_pd(near.log_samples);
+  const __m256 low =
+      _mm512_cvtpd_ps(_mm512_fnmadd_pd(slope, _mm512_sub_pd(distance, low_lanes), log_samples));
+  const __m256 high =
+      _mm512_cvtpd_ps(_mm512_fnmadd_pd(slope, _mm512_sub_pd(distance, high_lanes), log_samples));
+  return _mm512_castpd_ps(
+      _mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(low)), _mm256_castps_pd(high), 1));
+}
+
+/// The lanes of the 16 keys from index `first` of a job whose keys from index `near_from` on are
+/// near.
+inline __mmask16 near_lanes16(Index first, Index near_from) {
+  return first >= near_from ? static_cast<__mmask16>(0xFFFF)
+                            : static_cast<__mmask16>(~first_lanes16(near_from - first));
+}
+
 /// \f$s_j = q \cdot k_j\f$ for the 16 keys from `first` (`keys` rows `stride` apart, `query` of
 /// `dim` floats); lanes past `count` hold the last key's score. Always inlined: called as a
 /// function, its 16 sums go through memory (decoding's step measured 15% slower).
@@ -170,27 +225,44 @@ EIGEN_ALWAYS_INLINE __m512 score_block(const Storage* keys, Index first, Index c
   return sum16(sums);
 }
 
+/// The logits of a job's keys `first` .. `first + 15` (none past `count`) into `out`, from their
+/// scores `block`: the near keys (positions from `near.first` on, the job's keys starting at
+/// position `position`) with their log weight added, the others as they are; `best` raised to
+/// them.
+EIGEN_ALWAYS_INLINE void store_logits(__m512 block, Index first, Index count, Index position,
+                                      const DecodeNear& near, float* out, __m512& best) {
+  const __mmask16 stored = first_lanes16(count - first);
+  const Index near_from = near.first - position;
+  if (near_from < count && first + 16 > near_from) {
+    block = _mm512_mask_add_ps(block, near_lanes16(first, near_from), block,
+                               near_log_weights(near, position + first));
+  }
+  _mm512_mask_storeu_ps(out + first, stored, block);
+  best = raise_max(best, stored, block);
+}
+
 /// \f$s_j = q \cdot k_j\f$, \f$j < \f$ `count`: `keys` rows `stride` apart, `query` of `dim`
-/// floats. Returns \f$\max_j s_j\f$ over the scores that are not NaN (\f$-\infty\f$ if none is
-/// above it).
+/// floats; with a near field `near`, the keys at positions `position + j` from `near.first` on
+/// take \f$s_j + \log s - m(p - j)\f$ (DecodeNear::log_weight, rounded to float, added).
+/// Returns the maximum of what it wrote, over the values that are not NaN (\f$-\infty\f$ if
+/// none is above it).
 template <class Storage>
 float scores(const Storage* keys, Index count, Index dim, Index stride, const float* query,
-             float* out) {
+             float* out, Index position = 0, const DecodeNear& near = {}) {
   __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (Index first = 0; first < count; first += 16) {
-    const __mmask16 stored = first_lanes16(count - first);
-    const __m512 block = score_block(keys, first, count, dim, stride, query);
-    _mm512_mask_storeu_ps(out + first, stored, block);
-    best = raise_max(best, stored, block);
+    store_logits(score_block(keys, first, count, dim, stride, query), first, count, position, near,
+                 out, best);
   }
   return _mm512_reduce_max_ps(best);
 }
 
 #if defined(PLSH_DECODE_AVX512_BF16)
-/// \f$s_j = \text{scale}\,(q \cdot k_j)\f$ with bfloat16 keys and query, by `vdpbf16ps`.
-/// Returns their maximum as scores does.
+/// \f$s_j = \text{scale}\,(q \cdot k_j)\f$ with bfloat16 keys and query, by `vdpbf16ps`, the
+/// near keys' log weights added. Returns their maximum as scores does.
 inline float scores_bf16(const Eigen::bfloat16* keys, Index count, Index dim, Index stride,
-                         const Eigen::bfloat16* query, float scale, float* out) {
+                         const Eigen::bfloat16* query, float scale, float* out, Index position = 0,
+                         const DecodeNear& near = {}) {
   const __m512 scale_vector = _mm512_set1_ps(scale);
   __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (Index first = 0; first < count; first += 16) {
@@ -213,10 +285,7 @@ inline float scores_bf16(const Eigen::bfloat16* keys, Index count, Index dim, In
             _mm512_dpbf16_ps(sums[r], (__m512bh)_mm512_maskz_loadu_epi16(mask, rows[r] + d), q);
       }
     }
-    const __mmask16 stored = first_lanes16(count - first);
-    const __m512 block = _mm512_mul_ps(sum16(sums), scale_vector);
-    _mm512_mask_storeu_ps(out + first, stored, block);
-    best = raise_max(best, stored, block);
+    store_logits(_mm512_mul_ps(sum16(sums), scale_vector), first, count, position, near, out, best);
   }
   return _mm512_reduce_max_ps(best);
 }
@@ -227,11 +296,14 @@ inline float scores_bf16(const Eigen::bfloat16* keys, Index count, Index dim, In
 /// j\}\f$ over the `samples` sorted block starts `begins`; returns \f$\sum_j w_j\f$. One pass over
 /// the scores: the exponentials by Eigen's vectorised exp (the one its array exp applies to whole
 /// packets; a NaN stays NaN), the starts at or before `first` counting for every key and each one
-/// inside the range by one vector compare per 16 keys.
+/// inside the range by one vector compare per 16 keys. The near keys, from index `near_from` on,
+/// hold logits that include their weight (scores with a DecodeNear): \f$w_j = e^{s_j -
+/// \text{max}}\f$, and the starts among them are not compared.
 inline float exp_counts(float* weights, Index count, Index first, const Index* begins,
-                        Index samples, float max) {
+                        Index samples, float max,
+                        Index near_from = std::numeric_limits<Index>::max()) {
   const Index* inside = std::upper_bound(begins, begins + samples, first);
-  const Index* end = std::lower_bound(inside, begins + samples, first + count);
+  const Index* end = std::lower_bound(inside, begins + samples, first + std::min(count, near_from));
   const __m512i base = _mm512_set1_epi32(static_cast<int>(inside - begins));
   const __m512i one = _mm512_set1_epi32(1);
   const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -240,11 +312,14 @@ inline float exp_counts(float* weights, Index count, Index first, const Index* b
   for (Index j = 0; j < count; j += 16) {
     const __m512i offset = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(j)));
     __m512i counts = base;
-    for (const Index* b = inside; b < end; ++b) {
-      const __mmask16 reached =
-          _mm512_cmpge_epi32_mask(offset, _mm512_set1_epi32(static_cast<int>(*b - first)));
-      counts = _mm512_mask_add_epi32(counts, reached, counts, one);
+    if (j < near_from) {
+      for (const Index* b = inside; b < end; ++b) {
+        const __mmask16 reached =
+            _mm512_cmpge_epi32_mask(offset, _mm512_set1_epi32(static_cast<int>(*b - first)));
+        counts = _mm512_mask_add_epi32(counts, reached, counts, one);
+      }
     }
+    if (j + 16 > near_from) counts = _mm512_mask_mov_epi32(counts, near_lanes16(j, near_from), one);
     const __mmask16 mask = first_lanes16(count - j);
     const __m512 e = Eigen::internal::pexp<Eigen::internal::Packet16f>(
         _mm512_sub_ps(_mm512_maskz_loadu_ps(mask, weights + j), shift));
