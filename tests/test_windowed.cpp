@@ -525,6 +525,35 @@ TEST_CASE("batched windowed ALiBi's backward equals the unbatched calls", "[wind
   CHECK(dv == stack(&P::dv));
 }
 
+TEST_CASE("truncated ALiBi at a denormal factor tolerance keeps its band",
+          "[windowed][truncated]") {
+  // One query 200 positions after one key of value 1. Slope 4 keeps |i - j| <= 178 at 1e-310 and
+  // 186 at 5e-324 (-ln f / m): the key is dropped and the row, seeing no key, is 0. Slope 1/4
+  // keeps it (band 2855 or 2977): the row is the key's value.
+  const std::vector<double> slopes{4.0, 0.25};
+  Problem<double> problem(Shape{1, 1, 2, 2, 4, 4}, 41);
+  problem.v.fill(1.0);
+  for (const double tolerance : {1e-310, 5e-324}) {
+    for (const bool causal : {true, false}) {
+      INFO("factor tolerance " << tolerance << (causal ? ", causal" : ", bidirectional"));
+      plsh::AttentionOptions options;
+      options.causal = causal;
+      options.query_position = 200;
+      Buffer<double> expected = problem.output();
+      plsh::reference::truncated_alibi_attention(problem.q.in(), problem.k.in(), problem.v.in(),
+                                                 expected.view, slopes, tolerance, options);
+      plsh::truncated_alibi_attention<double>(problem.q.in(), problem.k.in(), problem.v.in(),
+                                              problem.out.view, slopes, tolerance, options);
+      for (Index e = 0; e < 4; ++e) {
+        CHECK(problem.out.at(0, 0, e) == 0.0);
+        CHECK(expected.at(0, 0, e) == 0.0);
+        CHECK(problem.out.at(0, 1, e) == 1.0);
+        CHECK(expected.at(0, 1, e) == 1.0);
+      }
+    }
+  }
+}
+
 TEST_CASE("truncated ALiBi keeps the keys of its factor window, and has no guarantee",
           "[windowed][truncated]") {
   for (const bool causal : {true, false}) {

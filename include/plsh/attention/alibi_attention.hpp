@@ -28,6 +28,7 @@
 #include "../detail/parallel.hpp"
 #include "../detail/validate.hpp"
 #include "../tensor.hpp"
+#include "near_field.hpp"
 #include "options.hpp"
 #include "regular.hpp"
 #include "windowed.hpp"
@@ -90,11 +91,10 @@ void batched_exact_alibi_attention(const BatchedHeadsView<const Scalar>& q,
 }
 
 /// The keys truncated_alibi_attention keeps: \f$e^{-m r} \ge \text{tolerance} \iff r \le
-/// \ln(1/\text{tolerance})/m\f$.
+/// \lfloor -\ln(\text{tolerance})/m \rfloor\f$, the reach of a near field of that threshold
+/// (near_field_reach); kNoWindow for slope 0 or tolerance 0.
 inline Index factor_window(double slope, double tolerance) {
-  if (slope == 0 || tolerance == 0) return kNoWindow;
-  const double window = std::floor(std::log(1.0 / tolerance) / slope);
-  return window >= static_cast<double>(kNoWindow) ? kNoWindow : static_cast<Index>(window);
+  return tolerance == 0 ? kNoWindow : near_field_reach(slope, tolerance, kNoWindow);
 }
 
 /// Keys of the sequence that the caller does not hold (the sequence-parallel kernel's halo):

@@ -3,7 +3,7 @@
 
 /// \file near_field.hpp
 /// The near-field estimator of Positional LSH (PlshOptions::near_field = f > 0): head h of slope
-/// m takes the exact ALiBi factor for the keys within its reach \f$w = \lfloor \ln(1/f)/m
+/// m takes the exact ALiBi factor for the keys within its reach \f$w = \lfloor -\ln f/m
 /// \rfloor\f$ of the query, where \f$e^{-m|p_i - p_j|} \ge f\f$, and the mean of its s block masks
 /// beyond:
 /// \f[ \hat K_{ij} = e^{-m|p_i - p_j|} \text{ for } |p_i - p_j| \le w, \qquad
@@ -16,7 +16,7 @@
 /// block estimator's: \f$K_{ij}(1 - K_{ij})/s\f$ with independent draws, at most s/(s - 1)
 /// times that with a Latin hypercube (Owen, 1997). Cost: the near field lies inside the blocks'
 /// union for the distances that matter (a union reaches about \f$\ln(s)/m\f$, the near field
-/// \f$\ln(1/f)/m\f$), so the fused kernel sees about the same keys; slope 0 (factor 1 everywhere)
+/// \f$-\ln f/m\f$), so the fused kernel sees about the same keys; slope 0 (factor 1 everywhere)
 /// makes every key near, that is exact ALiBi.
 ///
 /// In the fused kernel and its backward the weights are \f$s \hat K_{ij}\f$, looked up by index
@@ -43,14 +43,18 @@ struct NearField {
   Index reach = -1;
 };
 
-/// The reach w of the near field of a head of slope `slope` for `near_field` = f: the largest
-/// distance whose factor \f$e^{-m d}\f$ is at least f, \f$\lfloor\ln(1/f)/m\rfloor\f$, at most
-/// `cap` (every key of a call lies within distance `cap`); -1 (no near field) when f is 0. Slope 0
-/// or f = 1 with slope 0: `cap`, every key near.
+/// The reach w of the near field of a head of slope `slope` for `near_field` = f in [0, 1]: the
+/// largest distance whose factor \f$e^{-m d}\f$ is at least f, \f$\lfloor -\ln f/m\rfloor\f$, at
+/// most `cap` (every key of a call lies within distance `cap`); -1 (no near field) when f is 0.
+/// Slope 0: `cap`, every key near. The one definition of a reach from a factor threshold: the band
+/// of truncated_alibi_attention (factor_window) is the same function of its tolerance.
+///
+/// \f$-\ln f\f$ is at most 744.5 for every f > 0 (the smallest denormal, 4.9e-324), whereas
+/// \f$1/f\f$ overflows for f below about 5.6e-309.
 inline Index near_field_reach(double slope, double near_field, Index cap) {
   if (near_field <= 0) return -1;
   if (slope == 0) return cap;
-  const double reach = std::floor(std::log(1 / near_field) / slope);
+  const double reach = std::floor(-std::log(near_field) / slope);
   return reach >= static_cast<double>(cap) ? cap : static_cast<Index>(reach);
 }
 

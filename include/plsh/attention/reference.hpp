@@ -157,7 +157,8 @@ void windowed_alibi_attention(const HeadsView<const Scalar>& q, const HeadsView<
 
 /// ALiBi without the keys whose factor \f$e^{-m|p_i - p_j|}\f$ is below `factor_tolerance`
 /// (truncated_alibi_attention): the keys with \f$|p_i - p_j| \le \lfloor
-/// \ln(1/\text{factor\_tolerance})/m\rfloor\f$, every key when m or the tolerance is 0.
+/// -\ln(\text{factor\_tolerance})/m\rfloor\f$ (detail::near_field_reach), every key when m or the
+/// tolerance is 0.
 template <class Scalar>
 void truncated_alibi_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
                                const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
@@ -165,11 +166,15 @@ void truncated_alibi_attention(const HeadsView<const Scalar>& q, const HeadsView
                                const AttentionOptions& options = {}) {
   detail::validate_slopes("reference::truncated_alibi_attention", slopes, q.heads);
   const auto row_log_factor = alibi_row_log_factor(slopes, options, k.tokens);
+  std::vector<Index> band;
+  for (const double slope : slopes) {
+    band.push_back(
+        factor_tolerance == 0
+            ? std::numeric_limits<Index>::max()
+            : detail::near_field_reach(slope, factor_tolerance, std::numeric_limits<Index>::max()));
+  }
   factor_attention(q, k, v, out, options, [&](Index h, Index i, Index j) {
-    const double slope = slopes[static_cast<std::size_t>(h)];
-    const bool kept = slope == 0 || factor_tolerance == 0 ||
-                      static_cast<double>(i > j ? i - j : j - i) <=
-                          std::floor(std::log(1.0 / factor_tolerance) / slope);
+    const bool kept = (i > j ? i - j : j - i) <= band[static_cast<std::size_t>(h)];
     return kept ? row_log_factor(h, i, j) : detail::kMasked;
   });
 }
