@@ -27,6 +27,7 @@
 #include <plsh/partition.hpp>
 #include <plsh/sampler.hpp>
 
+#include "allocation_counter.hpp"
 #include "attention_fixture.hpp"
 #include "kernel_instances.hpp"
 #include "test_kv_cache_common.hpp"
@@ -193,6 +194,78 @@ TEST_CASE("KvCache at a denormal near_field evicts beyond the reach", "[near_fie
                                 sequence.values(0, steps),
                                 HeadsView<float>{expected.data(), 1, 2, 4}, slopes, options);
     for (std::size_t i = 0; i < out.size(); ++i) CHECK(std::abs(out[i] - expected[i]) <= 2e-5);
+  }
+}
+
+TEST_CASE("a query 2^26 or 2^50 positions after its keys: the value and scratch of the tile",
+          "[near_field]") {
+  // One query at 2^gap, keys at 0 and 1, near_field 0.05, heads of slope 0 and 1e-12 on one
+  // key/value head. Slope 0: every key near, weight s (plain attention). Slope 1e-12: near at
+  // 2^26 (the reach ln(20) / m = 3.0e12 is capped by the call's width), weight s e^{-m d}; beyond
+  // the reach at 2^50, where no block of mean pitch 2 / m spans the gap (count 0): a zero row. The
+  // weights' table covers the distances within a tile, so no allocation of the forward or the
+  // backward grows with the gap.
+  const std::vector<double> slopes{0.0, 1e-12};
+  const Shape shape{1, 2, 2, 1, 4, 4};
+  const Problem<double> p(shape, 71);
+  Buffer<double> dout = p.output();
+  dout.fill_random(72);
+  const double scale = 0.5;  // 1 / sqrt(4)
+  for (const int gap : {26, 50}) {
+    for (const bool causal : {true, false}) {
+      INFO("gap 2^" << gap << (causal ? ", causal" : ", bidirectional"));
+      plsh::PlshOptions options;
+      options.causal = causal;
+      options.query_position = Index{1} << gap;
+      // The estimator's output: sum_j w_j v_j / sum_j w_j, w_j = e^{S_j} times the factor.
+      Buffer<double> expected = p.output();
+      for (Index h = 0; h < 2; ++h) {
+        const double slope = slopes[static_cast<std::size_t>(h)];
+        const bool near = slope == 0 || gap == 26;
+        double total = 0;
+        std::vector<double> sum(4, 0.0);
+        for (Index j = 0; j < 2; ++j) {
+          double score = 0;
+          for (Index e = 0; e < 4; ++e) score += scale * p.q.at(0, h, e) * p.k.at(j, 0, e);
+          const double distance = static_cast<double>(options.query_position - j);
+          const double weight = near ? std::exp(score - slope * distance) : 0.0;
+          total += weight;
+          for (Index e = 0; e < 4; ++e)
+            sum[static_cast<std::size_t>(e)] += weight * p.v.at(j, 0, e);
+        }
+        for (Index e = 0; e < 4; ++e) {
+          expected.at(0, h, e) = total > 0 ? sum[static_cast<std::size_t>(e)] / total : 0.0;
+        }
+      }
+      Buffer<double> reference = p.output();
+      plsh::reference::plsh_attention<double>(p.q.in(), p.k.in(), p.v.in(), reference.view, slopes,
+                                              options);
+      CHECK(plsh_test::max_abs_difference(reference.in(), expected.in()) <= 1e-13);
+
+      Buffer<double> out = p.output();
+      plsh_test::largest_allocation = 0;
+      plsh::plsh_attention<double>(p.q.in(), p.k.in(), p.v.in(), out.view, slopes, options);
+      CHECK(plsh_test::largest_allocation < (std::size_t{1} << 20));
+      CHECK(plsh_test::max_abs_difference(out.in(), expected.in()) <= 1e-13);
+      const Buffer<float> q = to<float>(p.q), k = to<float>(p.k), v = to<float>(p.v);
+      Buffer<float> out_float(1, 2, 4);
+      plsh_test::largest_allocation = 0;
+      plsh::plsh_attention<float>(q.in(), k.in(), v.in(), out_float.view, slopes, options);
+      CHECK(plsh_test::largest_allocation < (std::size_t{1} << 20));
+      CHECK(plsh_test::max_abs_difference(out_float.in(), expected.in()) <= 2e-6);
+
+      Buffer<double> dq(1, 2, 4), dk(2, 1, 4), dv(2, 1, 4);
+      Buffer<double> rq = dq, rk = dk, rv = dv;
+      plsh_test::largest_allocation = 0;
+      plsh::plsh_attention_backward<double>(p.q.in(), p.k.in(), p.v.in(), out.in(), dout.in(),
+                                            dq.view, dk.view, dv.view, slopes, options);
+      CHECK(plsh_test::largest_allocation < (std::size_t{1} << 20));
+      plsh::reference::plsh_attention_backward(p.q.in(), p.k.in(), p.v.in(), dout.in(), rq.view,
+                                               rk.view, rv.view, slopes, options);
+      CHECK(plsh_test::max_abs_difference(dq.in(), rq.in()) <= 1e-13);
+      CHECK(plsh_test::max_abs_difference(dk.in(), rk.in()) <= 1e-13);
+      CHECK(plsh_test::max_abs_difference(dv.in(), rv.in()) <= 1e-13);
+    }
   }
 }
 
