@@ -18,8 +18,9 @@
 /// windowed_with_halo). The keys and values of that interval that other ranks hold (the halo)
 /// come by point-to-point messages from their owners, however many ranks it spans; then the
 /// single-process kernel runs on the rank's queries against the gathered keys. The halo's width
-/// does not depend on n: for s = 20 draws of the flattest standard head of 8 (slope 1/256) about a
-/// thousand positions.
+/// does not depend on n: at most the largest block pitch of the draws (or the near field's reach,
+/// if larger), for the default s = 100 draws of the flattest standard head of 8 (slope 1/256)
+/// about 1,700 positions.
 ///
 /// Exact ALiBi reaches every key: exact_alibi_attention passes the chunks of k and v around the
 /// ring of ranks (P - 1 steps, each overlapping the messages with the attention of the chunk in
@@ -34,9 +35,13 @@
 /// rank's arguments are wrong, or the ranks disagree (another scalar type included), every rank
 /// throws std::invalid_argument.
 ///
-/// Results: each rank's rows equal those rows of the single-process kernel over the whole
-/// sequence to float rounding (the kernels tile the rows from the chunk's first row, and the
-/// ring merges its partial results in another order); on one rank, bit for bit.
+/// Results: for Positional LSH and exact ALiBi, each rank's rows equal those rows of the
+/// single-process kernel over the whole sequence to float rounding (the kernels tile the rows from
+/// the chunk's first row, and the ring merges its partial results in another order); on one rank,
+/// bit for bit. For windowed ALiBi the tiles, and so the keys each visits before its certificate
+/// holds, differ from the single-process kernel's: what holds is the guarantee, each rank's output
+/// within \f$2\,\text{tolerance}\max_j |v_j|\f$ of exact ALiBi per entry, to rounding, as the
+/// single-process kernel's (so the two lie within twice that of each other).
 ///
 /// Files: mpi/layout.hpp (chunks and the keys each reaches), mpi/agreement.hpp (what the ranks
 /// agree on before any message), mpi/halo.hpp (messages, gather and scatter of the halo); this
