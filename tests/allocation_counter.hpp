@@ -1,7 +1,8 @@
 // Replaces the global operator new and delete of a test executable so that a test can count
-// heap allocations: `plsh_test::allocations` is incremented by every allocation. Include it in
-// exactly one source file of an executable (each tests/test_*.cpp is its own executable): the
-// replacement functions are definitions.
+// heap allocations: `plsh_test::allocations` is incremented by every allocation, and
+// `plsh_test::largest_allocation` holds the largest size asked. Include it in exactly one source
+// file of an executable (each tests/test_*.cpp is its own executable): the replacement functions
+// are definitions.
 
 #ifndef PLSH_TESTS_ALLOCATION_COUNTER_HPP
 #define PLSH_TESTS_ALLOCATION_COUNTER_HPP
@@ -21,8 +22,15 @@ namespace plsh_test {
 /// Heap allocations made so far by the executable.
 inline std::atomic<long> allocations{0};
 
+/// The largest size in bytes asked of one allocation since a test last set it to 0.
+inline std::atomic<std::size_t> largest_allocation{0};
+
 inline void* counted_allocation(std::size_t size) noexcept {
   allocations.fetch_add(1, std::memory_order_relaxed);
+  std::size_t largest = largest_allocation.load(std::memory_order_relaxed);
+  while (size > largest &&
+         !largest_allocation.compare_exchange_weak(largest, size, std::memory_order_relaxed)) {
+  }
   return std::malloc(size == 0 ? 1 : size);
 }
 

@@ -30,7 +30,7 @@
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,              \
       const std::vector<double>&, double, const plsh::AttentionOptions&, const char*);       \
-  PREFIX void plsh::detail::batched_windowed_alibi_attention<S>(                             \
+  PREFIX plsh::Index plsh::detail::batched_windowed_alibi_attention<S>(                      \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>*,              \
       const std::vector<double>&, double, const plsh::AttentionOptions&,                     \

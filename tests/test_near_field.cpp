@@ -14,6 +14,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <plsh/alibi.hpp>
@@ -27,6 +28,7 @@
 #include <plsh/partition.hpp>
 #include <plsh/sampler.hpp>
 
+#include "allocation_counter.hpp"
 #include "attention_fixture.hpp"
 #include "kernel_instances.hpp"
 #include "test_kv_cache_common.hpp"
@@ -108,6 +110,162 @@ TEST_CASE("near_field_reach: the largest distance whose factor is at least near_
       const Index reach = near_field_reach(slope, near_field, 1 << 20);
       CHECK(std::exp(-slope * static_cast<double>(reach)) >= near_field * (1 - 1e-12));
       CHECK(std::exp(-slope * static_cast<double>(reach + 1)) < near_field);
+    }
+  }
+}
+
+TEST_CASE("near_field_reach below 5.6e-309: the documented reach, from -ln f", "[near_field]") {
+  // -ln(1e-310) = 713.8 and -ln(5e-324) = 744.4 (5e-324 is the smallest denormal): ln(1 / f)
+  // is infinite for both, 1 / f overflowing, which made every reach the cap.
+  using plsh::detail::near_field_reach;
+  const Index cap = plsh::kMaxPosition;
+  CHECK(near_field_reach(8, 1e-310, cap) == 89);
+  CHECK(near_field_reach(4, 1e-310, cap) == 178);
+  CHECK(near_field_reach(8, 5e-324, cap) == 93);
+  CHECK(near_field_reach(4, 5e-324, cap) == 186);
+  CHECK(near_field_reach(1.0 / 256, 5e-324, cap) == 190576);
+  CHECK(near_field_reach(1e-310, 5e-324, cap) == cap);  // a slope so small that every key is near
+  // truncated_alibi_attention's band is the same function of its tolerance (0: no band).
+  for (const double threshold : {1.0, 0.05, 1e-6, 1e-310, 5e-324}) {
+    for (const double slope : {0.0, 1.0 / 256, 0.5, 4.0, 8.0}) {
+      INFO("slope " << slope << ", threshold " << threshold);
+      CHECK(plsh::detail::factor_window(slope, threshold) ==
+            near_field_reach(slope, threshold, plsh::detail::kNoWindow));
+    }
+  }
+  CHECK(plsh::detail::factor_window(4, 1e-310) == 178);
+  CHECK(plsh::detail::factor_window(4, 0) == plsh::detail::kNoWindow);
+}
+
+TEST_CASE("a denormal near_field leaves a far key to the block estimator", "[near_field]") {
+  // One query 2^27 positions after one key of value 1, slopes 8 and 4: far beyond the reach at
+  // f = 1e-310 or 5e-324 (at most 186 positions) and beyond every block of these slopes, so the
+  // key's count is 0 and the row sees no key: 0. A near key would make the row its value, 1.
+  const std::vector<double> slopes{8, 4};
+  Problem<float> p(Shape{1, 1, 2, 2, 4, 4}, 5);
+  p.v.fill(1.0f);
+  Problem<double> dense(Shape{1, 1, 2, 2, 4, 4}, 5);
+  dense.v.fill(1.0);
+  for (const double near_field : {1e-310, 5e-324}) {
+    for (const bool causal : {true, false}) {
+      INFO("near_field " << near_field << (causal ? ", causal" : ", bidirectional"));
+      plsh::PlshOptions options;
+      options.causal = causal;
+      options.near_field = near_field;
+      options.query_position = Index{1} << 27;
+      p.out.fill(-1.0f);
+      plsh::plsh_attention<float>(p.q.in(), p.k.in(), p.v.in(), p.out.view, slopes, options);
+      plsh::reference::plsh_attention<double>(dense.q.in(), dense.k.in(), dense.v.in(),
+                                              dense.out.view, slopes, options);
+      for (Index h = 0; h < 2; ++h) {
+        for (Index e = 0; e < 4; ++e) {
+          CHECK(p.out.at(0, h, e) == 0.0f);
+          CHECK(dense.out.at(0, h, e) == 0.0);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("KvCache at a denormal near_field evicts beyond the reach", "[near_field][kv_cache]") {
+  // 3000 one-token steps with slopes 8 and 4: the cache keeps the last w + 1 positions, w the
+  // largest reach (178 at 1e-310, 186 at 5e-324; the blocks of these slopes reach a few positions),
+  // not every token; the last row equals plsh_attention over the whole sequence.
+  const Index steps = 3000;
+  const plsh_test::Sequence<float> sequence(steps, 2, 2, 4, 4, 19);
+  const std::vector<double> slopes{8, 4};
+  const std::pair<double, Index> cases[] = {{1e-310, 178}, {5e-324, 186}};
+  for (const auto& [near_field, reach] : cases) {
+    INFO("near_field " << near_field);
+    plsh::PlshOptions options;
+    options.near_field = near_field;
+    plsh::KvCache<float> cache(2, 2, 4, 4, slopes, options);
+    std::vector<float> out(8);
+    Index max_resident = 0;
+    for (Index t = 0; t < steps; ++t) {
+      cache.decode(sequence.queries(t, 1), sequence.keys(t, 1), sequence.values(t, 1),
+                   HeadsView<float>{out.data(), 1, 2, 4});
+      max_resident = std::max(max_resident, cache.resident());
+    }
+    CHECK(max_resident == reach + 1);
+    CHECK(cache.resident() == reach + 1);
+    std::vector<float> expected(8);
+    options.query_position = steps - 1;
+    plsh::plsh_attention<float>(sequence.queries(steps - 1, 1), sequence.keys(0, steps),
+                                sequence.values(0, steps),
+                                HeadsView<float>{expected.data(), 1, 2, 4}, slopes, options);
+    for (std::size_t i = 0; i < out.size(); ++i) CHECK(std::abs(out[i] - expected[i]) <= 2e-5);
+  }
+}
+
+TEST_CASE("a query 2^26 or 2^50 positions after its keys: the value and scratch of the tile",
+          "[near_field]") {
+  // One query at 2^gap, keys at 0 and 1, near_field 0.05, heads of slope 0 and 1e-12 on one
+  // key/value head. Slope 0: every key near, weight s (plain attention). Slope 1e-12: near at
+  // 2^26 (the reach ln(20) / m = 3.0e12 is capped by the call's width), weight s e^{-m d}; beyond
+  // the reach at 2^50, where no block of mean pitch 2 / m spans the gap (count 0): a zero row. The
+  // weights' table covers the distances within a tile, so no allocation of the forward or the
+  // backward grows with the gap.
+  const std::vector<double> slopes{0.0, 1e-12};
+  const Shape shape{1, 2, 2, 1, 4, 4};
+  const Problem<double> p(shape, 71);
+  Buffer<double> dout = p.output();
+  dout.fill_random(72);
+  const double scale = 0.5;  // 1 / sqrt(4)
+  for (const int gap : {26, 50}) {
+    for (const bool causal : {true, false}) {
+      INFO("gap 2^" << gap << (causal ? ", causal" : ", bidirectional"));
+      plsh::PlshOptions options;
+      options.causal = causal;
+      options.query_position = Index{1} << gap;
+      // The estimator's output: sum_j w_j v_j / sum_j w_j, w_j = e^{S_j} times the factor.
+      Buffer<double> expected = p.output();
+      for (Index h = 0; h < 2; ++h) {
+        const double slope = slopes[static_cast<std::size_t>(h)];
+        const bool near = slope == 0 || gap == 26;
+        double total = 0;
+        std::vector<double> sum(4, 0.0);
+        for (Index j = 0; j < 2; ++j) {
+          double score = 0;
+          for (Index e = 0; e < 4; ++e) score += scale * p.q.at(0, h, e) * p.k.at(j, 0, e);
+          const double distance = static_cast<double>(options.query_position - j);
+          const double weight = near ? std::exp(score - slope * distance) : 0.0;
+          total += weight;
+          for (Index e = 0; e < 4; ++e)
+            sum[static_cast<std::size_t>(e)] += weight * p.v.at(j, 0, e);
+        }
+        for (Index e = 0; e < 4; ++e) {
+          expected.at(0, h, e) = total > 0 ? sum[static_cast<std::size_t>(e)] / total : 0.0;
+        }
+      }
+      Buffer<double> reference = p.output();
+      plsh::reference::plsh_attention<double>(p.q.in(), p.k.in(), p.v.in(), reference.view, slopes,
+                                              options);
+      CHECK(plsh_test::max_abs_difference(reference.in(), expected.in()) <= 1e-13);
+
+      Buffer<double> out = p.output();
+      plsh_test::largest_allocation = 0;
+      plsh::plsh_attention<double>(p.q.in(), p.k.in(), p.v.in(), out.view, slopes, options);
+      CHECK(plsh_test::largest_allocation < (std::size_t{1} << 20));
+      CHECK(plsh_test::max_abs_difference(out.in(), expected.in()) <= 1e-13);
+      const Buffer<float> q = to<float>(p.q), k = to<float>(p.k), v = to<float>(p.v);
+      Buffer<float> out_float(1, 2, 4);
+      plsh_test::largest_allocation = 0;
+      plsh::plsh_attention<float>(q.in(), k.in(), v.in(), out_float.view, slopes, options);
+      CHECK(plsh_test::largest_allocation < (std::size_t{1} << 20));
+      CHECK(plsh_test::max_abs_difference(out_float.in(), expected.in()) <= 2e-6);
+
+      Buffer<double> dq(1, 2, 4), dk(2, 1, 4), dv(2, 1, 4);
+      Buffer<double> rq = dq, rk = dk, rv = dv;
+      plsh_test::largest_allocation = 0;
+      plsh::plsh_attention_backward<double>(p.q.in(), p.k.in(), p.v.in(), out.in(), dout.in(),
+                                            dq.view, dk.view, dv.view, slopes, options);
+      CHECK(plsh_test::largest_allocation < (std::size_t{1} << 20));
+      plsh::reference::plsh_attention_backward(p.q.in(), p.k.in(), p.v.in(), dout.in(), rq.view,
+                                               rk.view, rv.view, slopes, options);
+      CHECK(plsh_test::max_abs_difference(dq.in(), rq.in()) <= 1e-13);
+      CHECK(plsh_test::max_abs_difference(dk.in(), rk.in()) <= 1e-13);
+      CHECK(plsh_test::max_abs_difference(dv.in(), rv.in()) <= 1e-13);
     }
   }
 }

@@ -525,6 +525,90 @@ TEST_CASE("batched windowed ALiBi's backward equals the unbatched calls", "[wind
   CHECK(dv == stack(&P::dv));
 }
 
+TEST_CASE("the certificate holds no row that lies among the keys it bounds", "[windowed]") {
+  // 1000 keys of norm 0 (the bound is the distances' alone), slope 1, key rows [400, 600)
+  // visited with a sum of weights of 1.7, tolerance 1. Each segment's geometric sum bounds its
+  // keys for a row on one side of it: rows 399 and 600 have all the unvisited keys on their sides
+  // at distances 0, 1, ...: 1 / (1 - e^{-1}) = 1.58 on the near side, 0.93 of the sum, certified.
+  // Rows 398 and 300 lie among the keys [272, 400) of the first segment: from 398 they weigh
+  // 1.58 + e^{-1} = 1.95, from 300 about 2 / (1 - e^{-1}) - 1 = 2.16, above the tolerance, while
+  // the one-sided sum gives 0.93 again. Rows 601 and 700 lie among those after the range.
+  const Index n = 1000;
+  const plsh::RowMatrix<double> zeros = plsh::RowMatrix<double>::Zero(n, 4);
+  const plsh::ConstHeadMap<double> keys(zeros.data(), n, 4, Eigen::OuterStride<>(4));
+  plsh::detail::KeyNormBounds bounds;
+  plsh::detail::AlignedVector<double> scratch;
+  bounds.build(keys, 0, n, 0.0, scratch);
+  const std::vector<double> row_norm{0.0};
+  const std::vector<double> shift{0.0};
+  const double lse[] = {std::log(1.7)};
+  const auto certified = [&](Index row) {
+    return plsh::detail::window_certified(bounds, 1.0, 1.0, row, 0, 400, 600, 0, n, row_norm, lse,
+                                          shift);
+  };
+  for (const Index row : {399, 450, 599, 600}) {
+    INFO("row " << row);
+    CHECK(certified(row));
+  }
+  for (const Index row : {300, 398, 601, 700}) {
+    INFO("row " << row);
+    CHECK_FALSE(certified(row));
+  }
+}
+
+TEST_CASE("windowed ALiBi counts the tiles whose certificate fails beyond the held keys",
+          "[windowed]") {
+  // 200 held keys between 100 keys before and 100 after that the call does not hold (the halo of
+  // mpi.hpp): with a norm bound of 100 for those, no tile can certify them, and every one of the
+  // 4 query tiles of the 2 heads says so; the held keys are all visited (the output is exact
+  // ALiBi over them). Without keys beyond the held ones every tile certifies.
+  const Shape shape{200, 200, 2, 1, 8, 4};
+  const std::vector<double> slopes{0.5, 0.05};
+  Problem<double> problem(shape, 43);
+  plsh::detail::UnheldKeys unheld{100, 100, {100.0}};
+  const auto batched_out = plsh::detail::batch_of_one(problem.out.view);
+  const Index uncertified = plsh::detail::batched_windowed_alibi_attention<double>(
+      plsh::detail::batch_of_one(problem.q.in()), plsh::detail::batch_of_one(problem.k.in()),
+      plsh::detail::batch_of_one(problem.v.in()), &batched_out, slopes, 1e-3, {}, unheld);
+  CHECK(uncertified == 8);
+  Buffer<double> exact = problem.output();
+  plsh::exact_alibi_attention<double>(problem.q.in(), problem.k.in(), problem.v.in(), exact.view,
+                                      slopes);
+  CHECK(plsh_test::max_abs_difference(problem.out.in(), exact.in()) <= 1e-12);
+  CHECK(plsh::detail::batched_windowed_alibi_attention<double>(
+            plsh::detail::batch_of_one(problem.q.in()), plsh::detail::batch_of_one(problem.k.in()),
+            plsh::detail::batch_of_one(problem.v.in()), &batched_out, slopes, 1e-3, {}) == 0);
+}
+
+TEST_CASE("truncated ALiBi at a denormal factor tolerance keeps its band",
+          "[windowed][truncated]") {
+  // One query 200 positions after one key of value 1. Slope 4 keeps |i - j| <= 178 at 1e-310 and
+  // 186 at 5e-324 (-ln f / m): the key is dropped and the row, seeing no key, is 0. Slope 1/4
+  // keeps it (band 2855 or 2977): the row is the key's value.
+  const std::vector<double> slopes{4.0, 0.25};
+  Problem<double> problem(Shape{1, 1, 2, 2, 4, 4}, 41);
+  problem.v.fill(1.0);
+  for (const double tolerance : {1e-310, 5e-324}) {
+    for (const bool causal : {true, false}) {
+      INFO("factor tolerance " << tolerance << (causal ? ", causal" : ", bidirectional"));
+      plsh::AttentionOptions options;
+      options.causal = causal;
+      options.query_position = 200;
+      Buffer<double> expected = problem.output();
+      plsh::reference::truncated_alibi_attention(problem.q.in(), problem.k.in(), problem.v.in(),
+                                                 expected.view, slopes, tolerance, options);
+      plsh::truncated_alibi_attention<double>(problem.q.in(), problem.k.in(), problem.v.in(),
+                                              problem.out.view, slopes, tolerance, options);
+      for (Index e = 0; e < 4; ++e) {
+        CHECK(problem.out.at(0, 0, e) == 0.0);
+        CHECK(expected.at(0, 0, e) == 0.0);
+        CHECK(problem.out.at(0, 1, e) == 1.0);
+        CHECK(expected.at(0, 1, e) == 1.0);
+      }
+    }
+  }
+}
+
 TEST_CASE("truncated ALiBi keeps the keys of its factor window, and has no guarantee",
           "[windowed][truncated]") {
   for (const bool causal : {true, false}) {

@@ -70,7 +70,7 @@ namespace plsh {
 /// once (not even `attend`, which is const); distinct caches may.
 ///
 /// \code
-/// plsh::PlshOptions options;  // causal, s = 20, seed 0
+/// plsh::PlshOptions options;  // causal, s = 100, Latin hypercube, near_field 0.05, seed 0
 /// plsh::KvCache<float> cache(heads, kv_heads, dim, dim, plsh::alibi_slopes(heads), options);
 /// for (Index step = 0; step < steps; ++step) {
 ///   // ... compute q, k, v of one token: [1][heads][dim], [1][kv_heads][dim] ...

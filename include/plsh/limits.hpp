@@ -26,7 +26,7 @@ constexpr Index kMaxPosition = Index(1) << 53;
 /// Memory grows linearly with s. The draws take 16·H·s bytes (H heads). Per thread, the fused
 /// forward keeps, for a tile of R <= 64 query rows, every draw's block runs (at most R·s, 32
 /// bytes each) and their first and past-the-end rows as events (16 bytes per run), plus one
-/// vector of counts over a chunk of keys: about 48·R·s bytes, 60 KiB at the default s = 20 and
+/// vector of counts over a chunk of keys: about 48·R·s bytes, 300 KiB at the default s = 100 and
 /// 200 MiB at s = kMaxSamples. The backward keeps R·s begins and ends per thread (64 MiB at
 /// s = kMaxSamples). Time also grows with s: O(s) block look-ups per query tile and head.
 constexpr Index kMaxSamples = Index(1) << 16;

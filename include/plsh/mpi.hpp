@@ -13,11 +13,14 @@
 /// the same bound KvCache evicts by); the windowed kernel reaches W positions beyond each query's
 /// nearest key, either way, where W makes its certificate hold for the ranks' largest query and
 /// key norms (one all-reduce; mpi/layout.hpp certified_window), and the keys beyond the halo
-/// enter each rank's certificate with the largest key norm. The keys and values of that
-/// interval that other ranks hold (the halo) come by point-to-point messages from their owners,
-/// however many ranks it spans; then the single-process kernel runs on the rank's queries against
-/// the gathered keys. The halo's width does not depend on n: for s = 20 draws of the flattest
-/// standard head of 8 (slope 1/256) about a thousand positions.
+/// enter each rank's certificate with the largest key norm (should a tile's certificate not hold
+/// within the keys its rank holds, every rank widens the halo and computes again:
+/// windowed_with_halo). The keys and values of that interval that other ranks hold (the halo)
+/// come by point-to-point messages from their owners, however many ranks it spans; then the
+/// single-process kernel runs on the rank's queries against the gathered keys. The halo's width
+/// does not depend on n: at most the largest block pitch of the draws (or the near field's reach,
+/// if larger), for the default s = 100 draws of the flattest standard head of 8 (slope 1/256)
+/// about 1,700 positions.
 ///
 /// Exact ALiBi reaches every key: exact_alibi_attention passes the chunks of k and v around the
 /// ring of ranks (P - 1 steps, each overlapping the messages with the attention of the chunk in
@@ -32,9 +35,13 @@
 /// rank's arguments are wrong, or the ranks disagree (another scalar type included), every rank
 /// throws std::invalid_argument.
 ///
-/// Results: each rank's rows equal those rows of the single-process kernel over the whole
-/// sequence to float rounding (the kernels tile the rows from the chunk's first row, and the
-/// ring merges its partial results in another order); on one rank, bit for bit.
+/// Results: for Positional LSH and exact ALiBi, each rank's rows equal those rows of the
+/// single-process kernel over the whole sequence to float rounding (the kernels tile the rows from
+/// the chunk's first row, and the ring merges its partial results in another order); on one rank,
+/// bit for bit. For windowed ALiBi the tiles, and so the keys each visits before its certificate
+/// holds, differ from the single-process kernel's: what holds is the guarantee, each rank's output
+/// within \f$2\,\text{tolerance}\max_j |v_j|\f$ of exact ALiBi per entry, to rounding, as the
+/// single-process kernel's (so the two lie within twice that of each other).
 ///
 /// Files: mpi/layout.hpp (chunks and the keys each reaches), mpi/agreement.hpp (what the ranks
 /// agree on before any message), mpi/halo.hpp (messages, gather and scatter of the halo); this
@@ -113,6 +120,62 @@ inline std::vector<Block> plsh_reach(const mpi::ChunkLayout& layout,
                              largest_reach(head_near_fields(slopes, options.near_field, range)));
 }
 
+/// mpi::windowed_alibi_attention with a halo of `window` positions beyond each rank's rows, or of
+/// certified_window's for the ranks' largest norms (`window` < 0). When, on any rank, a query tile
+/// has visited every key it holds without certifying the keys beyond them (its certificate counts
+/// them at the largest key norm), every rank widens the halo (twice as wide, plus a key tile) and
+/// computes its rows again, until every tile's certificate holds: at the latest when the halo is
+/// the whole sequence. certified_window's halo holds it at the first pass, up to rounding. Returns
+/// the exchanges' counts summed over the passes.
+template <class Scalar>
+mpi::ExchangeCounts windowed_with_halo(MPI_Comm comm, const HeadsView<const Scalar>& q,
+                                       const HeadsView<const Scalar>& k,
+                                       const HeadsView<const Scalar>& v,
+                                       const HeadsView<Scalar>& out,
+                                       const std::vector<double>& slopes, double tolerance,
+                                       const AttentionOptions& options, Index window = -1) {
+  const char* function = "plsh::mpi::windowed_alibi_attention";
+  std::vector<double> key_norms;  // the largest over the ranks, per key/value head
+  Signature signature =
+      attention_signature<Scalar>(q.heads, k.heads, q.dim, v.dim, slopes, options);
+  signature.add_double(tolerance);
+  mpi::ExchangeCounts counts;
+  for (bool certified = false; !certified;) {
+    counts += run_with_halo(
+        comm, function, q, k, v, signature, options,
+        [&] {
+          check_forward(function, q, k, v, out, slopes, options);
+          require(tolerance >= 0 && tolerance <= 1, function, "tolerance must lie in [0, 1]");
+        },
+        [&](const CallComm& call, const mpi::ChunkLayout& layout) {
+          if (window < 0) {
+            key_norms = agree_on_norms<Scalar>(call, k, 1.0);
+            const std::vector<double> query_norms =
+                agree_on_norms<Scalar>(call, q, std::abs(resolved_scale(options, q.dim)));
+            window = certified_window(slopes, query_norms, key_norms, tolerance);
+          } else if (key_norms.empty()) {
+            key_norms = agree_on_norms<Scalar>(call, k, 1.0);
+          }
+          return windowed_reachable_keys(layout, window, options);
+        },
+        [&](const CallComm& call, const mpi::ChunkLayout& layout, const auto&, const auto& gathered,
+            const AttentionOptions& local) {
+          // The keys outside the halo enter the certificate with the largest key norm.
+          const UnheldKeys unheld{gathered.rows.begin, layout.tokens() - gathered.rows.end,
+                                  key_norms};
+          const BatchedHeadsView<Scalar> batched_out = batch_of_one(out);
+          std::int64_t uncertified = batched_windowed_alibi_attention<Scalar>(
+              batch_of_one(q), batch_of_one(gathered.keys.view()),
+              batch_of_one(gathered.values.view()), &batched_out, slopes, tolerance, local, unheld);
+          MPI_Allreduce(MPI_IN_PLACE, &uncertified, 1, MPI_INT64_T, MPI_SUM, call.get());
+          certified = uncertified == 0;
+          return mpi::ExchangeCounts{};
+        });
+    window = window >= kNoWindow / 2 ? kNoWindow : 2 * window + kKeyTile;
+  }
+  return counts;
+}
+
 }  // namespace detail
 
 namespace mpi {
@@ -166,36 +229,7 @@ ExchangeCounts windowed_alibi_attention(MPI_Comm comm,
                                         HeadsView<Scalar> out, const std::vector<double>& slopes,
                                         double tolerance = 1e-6,
                                         const AttentionOptions& options = {}) {
-  const char* function = "plsh::mpi::windowed_alibi_attention";
-  std::vector<double> key_norms;  // the largest over the ranks, per key/value head
-  detail::Signature signature =
-      detail::attention_signature<Scalar>(q.heads, k.heads, q.dim, v.dim, slopes, options);
-  signature.add_double(tolerance);
-  return detail::run_with_halo(
-      comm, function, q, k, v, signature, options,
-      [&] {
-        detail::check_forward(function, q, k, v, out, slopes, options);
-        detail::require(tolerance >= 0 && tolerance <= 1, function, "tolerance must lie in [0, 1]");
-      },
-      [&](const detail::CallComm& call, const ChunkLayout& layout) {
-        key_norms = detail::agree_on_norms<Scalar>(call, k, 1.0);
-        const std::vector<double> query_norms = detail::agree_on_norms<Scalar>(
-            call, q, std::abs(detail::resolved_scale(options, q.dim)));
-        return detail::windowed_reachable_keys(
-            layout, detail::certified_window(slopes, query_norms, key_norms, tolerance), options);
-      },
-      [&](const auto&, const ChunkLayout& layout, const auto&, const auto& gathered,
-          const AttentionOptions& local) {
-        // The keys outside the halo enter the certificate with the largest key norm.
-        const detail::UnheldKeys unheld{gathered.rows.begin, layout.tokens() - gathered.rows.end,
-                                        key_norms};
-        const BatchedHeadsView<Scalar> batched_out = detail::batch_of_one(out);
-        detail::batched_windowed_alibi_attention<Scalar>(
-            detail::batch_of_one(q), detail::batch_of_one(gathered.keys.view()),
-            detail::batch_of_one(gathered.values.view()), &batched_out, slopes, tolerance, local,
-            unheld);
-        return ExchangeCounts{};
-      });
+  return detail::windowed_with_halo<Scalar>(comm, q, k, v, out, slopes, tolerance, options);
 }
 
 /// Rows of this rank's chunk of exact_alibi_attention over the whole sequence, by ring attention:

@@ -8,14 +8,16 @@
 // that are small, negative, near kMaxPosition = 2^53, or near INT64_MAX; packed, head-major or
 // padded layouts; data from the bytes; up to three non-finite entries (NaN, +Inf, -Inf, one
 // element or a whole row) in q, k or v; and a batch size B of 0, 1 or 2 for the batched
-// overloads. One family per input keeps an execution under a millisecond or so.
+// overloads. Positional LSH also takes a near field from 0 to the smallest denormal, independent
+// or Latin hypercube draws, and a query or key position moved 2^26 to 2^50 further
+// (decode_estimator). One family per input keeps an execution under a millisecond or so.
 //
 // Checks, for the family's kernels (plsh_attention Fused and Passes and its backward;
 // exact_alibi_attention and its backward; windowed_alibi_attention and its backward, against
 // the references over the keys it kept; fixed_block_attention and its backward):
 // - nothing crashes or hangs, the only exception is std::invalid_argument (then the kernel is
-//   skipped), Fused and Passes accept the same inputs, and no accepted input has a position or an
-//   end position outside [0, kMaxPosition];
+//   skipped), Fused and Passes accept the same inputs (Passes rejects a near field), and no
+//   accepted input has a position or an end position outside [0, kMaxPosition];
 // - the input contract, with "visible" meaning factor > 0 and allowed by causality, and logits
 //   S = scale q.k computed here in double: a row with no visible key is zeros; a row with a NaN or
 //   +Inf visible logit is NaN; a row whose visible logits are all -Inf is zeros or NaN; otherwise
@@ -25,7 +27,8 @@
 //   64 eps (1 + E) max|v|, E the largest |S| + |log F| among the keys that carry the row;
 //   rows that see no non-finite entry equal the reference computed with every non-finite entry
 //   replaced by 0 (a key a query cannot see changes nothing);
-// - Fused equals Passes within twice that tolerance, with the same NaN pattern;
+// - Fused equals Passes within twice that tolerance, with the same NaN pattern (without a near
+//   field);
 // - the backward kernels equal the dense reference backward when every input is finite; with
 //   non-finite inputs, dq of rows that see no non-finite entry and dk, dv of keys seen only by such
 //   rows equal the reference on the zeroed inputs; dk and dv of keys no query sees are exactly 0;
@@ -110,6 +113,8 @@ std::string describe(const Config& c) {
     << " scale=" << c.options.scale << " query_position=" << c.options.query_position
     << " key_position=" << c.options.key_position << " tolerance=" << c.window_tolerance
     << " block_size=" << c.block_size << " layout=" << c.layout << " batch=" << c.batch
+    << " near_field=" << c.options.near_field
+    << (c.options.sampling == plsh::Sampling::LatinHypercube ? " latin_hypercube" : " independent")
     << " slopes=";
   for (const double slope : c.slopes) s << slope << ' ';
   for (const Poison& p : c.poisons) {
@@ -158,6 +163,23 @@ double decode_slope(FuzzedDataProvider& data, Index heads, Index h) {
   return plsh::alibi_slopes(heads)[static_cast<std::size_t>(h)];  // the standard list
 }
 
+/// The Positional LSH family's estimator, decoded after every other field (the inputs of the
+/// other families decode as before): a near field from 0 to the smallest denormal (where 1 / f
+/// overflows), independent or Latin hypercube draws, and one position moved 2^26 to 2^50 further
+/// (far positions with the table's tiny slopes: a near field that reaches across the gap, or
+/// blocks that never do).
+void decode_estimator(FuzzedDataProvider& data, Config& c) {
+  static const double near_fields[] = {0, 0, 0.05, 0.5, 1, 1e-300, 1e-310, 5e-324};
+  c.options.near_field =
+      near_fields[data.ConsumeIntegralInRange<int>(0, sizeof(near_fields) / sizeof(double) - 1)];
+  if (data.ConsumeBool()) c.options.sampling = plsh::Sampling::LatinHypercube;
+  static const Index gaps[] = {
+      0, 0, Index{1} << 26, (Index{1} << 31) + 1, Index{1} << 32, Index{1} << 50};
+  const Index gap = gaps[data.ConsumeIntegralInRange<int>(0, sizeof(gaps) / sizeof(Index) - 1)];
+  Index& position = data.ConsumeBool() ? c.options.query_position : c.options.key_position;
+  if (position >= 0 && position <= plsh::kMaxPosition) position += gap;
+}
+
 Config decode(FuzzedDataProvider& data) {
   Config c;
   c.family = static_cast<Family>(data.ConsumeIntegralInRange<int>(0, kFamilies - 1));
@@ -178,7 +200,8 @@ Config decode(FuzzedDataProvider& data) {
   c.options.samples = data.ConsumeIntegralInRange<Index>(1, 8);
   c.options.seed = data.ConsumeIntegralInRange<std::uint64_t>(0, 3);
   if (data.ConsumeBool()) c.options.seed = data.ConsumeIntegral<std::uint64_t>();
-  // The estimator the oracles below draw (draw_head_grids): independent, no near field.
+  // Independent draws and no near field, unless the Positional LSH family's own bytes below say
+  // otherwise (the oracles draw what the kernel draws: kernel_grids).
   c.options.sampling = plsh::Sampling::Independent;
   c.options.near_field = 0;
   static const double tolerances[] = {0, 1e-6, 1e-3, 0.1, 0.5, 1};
@@ -220,6 +243,7 @@ Config decode(FuzzedDataProvider& data) {
   }
   c.fill_seed = data.ConsumeIntegral<std::uint8_t>();
   c.batch = data.ConsumeIntegralInRange<Index>(0, 2);
+  if (c.family == Family::Plsh) decode_estimator(data, c);
   return c;
 }
 
@@ -814,17 +838,25 @@ void run(const Config& c, FuzzedDataProvider& data) {
         plsh::plsh_attention<Scalar>(in.q.in(), in.k.in(), in.v.in(), passes.view, c.slopes,
                                      passes_options);
       });
-      if (fused_ok != passes_ok) fail("Fused and Passes disagree on accepting the input");
+      // The pass kernel has no near field: it rejects one.
+      const bool near = c.options.near_field != 0;
+      if (near && passes_ok) fail("Passes accepts a near field");
+      if (!near && fused_ok != passes_ok) fail("Fused and Passes disagree on accepting the input");
       if (!fused_ok) return;
-      const auto grids = plsh::draw_head_grids(c.slopes, c.options.samples, c.options.seed);
+      const auto grids = plsh::kernel_grids(c.slopes, c.options);
       const auto log_mask = plsh::reference::mean_mask_log_factor(grids);
+      const auto log_near = plsh::reference::near_field_log_factor(
+          grids, c.slopes, c.options.near_field,
+          plsh::detail::position_range(in.q.in(), in.k.in(), c.options));
       const Expectation<Scalar> x = expect(c, in.q, in.k, in.v, [&](Index h, Index i, Index j) {
-        const double log_factor = log_mask(h, i, j);
+        const double log_factor = near ? log_near(h, i, j) : log_mask(h, i, j);
         return Factor{log_factor > -kInf, log_factor};
       });
       check_output("plsh_attention (Fused)", fused, reference, zeroed_reference, x);
-      check_output("plsh_attention (Passes)", passes, reference, zeroed_reference, x);
-      check_same(fused, passes, x);
+      if (!near) {
+        check_output("plsh_attention (Passes)", passes, reference, zeroed_reference, x);
+        check_same(fused, passes, x);
+      }
       run_backward(
           "plsh_attention_backward", c, in, clean, fused, x, all_finite,
           [&](auto q, auto k, auto v, auto out, auto dout, auto dq, auto dk, auto dv) {

@@ -109,6 +109,12 @@ void run(const char* type) {
       latin.sampling = plsh::Sampling::LatinHypercube;
       forward("plsh_attention(latin_hypercube)",
               [&](auto out) { plsh::plsh_attention<Scalar>(q, k, v, out, slopes, latin); });
+      // The default estimator (Latin hypercube, near field 0.05) with these draws.
+      plsh::PlshOptions near = latin;
+      near.near_field = 0.05;
+      const Tensor<Scalar> near_out = forward("plsh_attention(near_field)", [&](auto out) {
+        plsh::plsh_attention<Scalar>(q, k, v, out, slopes, near);
+      });
       const Tensor<Scalar> fixed = forward("fixed_block_attention", [&](auto out) {
         plsh::fixed_block_attention<Scalar>(q, k, v, out, 16, options);
       });
@@ -134,20 +140,29 @@ void run(const char* type) {
         plsh::fixed_block_attention_backward<Scalar>(q, k, v, out, dout.in(), dq, dk, dv, 16,
                                                      options);
       });
+      backward("plsh_attention_backward(near_field)", near_out,
+               [&](auto out, auto dq, auto dk, auto dv) {
+                 plsh::plsh_attention_backward<Scalar>(q, k, v, out, dout.in(), dq, dk, dv, slopes,
+                                                       near);
+               });
       if (causal && shape.n_q == shape.n_k) {
-        // Decoding: the first half of the sequence at once, then one token at a time.
-        plsh::PlshOptions cache_options = options;
-        cache_options.key_position = 0;
-        plsh::KvCache<Scalar> cache(shape.heads, shape.kv_heads, shape.dim, shape.value_dim, slopes,
-                                    cache_options);
-        Tensor<Scalar> out = output();
-        const Index prompt = shape.n_q / 2;
-        cache.append(k.slice(0, prompt), v.slice(0, prompt));
-        cache.attend(q.slice(0, prompt), out.view.slice(0, prompt));
-        for (Index t = prompt; t < shape.n_q; ++t) {
-          cache.decode(q.slice(t, 1), k.slice(t, 1), v.slice(t, 1), out.view.slice(t, 1));
+        // Decoding: the first half of the sequence at once, then one token at a time; the
+        // estimator of `options`, then the default one.
+        for (const plsh::PlshOptions* estimator : {&options, &near}) {
+          plsh::PlshOptions cache_options = *estimator;
+          cache_options.key_position = 0;
+          plsh::KvCache<Scalar> cache(shape.heads, shape.kv_heads, shape.dim, shape.value_dim,
+                                      slopes, cache_options);
+          Tensor<Scalar> out = output();
+          const Index prompt = shape.n_q / 2;
+          cache.append(k.slice(0, prompt), v.slice(0, prompt));
+          cache.attend(q.slice(0, prompt), out.view.slice(0, prompt));
+          for (Index t = prompt; t < shape.n_q; ++t) {
+            cache.decode(q.slice(t, 1), k.slice(t, 1), v.slice(t, 1), out.view.slice(t, 1));
+          }
+          print(std::string(estimator == &near ? "KvCache(near_field) " : "KvCache ") + tag,
+                hash(out.storage));
         }
-        print("KvCache " + tag, hash(out.storage));
       }
     }
     ++shape_index;

@@ -277,6 +277,40 @@ TEST_CASE("plsh::mpi::windowed_alibi_attention with a halo shorter than the sequ
   }
 }
 
+TEST_CASE("plsh::mpi::windowed_alibi_attention widens a halo whose certificate does not hold",
+          "[mpi][windowed]") {
+  // A halo of 0 positions instead of certified_window's: on two or more ranks the rows near a
+  // chunk's first key (and, bidirectional, its last) cannot certify the keys they do not hold, and
+  // the halo is widened until every tile's certificate holds. The guarantee holds, and the ranks
+  // receive more than the halo of 0 (nothing for the causal first rank).
+  const Index n = 600;
+  const std::vector<double> slopes{0.05, 0.02};
+  const Shape shape{n, n, 2, 1, 8, 6};
+  const plsh_test::Problem<double> problem(shape, 17);
+  const ChunkLayout layout(plsh::mpi::even_chunk_sizes(n, world_size()));
+  const Block chunk = layout.chunk(world_rank());
+  for (const bool causal : {true, false}) {
+    plsh::AttentionOptions options;
+    options.causal = causal;
+    INFO((causal ? "causal" : "bidirectional")
+         << ", rank " << world_rank() << " of " << world_size());
+    Buffer<double> exact = problem.output();
+    plsh::exact_alibi_attention<double>(problem.q.in(), problem.k.in(), problem.v.in(), exact.view,
+                                        slopes, options);
+    Buffer<double> mine(chunk.size(), shape.heads, shape.value_dim);
+    const ExchangeCounts counts = plsh::detail::windowed_with_halo<double>(
+        MPI_COMM_WORLD, problem.q.in().slice(chunk.begin, chunk.size()),
+        problem.k.in().slice(chunk.begin, chunk.size()),
+        problem.v.in().slice(chunk.begin, chunk.size()), mine.view, slopes, 1e-3, options, 0);
+    CHECK(plsh_test::max_abs_difference(mine.in(), exact.in().slice(chunk.begin, chunk.size())) <=
+          2e-3 + ::tolerance<double>());
+    const std::uint64_t narrow =
+        plsh::detail::halo_bytes(layout, plsh::detail::windowed_reachable_keys(layout, 0, options),
+                                 world_rank(), row_bytes(shape, sizeof(double)));
+    if (world_size() > 1 && (!causal || world_rank() > 0)) CHECK(counts.bytes_received > narrow);
+  }
+}
+
 TEMPLATE_TEST_CASE("plsh::mpi::exact_alibi_attention (ring) equals exact_alibi_attention",
                    "[mpi][exact]", float, double) {
   using Scalar = TestType;

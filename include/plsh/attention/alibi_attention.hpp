@@ -22,6 +22,7 @@
 /// float accuracy at far absolute positions in tests/test_nonfinite.cpp; bfloat16 and half
 /// against the float kernel in tests/test_half.cpp.
 
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -31,6 +32,7 @@
 #include "../detail/parallel.hpp"
 #include "../detail/validate.hpp"
 #include "../tensor.hpp"
+#include "near_field.hpp"
 #include "options.hpp"
 #include "regular.hpp"
 #include "windowed.hpp"
@@ -76,11 +78,10 @@ void linear_bias_attention(const BatchedHeadsView<const Scalar>& q,
 }
 
 /// The keys truncated_alibi_attention keeps: \f$e^{-m r} \ge \text{tolerance} \iff r \le
-/// \ln(1/\text{tolerance})/m\f$.
+/// \lfloor -\ln(\text{tolerance})/m \rfloor\f$, the reach of a near field of that threshold
+/// (near_field_reach); kNoWindow for slope 0 or tolerance 0.
 inline Index factor_window(double slope, double tolerance) {
-  if (slope == 0 || tolerance == 0) return kNoWindow;
-  const double window = std::floor(std::log(1.0 / tolerance) / slope);
-  return window >= static_cast<double>(kNoWindow) ? kNoWindow : static_cast<Index>(window);
+  return tolerance == 0 ? kNoWindow : near_field_reach(slope, tolerance, kNoWindow);
 }
 
 /// truncated_alibi_attention on a batch whose shapes validate_batch has checked: the checks of one
@@ -128,9 +129,11 @@ struct UnheldKeys {
 /// windowed_alibi_attention on a checked batch, as batched_exact_alibi_attention; tolerance 0 is
 /// exact ALiBi. When `out` is null nothing is written; when `kept` is not null (tolerance > 0) it
 /// receives the key rows each query tile visited, at `(b * H + h) * tiles + tile` for the tiles
-/// of kQueryTile rows.
+/// of kQueryTile rows. Returns the number of (batch element, head, query tile) whose certificate
+/// does not hold after visiting every held key: 0 unless `unheld` keys may weigh more than the
+/// tolerance (windowed_rows).
 template <class Scalar>
-void batched_windowed_alibi_attention(
+Index batched_windowed_alibi_attention(
     const BatchedHeadsView<const Scalar>& q, const BatchedHeadsView<const Scalar>& k,
     const BatchedHeadsView<const Scalar>& v, const BatchedHeadsView<Scalar>* out,
     const std::vector<double>& slopes, double tolerance, const AttentionOptions& options,
@@ -147,11 +150,11 @@ void batched_windowed_alibi_attention(
         return LinearBias{slopes[static_cast<std::size_t>(h)], kNoWindow};
       });
     }
-    return;
+    return 0;
   }
   const Index tiles = (q.tokens + kQueryTile - 1) / kQueryTile;
   if (kept != nullptr) kept->assign(static_cast<std::size_t>(q.batch * q.heads * tiles), Block{});
-  if (q.batch == 0 || q.tokens == 0) return;
+  if (q.batch == 0 || q.tokens == 0) return 0;
   AttentionOptions resolved = options;
   resolved.scale = resolved_scale(options, q.dim);
   std::vector<KeyNormBounds> bounds(static_cast<std::size_t>(q.batch * k.heads));
@@ -164,18 +167,22 @@ void batched_windowed_alibi_attention(
                                                 converted_rows<Scalar>().key);
   });
   const Index group = q.heads / k.heads;
+  std::atomic<Index> uncertified{0};
   for_each_query_tile(q, k, v, [&](Index b, Index h, Index tile, Index row_begin, Index row_end) {
     std::optional<HeadMap<Scalar>> out_head;
     if (out != nullptr) out_head.emplace((*out)[b].head(h));
     Block visited;
-    windowed_rows<Scalar>(q[b].head(h), k[b].head(h / group), v[b].head(h / group), resolved,
-                          slopes[static_cast<std::size_t>(h)], tolerance,
-                          bounds[static_cast<std::size_t>(b * k.heads + h / group)], row_begin,
-                          row_end, out_head ? &*out_head : nullptr, visited);
+    if (!windowed_rows<Scalar>(q[b].head(h), k[b].head(h / group), v[b].head(h / group), resolved,
+                               slopes[static_cast<std::size_t>(h)], tolerance,
+                               bounds[static_cast<std::size_t>(b * k.heads + h / group)], row_begin,
+                               row_end, out_head ? &*out_head : nullptr, visited)) {
+      uncertified.fetch_add(1, std::memory_order_relaxed);
+    }
     if (kept != nullptr) {
       (*kept)[static_cast<std::size_t>((b * q.heads + h) * tiles + tile)] = visited;
     }
   });
+  return uncertified.load();
 }
 
 }  // namespace detail

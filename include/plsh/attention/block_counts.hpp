@@ -7,8 +7,8 @@
 /// 0 after the query's position when causal. The fused forward weighs its scores by them
 /// (\f$c_{ij} e^{S_{ij}}\f$, fused_rows.hpp) and the backward adds \f$\log c_{ij}\f$ to its
 /// logits (backward.hpp): one implementation serves both. With a near field (near_field.hpp) the
-/// keys within its reach of a row take the index s + 1 + d of the weight \f$s e^{-m d}\f$
-/// instead of their count.
+/// keys within its reach of a row take the index of the weight \f$s e^{-m d}\f$ instead of their
+/// count, in a table of the distances that occur within the chunk (LogWeights).
 ///
 /// Per tile, the draws' blocks become runs of rows that share a block (tile_block_runs: O(s)
 /// block look-ups and O(s rows) bin tests), sorted into events by row (O(runs + rows)); a chunk
@@ -129,7 +129,7 @@ class BlockCounts {
   Block prepare(const std::vector<Grid>& grids, const PositionRange& range, Index first_position,
                 Index rows, Index key_begin, Index key_end, bool causal, NearField near = {}) {
     samples_ = static_cast<Index>(grids.size());
-    fill_log_weights(log_count_, table_key_, samples_, near.slope, near.reach);
+    slope_ = near.slope;
     reach_ = near.reach;
     first_position_ = first_position;
     causal_ = causal;
@@ -171,11 +171,17 @@ class BlockCounts {
   }
 
   /// Starts a walk over the rows of a chunk of keys `[chunk_begin, chunk_begin + cols)`:
-  /// next_row() then gives the counts of rows 0, 1, ... in turn. A row's events change the
-  /// counts either directly on their keys or, when the tile's events are many and short (steep
-  /// slopes), as +-1 at the ends of their keys in a difference vector that each row prefix-sums:
-  /// whichever touches fewer entries of the chunk, the same counts either way.
+  /// next_row() then gives the counts of rows 0, 1, ... in turn, log_counts() their log weights.
+  /// A row's events change the counts either directly on their keys or, when the tile's events
+  /// are many and short (steep slopes), as +-1 at the ends of their keys in a difference vector
+  /// that each row prefix-sums: whichever touches fewer entries of the chunk, the same counts
+  /// either way.
   void start_chunk(Index chunk_begin, Index cols) {
+    const Index rows = static_cast<Index>(event_start_.size()) - 2;
+    // The near keys' weights for the distances of this chunk's rows and keys only.
+    weights_.prepare(samples_, slope_,
+                     near_distances(reach_, first_position_, first_position_ + rows - 1,
+                                    chunk_begin, chunk_begin + cols - 1));
     chunk_begin_ = chunk_begin;
     counts_.assign(static_cast<std::size_t>(cols), 0);
     Index direct = 0;  // entries the events touch directly, plus a loop's overhead each
@@ -183,15 +189,14 @@ class BlockCounts {
       direct += 8 + std::max<Index>(0, std::min(event.end - chunk_begin, cols) -
                                            std::max<Index>(event.begin - chunk_begin, 0));
     }
-    const Index rows = static_cast<Index>(event_start_.size()) - 2;
     prefix_ = direct > rows * cols + 2 * static_cast<Index>(events_.size());
     if (prefix_) difference_.assign(static_cast<std::size_t>(cols + 1), 0);
   }
 
   /// The weight indices of row `r` (the rows of a chunk in increasing order, from 0) over the
-  /// chunk's keys, valid until the next call: the counts \f$c_{ij}\f$, except s + 1 + d for a key
-  /// at distance d in the near field. `limit` is set to the number of leading keys the row may see
-  /// (causal), the indices past it are to be taken as 0.
+  /// chunk's keys, valid until the next call: the counts \f$c_{ij}\f$, except
+  /// LogWeights::near_index of its distance for a key in the near field. `limit` is set to the
+  /// number of leading keys the row may see (causal), the indices past it are to be taken as 0.
   const int* next_row(Index r, Index& limit) {
     const Index cols = static_cast<Index>(counts_.size());
     limit = causal_ ? std::clamp<Index>(first_position_ + r + 1 - chunk_begin_, 0, cols) : cols;
@@ -205,16 +210,16 @@ class BlockCounts {
     shown_.assign(count, count + cols);
     for (Index c = begin; c < end; ++c) {
       const Index distance = std::abs(position - chunk_begin_ - c);
-      shown_[static_cast<std::size_t>(c)] = static_cast<int>(samples_ + 1 + distance);
+      shown_[static_cast<std::size_t>(c)] = static_cast<int>(weights_.near_index(distance));
     }
     return shown_.data();
   }
 
-  /// The largest weight index (the last entry of log_counts()), after prepare().
-  Index max_index() const { return static_cast<Index>(log_count_.size()) - 1; }
+  /// The largest weight index of the current chunk (the last entry of log_counts()).
+  Index max_index() const { return weights_.max_index(); }
 
-  /// The logarithms of the weights by index (fill_log_weights), after prepare().
-  const Scalar* log_counts() const { return log_count_.data(); }
+  /// The logarithms of the weights by index of the current chunk (LogWeights), after start_chunk.
+  const Scalar* log_counts() const { return weights_.data(); }
 
   /// Adds the log weights \f$\log(s \hat K_{ij})\f$ (\f$\log c_{ij}\f$ beyond the near field)
   /// to a chunk of logits of the prepared rows whose keys are `[chunk_begin, chunk_begin + cols)`;
@@ -224,7 +229,7 @@ class BlockCounts {
     constexpr Scalar kMinusInfinity = -std::numeric_limits<Scalar>::infinity();
     const Index cols = scores.cols();
     start_chunk(chunk_begin, cols);
-    const Scalar* log_count = log_count_.data();
+    const Scalar* log_count = weights_.data();
     for (Index r = 0; r < scores.rows(); ++r) {
       Index limit = 0;
       const int* count = next_row(r, limit);
@@ -280,10 +285,10 @@ class BlockCounts {
   std::vector<Index> event_start_;  // events of row r: [event_start_[r], event_start_[r + 1])
   std::vector<Index> fill_;         // counting-sort cursors
   std::vector<int> counts_;         // c_ij of the current row over the chunk's keys
-  std::vector<Scalar> log_count_;   // log weights by index (fill_log_weights), log(0) = -inf
-  std::vector<double> table_key_;   // (s, slope, reach) of log_count_
+  LogWeights<Scalar> weights_;      // log weights by index of the current chunk, log(0) = -inf
   std::vector<int> shown_;          // a row's indices with its near keys (reach_ >= 0)
   Index samples_ = 0;
+  double slope_ = 0;
   Index reach_ = -1;  // the near field's reach, -1: none
   Index chunk_begin_ = 0;
   bool prefix_ = false;          // the chunk's counts are prefix sums of difference_

@@ -89,7 +89,7 @@ void batched_fixed_block_attention(const BatchedHeadsView<const Scalar>& q,
 /// const Index n = 4096, heads = 8, dim = 64;
 /// std::vector<float> q(n * heads * dim), k(q.size()), v(q.size()), out(q.size());
 /// // ... fill q, k, v ...
-/// plsh::PlshOptions options;    // causal, s = 20, fused kernel
+/// plsh::PlshOptions options;  // causal, s = 100, Latin hypercube, near_field 0.05, fused kernel
 /// plsh::plsh_attention<float>({q.data(), n, heads, dim}, {k.data(), n, heads, dim},
 ///                             {v.data(), n, heads, dim}, {out.data(), n, heads, dim},
 ///                             plsh::alibi_slopes(heads), options);

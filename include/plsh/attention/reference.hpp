@@ -157,9 +157,11 @@ void windowed_alibi_attention(const HeadsView<const Scalar>& q, const HeadsView<
 
 /// The ALiBi log-factor (alibi_row_log_factor) without the keys whose factor
 /// \f$e^{-m|p_i - p_j|}\f$ is below `factor_tolerance`: the keys with \f$|p_i - p_j| \le
-/// \lfloor \ln(1/\text{factor\_tolerance})/m\rfloor\f$ are kept, every key when m or the
-/// tolerance is 0. Written from the definition, not with the kernel's factor_window, so that the
-/// two cannot share a mistake. `slopes` must outlive the returned function.
+/// \lfloor -\ln(\text{factor\_tolerance})/m\rfloor\f$ are kept (\f$-\ln\f$, finite for every
+/// tolerance in (0, 1], where \f$\ln(1/\text{tolerance})\f$ overflows below about 5.6e-309),
+/// every key when m or the tolerance is 0. Written from the definition, not with the kernel's
+/// factor_window, so that the two cannot share a mistake. `slopes` must outlive the returned
+/// function.
 inline auto truncated_log_factor(const std::vector<double>& slopes, double factor_tolerance,
                                  const AttentionOptions& options, Index key_tokens) {
   return [row_log_factor = alibi_row_log_factor(slopes, options, key_tokens), &slopes,
@@ -167,7 +169,7 @@ inline auto truncated_log_factor(const std::vector<double>& slopes, double facto
     const double slope = slopes[static_cast<std::size_t>(h)];
     const bool kept = slope == 0 || factor_tolerance == 0 ||
                       static_cast<double>(i > j ? i - j : j - i) <=
-                          std::floor(std::log(1.0 / factor_tolerance) / slope);
+                          std::floor(-std::log(factor_tolerance) / slope);
     return kept ? row_log_factor(h, i, j) : detail::kMasked;
   };
 }

@@ -33,7 +33,8 @@
 ///
 /// Keys beyond the arrays: the sequence-parallel kernel (mpi.hpp) passes bounds whose key range
 /// extends past the keys it holds, with a norm bound `outside` for the keys it does not hold; the
-/// certificate includes them, and its halo is wide enough that no tile needs them.
+/// certificate includes them. A tile that has visited every held key without certifying them says
+/// so (windowed_rows returns false), and mpi.hpp widens its halo.
 ///
 /// Tested in tests/test_windowed.cpp: the certificate against the dense exact-ALiBi weights of
 /// the dropped keys, the output against plsh::reference::windowed_alibi_attention on the kept
@@ -139,6 +140,10 @@ inline double log_geometric_sum(double slope, Index length) {
 /// rows; causal rows see none past their own position, which the visited range always covers).
 /// `row_norm[r]` is \f$a_r\f$, `lse[r]` the row's log-sum-exp so far, `shift[r]` the constant the
 /// kernel's logits carry (\f$m r_i\f$, apply_linear_bias).
+///
+/// A segment's geometric sum bounds its weight for a row on one side of it only: the rows must lie
+/// at or after the last unvisited key before the visited range and at or before the first one
+/// after it. A tile with a row among unvisited keys is not certified (false), whatever the bound.
 template <class Scalar>
 bool window_certified(const KeyNormBounds& bounds, double slope, double tolerance,
                       Index first_query, Index key_position, Index lo, Index hi, Index first,
@@ -149,6 +154,11 @@ bool window_certified(const KeyNormBounds& bounds, double slope, double toleranc
     double log_sum;
     Index nearest;  // position of the segment's key nearest the tile
   };
+  const Index last_query = first_query + static_cast<Index>(row_norm.size()) - 1;
+  if ((lo > first && first_query < key_position + lo - 1) ||
+      (hi < last && last_query > key_position + hi)) {
+    return false;
+  }
   Segment segments[2 * 64];
   int count = 0;
   for (Index length = kKeyTile, edge = lo; edge > first; length *= 2) {
@@ -181,11 +191,14 @@ bool window_certified(const KeyNormBounds& bounds, double slope, double toleranc
 }
 
 /// Query rows `[row_begin, row_end)` of one head of windowed_alibi_attention: visits key tiles
-/// nearest first from the rows' own positions until window_certified holds (or no key is left),
-/// writes the rows of `out` and sets `kept` to the key rows visited. `options.scale` resolved,
-/// `tolerance` > 0; `bounds` are those of this head's keys.
+/// nearest first from the rows' own positions until window_certified holds (or no held key is
+/// left), writes the rows of `out` and sets `kept` to the key rows visited. `options.scale`
+/// resolved, `tolerance` > 0; `bounds` are those of this head's keys. Returns whether the
+/// certificate holds for the keys left unvisited: always when every key of the sequence is held
+/// (they are all visited, if need be); false when keys that are not held may weigh more than the
+/// tolerance (a halo too narrow for the tile).
 template <class Storage>
-void windowed_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
+bool windowed_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
                    const ConstHeadMap<Storage>& v, const AttentionOptions& options, double slope,
                    double tolerance, const KeyNormBounds& bounds, Index row_begin, Index row_end,
                    HeadMap<Storage>* out, Block& kept) {
@@ -208,6 +221,8 @@ void windowed_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& 
   Index hi = std::clamp<Index>(last_query + 1 - options.key_position, lo, std::max(key_end, lo));
   workspace.softmax.reset(rows, v.cols());
   kept = Block{lo, lo};
+  // With no held key visible, the certificate holds when the sequence has no other key either.
+  bool certified = bounds.first() >= 0 && sequence_end <= 0;
   if (key_end > 0) {
     workspace.query.noalias() =
         compute_rows(q, row_begin, rows, converted.query) * static_cast<Scalar>(options.scale);
@@ -224,13 +239,12 @@ void windowed_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& 
       attend_keys(k, v, options, bias, span, first_query, begin, end, workspace, converted);
     };
     visit(lo, hi);
-    while (lo > 0 || hi < key_end) {
+    for (;;) {
       for (Index r = 0; r < rows; ++r)
         lse[static_cast<std::size_t>(r)] = workspace.softmax.log_sum(r);
-      if (window_certified(bounds, slope, tolerance, first_query, options.key_position, lo, hi,
-                           bounds.first(), sequence_end, row_norm, lse.data(), shift)) {
-        break;
-      }
+      certified = window_certified(bounds, slope, tolerance, first_query, options.key_position, lo,
+                                   hi, bounds.first(), sequence_end, row_norm, lse.data(), shift);
+      if (certified || (lo == 0 && hi == key_end)) break;
       const Index left = std::max<Index>(0, lo - kKeyTile);
       const Index right = std::min(key_end, hi + kKeyTile);
       visit(left, lo);
@@ -240,9 +254,11 @@ void windowed_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& 
     }
     kept = Block{lo, hi};
   }
-  if (out == nullptr) return;
-  workspace.softmax.finish(converted.result.bind(*out, row_begin, rows), nullptr);
-  converted.result.store();
+  if (out != nullptr) {
+    workspace.softmax.finish(converted.result.bind(*out, row_begin, rows), nullptr);
+    converted.result.store();
+  }
+  return certified;
 }
 
 }  // namespace detail

@@ -66,8 +66,7 @@ struct CausalRowsWorkspace {
   AlignedVector<std::int64_t> begin;   // [draw]: start of the block that holds the current row
   AlignedVector<std::int64_t> tile;    // [row of the tile][draw]: each row's starts
   std::vector<Index> smallest;         // [row of the tile]: each row's smallest start
-  std::vector<float> log_count;        // log weights by index (fill_log_weights)
-  std::vector<double> table_key;       // (s, slope, reach) of log_count
+  LogWeights<float> log_weights;       // log weights by index, the call's near distances
   AlignedVector<float> query;          // the tile's query rows in float, scaled
   AlignedVector<float> weights;        // one row's scores, then weights
   AlignedVector<float> sum;            // one row's weighted sum of values
@@ -89,7 +88,7 @@ struct CausalRowsWorkspace {
 /// row that sees a non-finite value (unless `finite_values`, the value rows are scanned for them
 /// first). Key and value rows in float or, read in place, in a 16-bit type (converted in registers:
 /// the same floats as fused_span's packed copy). With a near field `near` (near_field.hpp) a row
-/// also sees the keys within its reach w, whose index is s + 1 + d at distance d.
+/// also sees the keys within its reach w, whose index is LogWeights::near_index of their distance.
 template <class Storage, class KeyStorage>
 void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeyStorage>& k,
                        const ConstHeadMap<KeyStorage>& v, const std::vector<Grid>& grids,
@@ -103,9 +102,14 @@ void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeySto
   const Index value_dim = v.cols();
   const Index key_begin = options.key_position;
   const Index key_end = options.key_position + k.rows();
-  fill_log_weights(scratch.log_count, scratch.table_key, samples, near.slope, near.reach);
-  const LogCountLookup log_count(scratch.log_count.data(),
-                                 static_cast<Index>(scratch.log_count.size()) - 1);
+  const Index first_position = options.query_position + row_begin;
+  // The near keys' weights for the distances between these rows and the keys: at most the reach
+  // of a steep head (1/m < kCausalRowsReach), whatever the positions.
+  scratch.log_weights.prepare(
+      samples, near.slope,
+      near_distances(near.reach, first_position, options.query_position + row_end - 1, key_begin,
+                     key_end - 1));
+  const LogCountLookup log_count(scratch.log_weights.data(), scratch.log_weights.max_index());
   // A row at p sees from its smallest start, or from p - w with a near field of reach w.
   const auto first_key_of = [&](Index smallest_start, Index p) {
     return near.reach >= 0 ? std::min(smallest_start, p - near.reach) : smallest_start;
@@ -119,7 +123,6 @@ void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeySto
   scratch.query.resize(static_cast<std::size_t>(kCausalTileRows * dim));
   scratch.weights.resize(static_cast<std::size_t>(kCausalRowKeys + 16));
   scratch.sum.resize(static_cast<std::size_t>(value_dim));
-  const Index first_position = options.query_position + row_begin;
   for (Index t = 0; t < draws; ++t) {
     const auto i = static_cast<std::size_t>(t);
     if (t < samples) {
@@ -216,10 +219,12 @@ void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeySto
         continue;
       }
       // Pass 1, 16 keys at a time in registers: the logits S + log c_j, c_j = #{t : b_t <=
-      // first + j} (at least 1 from the smallest start on), or the near field's index
-      // s + 1 + d at distance d = p - first - j <= w (the keys before the smallest start, if
-      // any, are near); their maximum, whether a NaN is among them.
-      const Index near_from = near.reach >= 0 ? p - near.reach - first : count;
+      // first + j} (at least 1 from the smallest start on), or the near field's index of the
+      // distance d = p - first - j <= w from the key near_from on (the keys before the smallest
+      // start, if any, are near); their maximum, whether a NaN is among them. With near keys,
+      // p - first < w + count: the indices are small.
+      const Index near_from =
+          near.reach >= 0 ? std::clamp<Index>(p - near.reach - first, 0, count) : count;
       const KeyStorage* keys = k.data() + (first - key_begin) * k.outerStride();
       const float* query = scratch.query.data() + (r - r0) * dim;
       __m512 best = minus_infinity;
@@ -234,14 +239,15 @@ void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeySto
               counts, _mm512_cmpge_epi32_mask(offset, _mm512_set1_epi32(static_cast<int>(start))),
               counts, one);
         }
-        if (j + 16 > near_from) {
-          // Index s + 1 + (p - first - offset) where offset >= near_from.
-          const __m512i distance =
-              _mm512_sub_epi32(_mm512_set1_epi32(static_cast<int>(p - first)), offset);
-          counts = _mm512_mask_add_epi32(
-              counts,
-              _mm512_cmpge_epi32_mask(offset, _mm512_set1_epi32(static_cast<int>(near_from))),
-              distance, _mm512_set1_epi32(static_cast<int>(samples + 1)));
+        if (near_from < count && j + 16 > near_from) {
+          // near_index(p - first - offset) = near_index(p - first) - offset, on the valid keys
+          // from near_from on.
+          const __mmask16 near_keys = _mm512_mask_cmpge_epi32_mask(
+              valid, offset, _mm512_set1_epi32(static_cast<int>(near_from)));
+          counts = _mm512_mask_sub_epi32(
+              counts, near_keys,
+              _mm512_set1_epi32(static_cast<int>(scratch.log_weights.near_index(p - first))),
+              offset);
         }
         const __m512 logit = _mm512_add_ps(
             avx512::score_block(keys, j, count, dim, k.outerStride(), query), log_count(counts));
