@@ -103,7 +103,7 @@ def main():
     p.add_argument("--margin", type=float, default=1.1,
                    help="factor on the reference run's largest score and smallest logit")
     p.add_argument("--timing-contexts", type=int, nargs="+", default=[1024, 8192, 65536])
-    p.add_argument("--timing-steps", type=int, default=64)
+    p.add_argument("--timing-steps", type=int, default=256)
     p.add_argument("--out", default="docs/bench/alibi_model.json")
     p.add_argument("--quick", action="store_true",
                    help="compare 512 tokens, decode 4096, time at 1024 and 4096")
