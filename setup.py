@@ -40,8 +40,9 @@ VERSION = project_version()
 os.chdir(ROOT)
 os.makedirs("build/setuptools", exist_ok=True)
 # The heavy sources (the kernels' instantiations) first, so that a parallel build starts them first.
-SOURCES = ["python/src/" + name for name in ("attention.cpp", "kv_cache.cpp", "partitions.cpp",
-                                              "arrays.cpp", "options.cpp", "module.cpp")]
+SOURCES = ["python/src/" + name for name in ("attention.cpp", "kv_cache.cpp", "alibi_kv_cache.cpp",
+                                              "partitions.cpp", "arrays.cpp", "options.cpp",
+                                              "module.cpp")]
 DEPENDS = sorted(glob.glob("include/**/*.hpp", recursive=True) + glob.glob("python/src/*.hpp"))
 
 compile_args = ["-O3", "-fopenmp", "-Wall", "-Wextra", "-Wpedantic"]

@@ -16,6 +16,11 @@
 #            minutes of processor time.
 #   decode   plsh_bench, the decoding families (decode_plsh, decode_exact, team_step,
 #            decode_estimator) -> docs/bench/decode.json. A few minutes.
+#   alibi    plsh_bench, decode_alibi (AlibiKvCache, contexts to 65536, tolerances 1e-2, 1e-4,
+#            1e-6) and decode_exact -> docs/bench/alibi_decode.json. About 10 minutes on one core.
+#   alibi_model  examples/python/alibi_cache_study.py: AlibiKvCache on the miniature model
+#            trained with exact ALiBi (build/lm-alibi.pt, trained first when missing), 10^5 tokens
+#            per tolerance -> docs/bench/alibi_model.json. Under an hour on one core.
 #   mpi      mpi_bench (build/mpi, PLSH_MPI=ON): the bytes each rank receives on 2 and 4 ranks ->
 #            docs/bench/mpi-bytes-2.txt, mpi-bytes-4.txt. Seconds once built; needs mpirun.
 #   frontier plsh_frontier, time and error of every method on the normal, peaked and trained
@@ -46,10 +51,10 @@ if ((${#parts[@]} == 0)); then
 fi
 for part in "${parts[@]}"; do
   case "${part}" in
-    kernels | long | train | decode | mpi | frontier | qkv | plots | report) ;;
+    kernels | long | train | decode | alibi | alibi_model | mpi | frontier | qkv | plots | report) ;;
     *)
       echo "usage: bench/regenerate.sh" \
-        "[kernels|long|train|decode|mpi|frontier|qkv|plots|report]..." >&2
+        "[kernels|long|train|decode|alibi|alibi_model|mpi|frontier|qkv|plots|report]..." >&2
       exit 2
       ;;
   esac
@@ -99,6 +104,15 @@ for part in "${parts[@]}"; do
     decode)
       build_bench plsh_bench
       run_bench '^(decode_plsh|decode_exact|team_step|decode_estimator)/' "${out}/decode.json"
+      ;;
+    alibi)
+      build_bench plsh_bench
+      run_bench '^decode_alibi/|^decode_exact/' "${out}/alibi_decode.json"
+      ;;
+    alibi_model)
+      bash scripts/python.sh build
+      OMP_NUM_THREADS=1 PYTHONPATH=build/python "${python}" examples/python/alibi_cache_study.py \
+        --checkpoint build/lm-alibi.pt --data-cache build/kjv.txt --out "${out}/alibi_model.json"
       ;;
     mpi)
       plsh_ensure_deps libopenmpi-dev openmpi-bin

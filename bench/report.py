@@ -22,6 +22,11 @@ Sources (a missing source leaves a line saying which command writes it):
     docs/bench/train.json          plsh_bench, the training families (bench/regenerate.sh train)
     docs/bench/decode.json         plsh_bench, the decoding families (bench/regenerate.sh decode);
                                    docs/bench/bench.json's decode_* entries when it is missing
+    docs/bench/alibi_decode.json   plsh_bench, decode_alibi and decode_exact
+                                   (bench/regenerate.sh alibi)
+    docs/bench/alibi_model.json    examples/python/alibi_cache_study.py, AlibiKvCache on the
+                                   miniature model trained with exact ALiBi
+                                   (bench/regenerate.sh alibi_model)
     docs/bench/mpi-bytes-<P>.txt   mpirun -np P mpi_bench bytes 16 20 (bench/regenerate.sh mpi)
     docs/accuracy/exponents.md     docs/accuracy/plot.py (docs/accuracy/regenerate.sh)
     docs/training/results.md       examples/python/compare.py
@@ -242,13 +247,20 @@ def which_kernel():
                       fmt(frontier.error(input_set, method), 2)]
         body.append(cells)
     (n, dim), (trained_n, trained_dim) = frontier.shape("normal"), frontier.shape("trained")
+    body.append(alibi_cache_row())
     header = ["for", "kernel", "speed-up, N(0, 1)", "error, N(0, 1)", "speed-up, trained",
               "error, trained"]
     caption = (f"Speed-up: processor time of exact ALiBi (float) over the kernel's, 1 thread; "
                f"error: relative Frobenius error against exact ALiBi in double. 8 heads, causal, "
                f"float; N(0, 1): q, k, v normal, n = {n}, d = {dim}; trained: the q, k, v of the "
                f"miniature model of [docs/accuracy](docs/accuracy/README.md), n = {trained_n}, "
-               f"d = {trained_dim}. From {frontier.source()}.")
+               f"d = {trained_dim}. From {frontier.source()}. `AlibiKvCache` (decoding, "
+               f"[docs/decoding.md](docs/decoding.md)): time per token of exact decoding over the "
+               f"whole prefix over the cache's (processor time) at context 65536, tolerance 1e-4, on "
+               f"q, k, v "
+               f"uniform in [−1, 1] (`{ALIBI_DECODE_SOURCE}`) and on the miniature model trained "
+               f"with exact ALiBi (`{ALIBI_MODEL_SOURCE}`); error: the largest bound any step "
+               f"reported on the exact-ALiBi weight it dropped.")
     return table(header, body, ["---", "---", "---:", "---:", "---:", "---:"]) + "\n\n" + caption
 
 
@@ -730,6 +742,136 @@ def torch_speed():
             + " (the first lines of each file say how it was run).")
 
 
+# ---------------------------------------------------------------------------------------------
+# Decoding exact ALiBi: AlibiKvCache
+
+ALIBI_DECODE_COMMAND = "bash bench/regenerate.sh alibi"
+ALIBI_DECODE_SOURCE = "docs/bench/alibi_decode.json"
+ALIBI_MODEL_COMMAND = "bash bench/regenerate.sh alibi_model"
+ALIBI_MODEL_SOURCE = "docs/bench/alibi_model.json"
+
+
+def alibi_decode_runs():
+    runs = Runs([ALIBI_DECODE_SOURCE], ALIBI_DECODE_COMMAND)
+    if not runs.names("decode_alibi/"):
+        raise Missing(f"no decode_alibi/ entries in `{ALIBI_DECODE_SOURCE}`: "
+                      f"`{ALIBI_DECODE_COMMAND}` writes them.")
+    return runs
+
+
+def alibi_speedup(runs, context, tolerance):
+    """Processor time per token of decode_exact/context over decode_alibi/context/tolerance."""
+    exact = runs.seconds(f"decode_exact/{context}", "cpu_time")
+    cache = runs.seconds(f"decode_alibi/{context}/{tolerance}", "cpu_time")
+    return exact / cache if exact and cache else None
+
+
+def model_speedup(run, exact, context):
+    cache = run["seconds_per_token"].get(str(context))
+    full = exact.get(str(context))
+    return full / cache if full and cache else None
+
+
+def alibi_cache_row():
+    """which_kernel's row of AlibiKvCache, from the two sources below ("—" where one is missing)."""
+    cells = ["decoding a model trained with exact ALiBi: bounded memory, every step certified",
+             "`AlibiKvCache`, tolerance 1e-4"]
+    try:
+        runs = alibi_decode_runs()
+        entry = runs.get("decode_alibi/65536/1e-4") or {}
+        cells += [times_faster(alibi_speedup(runs, 65536, "1e-4")),
+                  "≤ " + fmt(entry.get("largest_bound"), 2)]
+    except Missing:
+        cells += ["—", "—"]
+    try:
+        model = read_json(ALIBI_MODEL_SOURCE, ALIBI_MODEL_COMMAND)
+        run = next(r for r in model["runs"] if r["tolerance"] == 1e-4)
+        cells += [times_faster(model_speedup(run, model["exact_seconds_per_token"], 65536)),
+                  "≤ " + fmt(run["largest_bound"], 2)]
+    except (Missing, StopIteration):
+        cells += ["—", "—"]
+    return cells
+
+
+def alibi_decoding():
+    """docs/decoding.md: decode_alibi against decode_exact, per context and tolerance."""
+    runs = alibi_decode_runs()
+    body = []
+    for name in runs.names("decode_alibi/"):
+        entry = runs.get(name)
+        _, context, tolerance = name.split("/")
+        exact = runs.seconds(f"decode_exact/{context}", "cpu_time")
+        steps = entry.get("steps", 0)
+        body.append((context, tolerance, fmt(runs.seconds(name, "cpu_time") * 1e6),
+                     fmt(None if exact is None else exact * 1e6),
+                     times_faster(alibi_speedup(runs, context, tolerance)),
+                     f"{entry['window']:,.0f}", f"{entry['resident']:,.0f}",
+                     f"1/{float(context) / entry['resident']:.1f}",
+                     f"{entry['resident_rows']:,.0f}", f"{entry['cache_bytes'] / 2**20:.1f} MiB",
+                     fmt(entry.get("largest_bound"), 2),
+                     f"{entry.get('uncertified', 0):,.0f} of {steps:,.0f}"))
+    header = ["context", "tolerance", "µs per token", "exact, µs per token", "speed-up",
+              "W (flattest)", "resident (most per head)", "of the context", "rows, all heads",
+              "cache bytes", "largest bound", "uncertified steps"]
+    return table(header, body, ["---:"] * len(header)) + (
+        "\n\nProcessor time, 1 thread. 8 heads (standard slopes), d = 64, float, q, k, v uniform "
+        "in [−1, 1], max_score 8, min_logit −8 (true of these inputs), 4 sinks; every token "
+        "decoded through the cache from the first, then one `decode` per iteration; exact: "
+        "`decode_exact`, one query against the full cache. Memory at the context; bounds over "
+        "every step. From " + describe_context(runs.context, ALIBI_DECODE_SOURCE) + ".")
+
+
+def alibi_model():
+    """docs/decoding.md: AlibiKvCache on the miniature model trained with exact ALiBi."""
+    data = read_json(ALIBI_MODEL_SOURCE, ALIBI_MODEL_COMMAND)
+    runs = data["runs"]
+    contexts = sorted({int(c) for run in runs for c in run["resident"]})
+    header = ["context"] + [f"tolerance {run['tolerance']:g}" for run in runs]
+    body = []
+    for context in contexts:
+        cells = [f"{context:,}"]
+        for run in runs:
+            rows = run["resident"].get(str(context))
+            most = max(max(layer) for layer in rows) if rows else None
+            cells.append("—" if most is None else f"{most:,} (1/{context / most:.1f})")
+        body.append(cells)
+    text = "Rows held by the most-filled key/value head (over layers and heads), and that as a " \
+        "share of the context:\n\n" + table(header, body, ["---:"] * len(header))
+    exact = data["exact_seconds_per_token"]
+    timing_contexts = sorted({int(c) for c in exact})
+    header = ["tolerance", "W of the flattest head, per layer", "largest bound",
+              "uncertified layer steps",
+              f"greedy text = exact (first {runs[0]['compared_tokens']:,} tokens)"] + [
+        f"µs per token at {c:,} (exact {fmt(exact[str(c)] * 1e6)})" for c in timing_contexts]
+    body = []
+    for run in runs:
+        same = "yes" if run["identical_tokens"] else f"no, from token {run['first_difference']:,}"
+        cells = [f"{run['tolerance']:g}", ", ".join(f"{max(w):,}" for w in run["windows"]),
+                 fmt(run["largest_bound"], 2),
+                 f"{run['uncertified_layer_steps']:,} of {run['layer_steps']:,}", same]
+        for c in timing_contexts:
+            seconds = run["seconds_per_token"].get(str(c))
+            speedup = model_speedup(run, exact, c)
+            cells.append("—" if seconds is None else
+                         f"{fmt(seconds * 1e6)} ({times_faster(speedup)})")
+        body.append(cells)
+    model = data["model"]
+    declaration = data["declaration"]
+    observed = ", ".join(f"layer {i}: {s:.3g} and {f:.3g}" for i, (s, f) in enumerate(
+        zip(declaration["max_score"], declaration["min_logit"])))
+    return text + "\n\n" + table(header, body, ["---:"] * len(header)) + (
+        f"\n\nThe model: {model['layers']} layers, d_model {model['d_model']}, {model['heads']} "
+        f"heads (standard slopes), trained {model['steps']} steps at length "
+        f"{model['train_length']} with exact ALiBi; greedy decoding of {runs[0]['tokens']:,} "
+        f"tokens from \"{data['prompt']}\", one cache per layer. Largest |scale| ‖q‖ ‖k‖ and "
+        f"smallest logit of the exact run over its first {runs[0]['compared_tokens']:,} tokens "
+        f"({observed}), times {declaration['margin']:g}, are each layer's max_score and "
+        f"min_logit. Time: processor time of the whole token step (both layers, projections, "
+        f"logits), median over the steps from that context, {data['threads']} thread; exact: "
+        f"attention over the whole prefix. From `{ALIBI_MODEL_SOURCE}` ({data['date'][:10]}, load average "
+        f"{data['load_average']:.1f}), written by `{data['command']}`.")
+
+
 TABLES = {
     "which-kernel": which_kernel,
     "frontier": frontier_table,
@@ -745,6 +887,8 @@ TABLES = {
     "train-growth": train_growth,
     "decoding": decoding,
     "decoding-estimators": decoding_estimators,
+    "alibi-decoding": alibi_decoding,
+    "alibi-model": alibi_model,
     "mpi-bytes": mpi_bytes,
     "exponents": exponents,
     "training-means": training_means,

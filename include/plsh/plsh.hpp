@@ -8,7 +8,7 @@
 ///
 /// The headers come in layer order; each includes only headers of its own layer or below:
 /// limits, options, views -> slopes, draws -> partitions, mask metrics -> attention kernels ->
-/// batches -> KV cache -> attention error. (detail/ holds the internals of every layer.)
+/// batches -> KV caches -> attention error. (detail/ holds the internals of every layer.)
 
 // The order is the map of the layers, not the alphabet.
 // clang-format off
@@ -42,8 +42,9 @@
 // Batched entry points.
 #include "batch.hpp"
 
-// Incremental decoding.
+// Incremental decoding: Positional LSH, and exact ALiBi with bounded memory.
 #include "kv_cache.hpp"
+#include "alibi_kv_cache.hpp"
 
 // Error of Positional LSH attention against exact ALiBi.
 #include "attention_error.hpp"

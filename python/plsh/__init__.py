@@ -23,10 +23,13 @@ naming the axes; a wrong dtype is a ``TypeError``. ``__version__`` is the plsh p
 from ._plsh import __version__
 from ._plsh import (
     PLSH_DEFAULTS,
+    AlibiKvCache,
+    CertificateError,
     Grid,
     KvCache,
     MaskError,
     RandomBinning,
+    alibi_cache_window,
     alibi_slopes,
     draw_head_grids,
     exact_alibi_attention,
@@ -47,10 +50,13 @@ from ._plsh import (
 __all__ = [
     "__version__",
     "PLSH_DEFAULTS",
+    "AlibiKvCache",
+    "CertificateError",
     "Grid",
     "KvCache",
     "MaskError",
     "RandomBinning",
+    "alibi_cache_window",
     "alibi_slopes",
     "draw_head_grids",
     "exact_alibi_attention",

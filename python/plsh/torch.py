@@ -810,3 +810,149 @@ class KvCache:
         return (f"KvCache(heads={self.heads}, kv_heads={self.kv_heads}, dim={self.dim}, "
                 f"value_dim={self.value_dim}, dtype={self.dtype}, layout={self.layout!r}, "
                 f"position={self.position}, resident={self.resident})")
+
+
+class AlibiKvCache:
+    """The key/value cache of :class:`plsh.AlibiKvCache` on torch tensors: decoding a model
+    trained with exact ALiBi in bounded memory, with a certified bound per row on the exact-ALiBi
+    weight of the keys it dropped.
+
+    Key/value head g keeps the newest ``W_g = ceil(ln(1 + exp(max_score - min_logit) /
+    tolerance) / m_g)`` positions (``windows``) and pins the ``sinks`` keys of largest norm that
+    left that window; the other keys are dropped, and what they can weigh is bounded at every step
+    from their norms. When ``|softmax_scale| |q| |k| <= max_score`` for the keys a row drops and
+    ``softmax_scale q.k >= min_logit`` within its window, every row's bound is at most
+    ``tolerance``, and its output is within ``2 * bound * max|v|`` of exact ALiBi over the whole
+    prefix. After each ``attend`` or ``decode``: ``bound`` (the largest over the step's rows and
+    heads), ``certified`` (``bound <= tolerance``) and ``bounds`` (``[T, H]``, float64); with
+    ``strict=True`` a step whose bound exceeds the tolerance raises :class:`plsh.CertificateError`
+    after it is taken.
+
+    Tensors as :class:`KvCache`: CPU, of the cache's ``dtype``, in its ``layout`` ("bthd" ``[T, H,
+    D]`` or ``[1, T, H, D]``, "bhtd" ``[H, T, D]`` or ``[1, H, T, D]``); no autograd.
+    """
+
+    _view = KvCache._view
+    _output = KvCache._output
+
+    def __init__(self, heads: int, kv_heads: int, dim: int, value_dim: Optional[int] = None,
+                 alibi_slopes: Slopes = None, *, tolerance: float = 1e-4,
+                 max_score: float = 16.0, min_logit: float = -16.0, sinks: int = 4,
+                 strict: bool = False, softmax_scale: Optional[float] = None,
+                 key_position: int = 0, dtype: _torch.dtype = _torch.float32,
+                 layout: str = "bthd"):
+        self.layout = _check_layout(layout)
+        self.dtype = dtype
+        value_dim = dim if value_dim is None else value_dim
+        self._cache = _plsh.AlibiKvCache(heads, kv_heads, dim, value_dim, _slopes(alibi_slopes),
+                                         tolerance=tolerance, max_score=max_score,
+                                         min_logit=min_logit, sinks=sinks, strict=strict,
+                                         softmax_scale=softmax_scale, key_position=key_position,
+                                         dtype=_numpy_dtype(dtype))
+
+    def append(self, k: _torch.Tensor, v: _torch.Tensor) -> None:
+        """Appends the keys and values of positions ``position .. position + n - 1``."""
+        k, _ = self._view("k", k)
+        v, _ = self._view("v", v)
+        self._cache.append(_array(k), _array(v))
+
+    def attend(self, q: _torch.Tensor) -> _torch.Tensor:
+        """The outputs of the queries ``q`` at positions ``position - n .. position - 1``; sets
+        ``bound``, ``certified`` and ``bounds``."""
+        q, batched = self._view("q", q)
+        out, target = self._output(q, batched)
+        self._cache.attend(_array(q), out=target)
+        return out
+
+    def decode(self, q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor) -> _torch.Tensor:
+        """One decoding step: ``append(k, v)`` then ``attend(q)``; a ``ValueError`` leaves the
+        cache as it was."""
+        q, batched = self._view("q", q)
+        k, _ = self._view("k", k)
+        v, _ = self._view("v", v)
+        out, target = self._output(q, batched)
+        self._cache.decode(_array(q), _array(k), _array(v), out=target)
+        return out
+
+    @property
+    def bound(self) -> float:
+        """The largest bound of the last step: an upper bound on the exact-ALiBi weight, over the
+        whole prefix, of the keys a row did not attend."""
+        return self._cache.bound
+
+    @property
+    def certified(self) -> bool:
+        """Whether the last step's bound is at most the tolerance."""
+        return self._cache.certified
+
+    @property
+    def bounds(self) -> _torch.Tensor:
+        """The bound of every row and head of the last step, ``[T, H]`` float64."""
+        return _torch.from_numpy(self._cache.bounds)
+
+    @property
+    def windows(self) -> List[int]:
+        """``W_g`` of each key/value head (``2**63 - 1``: every key kept)."""
+        return self._cache.windows
+
+    def oldest_position(self, kv_head: int) -> int:
+        """The first position of the window of a key/value head."""
+        return self._cache.oldest_position(kv_head)
+
+    def pinned_positions(self, kv_head: int) -> List[int]:
+        """The positions of the pinned keys of a key/value head, oldest first."""
+        return self._cache.pinned_positions(kv_head)
+
+    @property
+    def position(self) -> int:
+        """The position of the next appended token."""
+        return self._cache.position
+
+    @property
+    def resident(self) -> int:
+        """The most rows (window and pinned keys) a key/value head holds."""
+        return self._cache.resident
+
+    @property
+    def resident_per_head(self) -> List[int]:
+        """The rows each key/value head holds."""
+        return self._cache.resident_per_head
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the rows held and of the blocks of dropped positions."""
+        return self._cache.bytes
+
+    @property
+    def heads(self) -> int:
+        return self._cache.heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self._cache.kv_heads
+
+    @property
+    def dim(self) -> int:
+        return self._cache.dim
+
+    @property
+    def value_dim(self) -> int:
+        return self._cache.value_dim
+
+    @property
+    def alibi_slopes(self) -> List[float]:
+        return self._cache.alibi_slopes
+
+    @property
+    def options(self) -> dict:
+        """tolerance, max_score, min_logit, sinks, strict, softmax_scale (0: 1/sqrt(dim)) and
+        key_position."""
+        return self._cache.options
+
+    def __repr__(self) -> str:
+        return (f"AlibiKvCache(heads={self.heads}, kv_heads={self.kv_heads}, dim={self.dim}, "
+                f"value_dim={self.value_dim}, dtype={self.dtype}, layout={self.layout!r}, "
+                f"position={self.position}, resident={self.resident}, windows={self.windows})")
+
+
+__all__ += ["AlibiKvCache"]

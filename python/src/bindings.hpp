@@ -19,6 +19,10 @@ void bind_attention(pybind11::module_& module);
 // kv_cache.cpp: the class KvCache.
 void bind_kv_cache(pybind11::module_& module);
 
+// alibi_kv_cache.cpp: the class AlibiKvCache, the function alibi_cache_window and the exception
+// CertificateError.
+void bind_alibi_kv_cache(pybind11::module_& module);
+
 }  // namespace plsh_python
 
 #endif  // PLSH_PYTHON_BINDINGS_HPP

@@ -44,4 +44,5 @@ PYBIND11_MODULE(_plsh, m) {
   plsh_python::bind_partitions(m);
   plsh_python::bind_attention(m);
   plsh_python::bind_kv_cache(m);
+  plsh_python::bind_alibi_kv_cache(m);
 }

@@ -55,6 +55,18 @@
 namespace plsh {
 namespace detail {
 
+/// `x`, or \f$+\infty\f$ when it is not finite (a NaN included): a norm that never certifies.
+inline double finite_or_infinity(double x) {
+  return x <= std::numeric_limits<double>::max() ? x : std::numeric_limits<double>::infinity();
+}
+
+/// The norm bound of the certificate for one key row: \f$\|k\|\f$ in double of the row's
+/// compute-type values, finite_or_infinity.
+template <class Row>
+double key_norm_bound(const Eigen::MatrixBase<Row>& row) {
+  return finite_or_infinity(std::sqrt(row.template cast<double>().squaredNorm()));
+}
+
 /// Upper bounds on the norms \f$\|k_j\|\f$ over ranges of key rows. Rows `[0, rows())` are the
 /// keys held; rows in `[first(), last())` outside them are keys of the sequence that are not held,
 /// with the norm bound `outside()`.
@@ -77,8 +89,7 @@ class KeyNormBounds {
       const ConstHeadMap<Compute<Storage>> tile = compute_rows(k, begin, count, scratch);
       double high = 0;
       for (Index j = 0; j < count; ++j) {
-        high = std::max(
-            high, finite_or_infinity(std::sqrt(tile.row(j).template cast<double>().squaredNorm())));
+        high = std::max(high, key_norm_bound(tile.row(j)));
       }
       levels_[0][static_cast<std::size_t>(b)] = high;
     }
@@ -117,10 +128,6 @@ class KeyNormBounds {
   }
 
  private:
-  static double finite_or_infinity(double x) {
-    return x <= std::numeric_limits<double>::max() ? x : std::numeric_limits<double>::infinity();
-  }
-
   Index rows_ = 0;
   Index first_ = 0;
   Index last_ = 0;
@@ -133,6 +140,20 @@ inline double log_geometric_sum(double slope, Index length) {
   if (slope == 0) return std::log(static_cast<double>(length));
   return std::log(-std::expm1(-slope * static_cast<double>(length))) -
          std::log(-std::expm1(-slope));
+}
+
+/// The certificate's bound on the exact-ALiBi weight of keys a row does not see:
+/// \f[ e^{a K - m d} \sum_{t=0}^{L-1} e^{-m t} \big/ e^{b} \f]
+/// for a row of `row_norm` \f$a = |\text{scale}|\,\|q\|\f$, L keys of norms at most
+/// `key_norm` K whose nearest lies at `distance` d from the row (no decay for d <= 0), `log_sum`
+/// = log_geometric_sum(m, L), and `log_base` b a lower bound of the log of the row's total weight
+/// (its log-sum-exp over the keys it sees, less any constant its logits carry). window_certified
+/// sums it over the segments a tile has not visited; AlibiKvCache over the blocks of keys it has
+/// evicted.
+inline double dropped_weight_bound(double row_norm, double key_norm, double slope, Index distance,
+                                   double log_sum, double log_base) {
+  const double decay = distance > 0 ? slope * static_cast<double>(distance) : 0.0;
+  return std::exp(row_norm * key_norm - decay + log_sum - log_base);
 }
 
 /// Whether the unvisited keys of every row of a tile weigh at most `tolerance`: rows at positions
@@ -182,8 +203,8 @@ bool window_certified(const KeyNormBounds& bounds, double slope, double toleranc
     for (int s = 0; s < count; ++s) {
       const Index distance =
           s < left ? position - segments[s].nearest : segments[s].nearest - position;
-      const double decay = distance > 0 ? slope * static_cast<double>(distance) : 0.0;
-      total += std::exp(row_norm[r] * segments[s].norm - decay + segments[s].log_sum - base);
+      total += dropped_weight_bound(row_norm[r], segments[s].norm, slope, distance,
+                                    segments[s].log_sum, base);
     }
     if (!(total <= tolerance)) return false;
   }
