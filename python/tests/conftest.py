@@ -46,7 +46,7 @@ def near_reach(slope, near_field):
         return -1
     if slope == 0:
         return math.inf
-    return math.floor(math.log(1 / near_field) / slope)
+    return math.floor(-math.log(near_field) / slope)  # 1 / near_field overflows below 5.6e-309
 
 
 def alibi_log_factor(slopes, samples=None, seed=None, sampling=DEFAULT_SAMPLING,
