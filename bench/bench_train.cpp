@@ -10,6 +10,9 @@
 /// - `train/...`: one iteration is the kernel's forward, then its public `*_backward`
 ///   (backward.hpp) on that output: dq, dk and dv, the attention of one training step.
 /// - `train_forward/...`: the forward alone, its twin in the same run.
+/// - `train_lse/...`: as `train/`, with the forward writing the row log-sum-exp (RowLse) and the
+///   windowed forward its kept keys (KeptKeys), which the backward then takes instead of
+///   computing them again.
 ///
 /// Kernels: `exact` (exact_alibi_attention); `windowed_1e3` (windowed_alibi_attention, certified
 /// tolerance 1e-3); `truncated_1e3` and `truncated_5e2` (truncated_alibi_attention, factor
@@ -22,7 +25,7 @@
 ///
 /// Times are wall times (`real_time`); `cpu_time` is the processor time of the whole process,
 /// every thread included. Counters: `tokens_per_second` (n per wall second), `threads`.
-/// Select with `--benchmark_filter='^train(_forward)?/'` (bench/regenerate.sh train).
+/// Select with `--benchmark_filter='^train(_forward|_lse)?/'` (bench/regenerate.sh train).
 
 #include <benchmark/benchmark.h>
 
@@ -56,6 +59,15 @@ constexpr Index kExactOneIteration = 8192;
 struct TrainProblem {
   Index n = 0;
   std::vector<float> q, k, v, out, dout, dq, dk, dv;
+  std::vector<float> lse;  // [heads][n]
+  plsh::KeptKeys kept;
+
+  /// The row lse the forward writes and the backward takes when `saved`, else an empty view.
+  plsh::RowLse<float> row_lse(bool saved) {
+    return saved ? plsh::RowLse<float>(lse.data(), kTrainHeads, n) : plsh::RowLse<float>();
+  }
+  /// The windowed forward's kept keys when `saved`, else none.
+  plsh::KeptKeys* kept_keys(bool saved) { return saved ? &kept : nullptr; }
 
   plsh::HeadsView<const float> in(const std::vector<float>& data) const {
     return plsh::HeadsView<const float>{data.data(), n, kTrainHeads, kTrainDim};
@@ -84,11 +96,14 @@ TrainProblem& train_problem(Index n) {
     for (std::vector<float>* tensor : {&cached->out, &cached->dq, &cached->dk, &cached->dv}) {
       tensor->assign(size, 0.0f);
     }
+    cached->lse.assign(static_cast<std::size_t>(n * kTrainHeads), 0.0f);
   }
   return *cached;
 }
 
-using Pass = std::function<void(TrainProblem&)>;
+/// A pass on a problem; `saved`: the forward writes p.lse (and p.kept) and the backward takes
+/// them.
+using Pass = std::function<void(TrainProblem&, bool saved)>;
 
 /// A kernel's forward (writes p.out) and backward (reads p.out and p.dout, writes p.dq, p.dk,
 /// p.dv); an empty backward: the kernel has no backward to measure.
@@ -107,77 +122,84 @@ std::vector<TrainKernel> train_kernels() {
   paper.near_field = 0;
   const auto plsh_kernel = [slopes](const std::string& name, const plsh::PlshOptions& options) {
     return TrainKernel{name, kTrainLengths.back(),
-                       [=](TrainProblem& p) {
+                       [=](TrainProblem& p, bool saved) {
                          plsh::plsh_attention<float>(p.in(p.q), p.in(p.k), p.in(p.v), p.at(p.out),
-                                                     slopes, options);
+                                                     slopes, options, p.row_lse(saved));
                        },
-                       [=](TrainProblem& p) {
+                       [=](TrainProblem& p, bool saved) {
                          plsh::plsh_attention_backward<float>(
                              p.in(p.q), p.in(p.k), p.in(p.v), p.in(p.out), p.in(p.dout), p.at(p.dq),
-                             p.at(p.dk), p.at(p.dv), slopes, options);
+                             p.at(p.dk), p.at(p.dv), slopes, options, p.row_lse(saved));
                        }};
   };
   const auto truncated_kernel = [slopes](const std::string& name, double factor_tolerance) {
-    TrainKernel kernel{name, kTrainLengths.back(),
-                       [=](TrainProblem& p) {
-                         plsh::truncated_alibi_attention<float>(p.in(p.q), p.in(p.k), p.in(p.v),
-                                                                p.at(p.out), slopes,
-                                                                factor_tolerance);
-                       },
-                       [=](TrainProblem& p) {
-                         plsh::truncated_alibi_attention_backward<float>(
-                             p.in(p.q), p.in(p.k), p.in(p.v), p.in(p.out), p.in(p.dout), p.at(p.dq),
-                             p.at(p.dk), p.at(p.dv), slopes, factor_tolerance);
-                       }};
+    TrainKernel kernel{
+        name, kTrainLengths.back(),
+        [=](TrainProblem& p, bool saved) {
+          plsh::truncated_alibi_attention<float>(p.in(p.q), p.in(p.k), p.in(p.v), p.at(p.out),
+                                                 slopes, factor_tolerance, {}, p.row_lse(saved));
+        },
+        [=](TrainProblem& p, bool saved) {
+          plsh::truncated_alibi_attention_backward<float>(
+              p.in(p.q), p.in(p.k), p.in(p.v), p.in(p.out), p.in(p.dout), p.at(p.dq), p.at(p.dk),
+              p.at(p.dv), slopes, factor_tolerance, {}, p.row_lse(saved));
+        }};
     return kernel;
   };
   return {
       {"exact", kExactLongest,
-       [=](TrainProblem& p) {
-         plsh::exact_alibi_attention<float>(p.in(p.q), p.in(p.k), p.in(p.v), p.at(p.out), slopes);
+       [=](TrainProblem& p, bool saved) {
+         plsh::exact_alibi_attention<float>(p.in(p.q), p.in(p.k), p.in(p.v), p.at(p.out), slopes,
+                                            {}, p.row_lse(saved));
        },
-       [=](TrainProblem& p) {
+       [=](TrainProblem& p, bool saved) {
          plsh::exact_alibi_attention_backward<float>(p.in(p.q), p.in(p.k), p.in(p.v), p.in(p.out),
                                                      p.in(p.dout), p.at(p.dq), p.at(p.dk),
-                                                     p.at(p.dv), slopes);
+                                                     p.at(p.dv), slopes, {}, p.row_lse(saved));
        }},
       {"windowed_1e3", kTrainLengths.back(),
-       [=](TrainProblem& p) {
+       [=](TrainProblem& p, bool saved) {
          plsh::windowed_alibi_attention<float>(p.in(p.q), p.in(p.k), p.in(p.v), p.at(p.out), slopes,
-                                               kCertifiedTolerance);
+                                               kCertifiedTolerance, {}, p.row_lse(saved),
+                                               p.kept_keys(saved));
        },
-       [=](TrainProblem& p) {
+       [=](TrainProblem& p, bool saved) {
          plsh::windowed_alibi_attention_backward<float>(
              p.in(p.q), p.in(p.k), p.in(p.v), p.in(p.out), p.in(p.dout), p.at(p.dq), p.at(p.dk),
-             p.at(p.dv), slopes, kCertifiedTolerance);
+             p.at(p.dv), slopes, kCertifiedTolerance, {}, p.row_lse(saved), p.kept_keys(saved));
        }},
       truncated_kernel("truncated_1e3", 1e-3),
       truncated_kernel("truncated_5e2", 0.05),
       plsh_kernel("fused_defaults", plsh::PlshOptions{}),
       plsh_kernel("fused_paper", paper),
       {"fixed_blocks", kTrainLengths.back(),
-       [](TrainProblem& p) {
+       [](TrainProblem& p, bool saved) {
          plsh::fixed_block_attention<float>(p.in(p.q), p.in(p.k), p.in(p.v), p.at(p.out),
-                                            kTrainFixedBlock);
+                                            kTrainFixedBlock, {}, p.row_lse(saved));
        },
-       [](TrainProblem& p) {
-         plsh::fixed_block_attention_backward<float>(p.in(p.q), p.in(p.k), p.in(p.v), p.in(p.out),
-                                                     p.in(p.dout), p.at(p.dq), p.at(p.dk),
-                                                     p.at(p.dv), kTrainFixedBlock);
+       [](TrainProblem& p, bool saved) {
+         plsh::fixed_block_attention_backward<float>(
+             p.in(p.q), p.in(p.k), p.in(p.v), p.in(p.out), p.in(p.dout), p.at(p.dq), p.at(p.dk),
+             p.at(p.dv), kTrainFixedBlock, {}, p.row_lse(saved));
        }},
   };
 }
 
-/// One forward (and, for `train/`, one backward) per iteration on the inputs of length n, with
-/// `threads` OpenMP threads.
-void train_benchmark(benchmark::State& state, const TrainKernel& kernel, bool with_backward,
-                     Index n, int threads) {
+/// What one iteration runs: the forward alone, the forward then the backward, or both passing
+/// the saved lse (and kept keys).
+enum class Step { Forward, ForwardBackward, SavedLse };
+
+/// One iteration of `step` per iteration on the inputs of length n, with `threads` OpenMP
+/// threads.
+void train_benchmark(benchmark::State& state, const TrainKernel& kernel, Step step, Index n,
+                     int threads) {
   const plsh_test::ThreadCount thread_count(threads);
   TrainProblem& p = train_problem(n);
   plsh_bench::touch_pages(p.q, p.k, p.v, p.out, p.dout, p.dq, p.dk, p.dv);
+  const bool saved = step == Step::SavedLse;
   for (auto _ : state) {
-    kernel.forward(p);
-    if (with_backward) kernel.backward(p);
+    kernel.forward(p, saved);
+    if (step != Step::Forward) kernel.backward(p, saved);
     benchmark::DoNotOptimize(p.out.data());
     benchmark::DoNotOptimize(p.dq.data());
     benchmark::ClobberMemory();
@@ -201,14 +223,16 @@ bool register_train_benchmarks() {
     for (const int threads : thread_counts) {
       for (const TrainKernel& kernel : kernels) {
         if (n > kernel.longest) continue;
-        for (const bool with_backward : {false, true}) {
-          if (with_backward && !kernel.backward) continue;
-          const std::string name = std::string(with_backward ? "train/" : "train_forward/") +
-                                   kernel.name + "/" + std::to_string(n) + "/" +
-                                   std::to_string(threads);
+        for (const Step step : {Step::Forward, Step::ForwardBackward, Step::SavedLse}) {
+          if (step != Step::Forward && !kernel.backward) continue;
+          const char* family = step == Step::Forward           ? "train_forward/"
+                               : step == Step::ForwardBackward ? "train/"
+                                                               : "train_lse/";
+          const std::string name = std::string(family) + kernel.name + "/" + std::to_string(n) +
+                                   "/" + std::to_string(threads);
           benchmark::internal::Benchmark* benchmark = benchmark::RegisterBenchmark(
-              name.c_str(), [&kernel, with_backward, n, threads](benchmark::State& state) {
-                train_benchmark(state, kernel, with_backward, n, threads);
+              name.c_str(), [&kernel, step, n, threads](benchmark::State& state) {
+                train_benchmark(state, kernel, step, n, threads);
               });
           benchmark->Unit(benchmark::kMillisecond)->UseRealTime()->MeasureProcessCPUTime();
           if (kernel.name == "exact" && n >= kExactOneIteration) benchmark->Iterations(1);

@@ -25,54 +25,71 @@
   PREFIX void plsh::detail::batched_exact_alibi_attention<S>(                                \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,              \
-      const std::vector<double>&, const plsh::AttentionOptions&);                            \
+      const std::vector<double>&, const plsh::AttentionOptions&,                             \
+      const plsh::RowLse<plsh::detail::Compute<S>>&);                                        \
   PREFIX void plsh::detail::batched_truncated_alibi_attention<S>(                            \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,              \
-      const std::vector<double>&, double, const plsh::AttentionOptions&, const char*);       \
+      const std::vector<double>&, double, const plsh::AttentionOptions&, const char*,        \
+      const plsh::RowLse<plsh::detail::Compute<S>>&);                                        \
   PREFIX plsh::Index plsh::detail::batched_windowed_alibi_attention<S>(                      \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>*,              \
       const std::vector<double>&, double, const plsh::AttentionOptions&,                     \
-      const plsh::detail::UnheldKeys&, std::vector<plsh::Block>*);                           \
+      const plsh::detail::UnheldKeys&, std::vector<plsh::Block>*,                            \
+      const plsh::RowLse<plsh::detail::Compute<S>>&);                                        \
+  PREFIX void plsh::detail::windowed_alibi_attention_keeping<S>(                             \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,              \
+      const std::vector<double>&, double, const plsh::AttentionOptions&,                     \
+      const plsh::RowLse<plsh::detail::Compute<S>>&, plsh::KeptKeys*);                       \
   PREFIX void plsh::detail::batched_plsh_attention<S>(                                       \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,              \
       const std::vector<double>&, const plsh::PlshOptions&);                                 \
+  PREFIX void plsh::detail::plsh_attention_writing_lse<S>(                                   \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,              \
+      const std::vector<double>&, const plsh::PlshOptions&,                                  \
+      const plsh::RowLse<plsh::detail::Compute<S>>&);                                        \
   PREFIX void plsh::detail::batched_fixed_block_attention<S>(                                \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&, plsh::Index, \
-      const plsh::AttentionOptions&);                                                        \
+      const plsh::AttentionOptions&, const plsh::RowLse<plsh::detail::Compute<S>>&);         \
   PREFIX void plsh::detail::batched_exact_alibi_attention_backward<S>(                       \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,              \
       const plsh::BatchedHeadsView<S>&, const plsh::BatchedHeadsView<S>&,                    \
-      const std::vector<double>&, const plsh::AttentionOptions&);                            \
+      const std::vector<double>&, const plsh::AttentionOptions&,                             \
+      const plsh::RowLse<const plsh::detail::Compute<S>>&);                                  \
   PREFIX void plsh::detail::batched_truncated_alibi_attention_backward<S>(                   \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,              \
       const plsh::BatchedHeadsView<S>&, const plsh::BatchedHeadsView<S>&,                    \
-      const std::vector<double>&, double, const plsh::AttentionOptions&, const char*);       \
+      const std::vector<double>&, double, const plsh::AttentionOptions&, const char*,        \
+      const plsh::RowLse<const plsh::detail::Compute<S>>&);                                  \
   PREFIX void plsh::detail::batched_windowed_alibi_attention_backward<S>(                    \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,              \
       const plsh::BatchedHeadsView<S>&, const plsh::BatchedHeadsView<S>&,                    \
-      const std::vector<double>&, double, const plsh::AttentionOptions&);                    \
+      const std::vector<double>&, double, const plsh::AttentionOptions&,                     \
+      const plsh::RowLse<const plsh::detail::Compute<S>>&, const plsh::KeptKeys*);           \
   PREFIX void plsh::detail::batched_plsh_attention_backward<S>(                              \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,              \
       const plsh::BatchedHeadsView<S>&, const plsh::BatchedHeadsView<S>&,                    \
-      const std::vector<double>&, const plsh::PlshOptions&);                                 \
+      const std::vector<double>&, const plsh::PlshOptions&,                                  \
+      const plsh::RowLse<const plsh::detail::Compute<S>>&);                                  \
   PREFIX void plsh::detail::batched_fixed_block_attention_backward<S>(                       \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,              \
       const plsh::BatchedHeadsView<S>&, const plsh::BatchedHeadsView<S>&, plsh::Index,       \
-      const plsh::AttentionOptions&);
+      const plsh::AttentionOptions&, const plsh::RowLse<const plsh::detail::Compute<S>>&);
 
 // PLSH_TEST_INNER_INSTANCES(PREFIX, S): the inner kernels for storage type S, which the public
 // entry points reach through the cores above and KvCache (an inline class) calls itself.
@@ -81,7 +98,8 @@
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,              \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,                    \
       const std::vector<std::vector<plsh::Grid>>&, const std::vector<double>&,                     \
-      const plsh::AttentionOptions&, double, plsh::Index);                                         \
+      const plsh::AttentionOptions&, double, plsh::Index,                                          \
+      const plsh::RowLse<plsh::detail::Compute<S>>&);                                              \
   PREFIX void plsh::detail::fused_attention<S>(                                                    \
       const plsh::HeadsView<const S>&, const plsh::HeadsView<const S>&,                            \
       const plsh::HeadsView<const S>&, const plsh::HeadsView<S>&,                                  \
@@ -91,12 +109,12 @@
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,              \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,                    \
       const std::vector<std::vector<plsh::Grid>>&, const plsh::AttentionOptions&,                  \
-      plsh::RegularAttention&&);                                                                   \
+      plsh::RegularAttention&&, const plsh::RowLse<plsh::detail::Compute<S>>&);                    \
   PREFIX void plsh::detail::pass_attention<S, plsh::RegularAttention&>(                            \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,              \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,                    \
       const std::vector<std::vector<plsh::Grid>>&, const plsh::AttentionOptions&,                  \
-      plsh::RegularAttention&);                                                                    \
+      plsh::RegularAttention&, const plsh::RowLse<plsh::detail::Compute<S>>&);                     \
   PREFIX void plsh::detail::pass_attention<S, plsh::RegularAttention>(                             \
       const plsh::HeadsView<const S>&, const plsh::HeadsView<const S>&,                            \
       const plsh::HeadsView<const S>&, const plsh::HeadsView<S>&,                                  \

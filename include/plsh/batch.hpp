@@ -34,6 +34,7 @@
 #include "batched_heads_view.hpp"
 #include "detail/check.hpp"
 #include "detail/validate.hpp"
+#include "row_lse.hpp"
 #include "tensor.hpp"
 
 namespace plsh {
@@ -102,7 +103,8 @@ void run_backward_batch(const char* function, const BatchedHeadsView<const Scala
 }  // namespace detail
 
 /// exact_alibi_attention on every batch element: `q [B][n_q][H][d]`, `k [B][n_k][H_kv][d]`,
-/// `v [B][n_k][H_kv][d_v]`, `out [B][n_q][H][d_v]`; slopes and options as the unbatched kernel.
+/// `v [B][n_k][H_kv][d_v]`, `out [B][n_q][H][d_v]`, and, unless empty, the row log-sum-exp
+/// `lse [B][H][n_q]` (row_lse.hpp); slopes and options as the unbatched kernel.
 /// \throws std::invalid_argument as the unbatched kernel, and for batch sizes that disagree,
 /// strides that overflow, or outputs overlapping an input.
 template <class Scalar>
@@ -110,22 +112,26 @@ void exact_alibi_attention(const BatchedHeadsView<const detail::NonDeduced<Scala
                            const BatchedHeadsView<const detail::NonDeduced<Scalar>>& k,
                            const BatchedHeadsView<const detail::NonDeduced<Scalar>>& v,
                            const BatchedHeadsView<Scalar>& out, const std::vector<double>& slopes,
-                           const AttentionOptions& options = {}) {
+                           const AttentionOptions& options = {},
+                           RowLse<detail::Compute<Scalar>> lse = {}) {
   detail::run_forward_batch<Scalar>("exact_alibi_attention", q, k, v, out, [&] {
-    detail::batched_exact_alibi_attention<Scalar>(q, k, v, out, slopes, options);
+    detail::batched_exact_alibi_attention<Scalar>(q, k, v, out, slopes, options, lse);
   });
 }
 
-/// windowed_alibi_attention on every batch element (shapes as the batched exact_alibi_attention).
+/// windowed_alibi_attention on every batch element (shapes as the batched exact_alibi_attention);
+/// `kept`, when not null, receives the kept key rows for the batched backward.
 template <class Scalar>
 void windowed_alibi_attention(const BatchedHeadsView<const detail::NonDeduced<Scalar>>& q,
                               const BatchedHeadsView<const detail::NonDeduced<Scalar>>& k,
                               const BatchedHeadsView<const detail::NonDeduced<Scalar>>& v,
                               const BatchedHeadsView<Scalar>& out,
                               const std::vector<double>& slopes, double tolerance = 1e-6,
-                              const AttentionOptions& options = {}) {
+                              const AttentionOptions& options = {},
+                              RowLse<detail::Compute<Scalar>> lse = {}, KeptKeys* kept = nullptr) {
   detail::run_forward_batch<Scalar>("windowed_alibi_attention", q, k, v, out, [&] {
-    detail::batched_windowed_alibi_attention<Scalar>(q, k, v, &out, slopes, tolerance, options);
+    detail::windowed_alibi_attention_keeping<Scalar>(q, k, v, out, slopes, tolerance, options, lse,
+                                                     kept);
   });
 }
 
@@ -137,10 +143,11 @@ void truncated_alibi_attention(const BatchedHeadsView<const detail::NonDeduced<S
                                const BatchedHeadsView<const detail::NonDeduced<Scalar>>& v,
                                const BatchedHeadsView<Scalar>& out,
                                const std::vector<double>& slopes, double factor_tolerance,
-                               const AttentionOptions& options = {}) {
+                               const AttentionOptions& options = {},
+                               RowLse<detail::Compute<Scalar>> lse = {}) {
   detail::run_forward_batch<Scalar>("truncated_alibi_attention", q, k, v, out, [&] {
     detail::batched_truncated_alibi_attention<Scalar>(q, k, v, out, slopes, factor_tolerance,
-                                                      options);
+                                                      options, "truncated_alibi_attention", lse);
   });
 }
 
@@ -151,9 +158,9 @@ void plsh_attention(const BatchedHeadsView<const detail::NonDeduced<Scalar>>& q,
                     const BatchedHeadsView<const detail::NonDeduced<Scalar>>& k,
                     const BatchedHeadsView<const detail::NonDeduced<Scalar>>& v,
                     const BatchedHeadsView<Scalar>& out, const std::vector<double>& slopes,
-                    const PlshOptions& options = {}) {
+                    const PlshOptions& options = {}, RowLse<detail::Compute<Scalar>> lse = {}) {
   detail::run_forward_batch<Scalar>("plsh_attention", q, k, v, out, [&] {
-    detail::batched_plsh_attention<Scalar>(q, k, v, out, slopes, options);
+    detail::plsh_attention_writing_lse<Scalar>(q, k, v, out, slopes, options, lse);
   });
 }
 
@@ -163,14 +170,16 @@ void fixed_block_attention(const BatchedHeadsView<const detail::NonDeduced<Scala
                            const BatchedHeadsView<const detail::NonDeduced<Scalar>>& k,
                            const BatchedHeadsView<const detail::NonDeduced<Scalar>>& v,
                            const BatchedHeadsView<Scalar>& out, Index block_size,
-                           const AttentionOptions& options = {}) {
+                           const AttentionOptions& options = {},
+                           RowLse<detail::Compute<Scalar>> lse = {}) {
   detail::run_forward_batch<Scalar>("fixed_block_attention", q, k, v, out, [&] {
-    detail::batched_fixed_block_attention<Scalar>(q, k, v, out, block_size, options);
+    detail::batched_fixed_block_attention<Scalar>(q, k, v, out, block_size, options, lse);
   });
 }
 
 /// exact_alibi_attention_backward on every batch element: inputs q, k, v, out, dout and gradients
-/// dq (like q), dk (like k), dv (like v), each `[B][...]`.
+/// dq (like q), dk (like k), dv (like v), each `[B][...]`; `lse [B][H][n_q]`, the forward's, or
+/// empty.
 template <class Scalar>
 void exact_alibi_attention_backward(const BatchedHeadsView<const detail::NonDeduced<Scalar>>& q,
                                     const BatchedHeadsView<const detail::NonDeduced<Scalar>>& k,
@@ -181,11 +190,12 @@ void exact_alibi_attention_backward(const BatchedHeadsView<const detail::NonDedu
                                     const BatchedHeadsView<Scalar>& dk,
                                     const BatchedHeadsView<Scalar>& dv,
                                     const std::vector<double>& slopes,
-                                    const AttentionOptions& options = {}) {
+                                    const AttentionOptions& options = {},
+                                    RowLse<const detail::Compute<Scalar>> lse = {}) {
   detail::run_backward_batch<Scalar>("exact_alibi_attention_backward", q, k, v, out, dout, dq, dk,
                                      dv, [&] {
                                        detail::batched_exact_alibi_attention_backward<Scalar>(
-                                           q, k, v, out, dout, dq, dk, dv, slopes, options);
+                                           q, k, v, out, dout, dq, dk, dv, slopes, options, lse);
                                      });
 }
 
@@ -200,11 +210,12 @@ void windowed_alibi_attention_backward(
     const BatchedHeadsView<const detail::NonDeduced<Scalar>>& dout,
     const BatchedHeadsView<Scalar>& dq, const BatchedHeadsView<Scalar>& dk,
     const BatchedHeadsView<Scalar>& dv, const std::vector<double>& slopes, double tolerance = 1e-6,
-    const AttentionOptions& options = {}) {
+    const AttentionOptions& options = {}, RowLse<const detail::Compute<Scalar>> lse = {},
+    const KeptKeys* kept = nullptr) {
   detail::run_backward_batch<Scalar>(
       "windowed_alibi_attention_backward", q, k, v, out, dout, dq, dk, dv, [&] {
-        detail::batched_windowed_alibi_attention_backward<Scalar>(q, k, v, out, dout, dq, dk, dv,
-                                                                  slopes, tolerance, options);
+        detail::batched_windowed_alibi_attention_backward<Scalar>(
+            q, k, v, out, dout, dq, dk, dv, slopes, tolerance, options, lse, kept);
       });
 }
 
@@ -219,12 +230,13 @@ void truncated_alibi_attention_backward(
     const BatchedHeadsView<const detail::NonDeduced<Scalar>>& dout,
     const BatchedHeadsView<Scalar>& dq, const BatchedHeadsView<Scalar>& dk,
     const BatchedHeadsView<Scalar>& dv, const std::vector<double>& slopes, double factor_tolerance,
-    const AttentionOptions& options = {}) {
-  detail::run_backward_batch<Scalar>(
-      "truncated_alibi_attention_backward", q, k, v, out, dout, dq, dk, dv, [&] {
-        detail::batched_truncated_alibi_attention_backward<Scalar>(
-            q, k, v, out, dout, dq, dk, dv, slopes, factor_tolerance, options);
-      });
+    const AttentionOptions& options = {}, RowLse<const detail::Compute<Scalar>> lse = {}) {
+  detail::run_backward_batch<Scalar>("truncated_alibi_attention_backward", q, k, v, out, dout, dq,
+                                     dk, dv, [&] {
+                                       detail::batched_truncated_alibi_attention_backward<Scalar>(
+                                           q, k, v, out, dout, dq, dk, dv, slopes, factor_tolerance,
+                                           options, "truncated_alibi_attention_backward", lse);
+                                     });
 }
 
 /// plsh_attention_backward on every batch element (shapes as the batched
@@ -237,11 +249,12 @@ void plsh_attention_backward(const BatchedHeadsView<const detail::NonDeduced<Sca
                              const BatchedHeadsView<const detail::NonDeduced<Scalar>>& dout,
                              const BatchedHeadsView<Scalar>& dq, const BatchedHeadsView<Scalar>& dk,
                              const BatchedHeadsView<Scalar>& dv, const std::vector<double>& slopes,
-                             const PlshOptions& options = {}) {
+                             const PlshOptions& options = {},
+                             RowLse<const detail::Compute<Scalar>> lse = {}) {
   detail::run_backward_batch<Scalar>("plsh_attention_backward", q, k, v, out, dout, dq, dk, dv,
                                      [&] {
                                        detail::batched_plsh_attention_backward<Scalar>(
-                                           q, k, v, out, dout, dq, dk, dv, slopes, options);
+                                           q, k, v, out, dout, dq, dk, dv, slopes, options, lse);
                                      });
 }
 
@@ -256,12 +269,13 @@ void fixed_block_attention_backward(const BatchedHeadsView<const detail::NonDedu
                                     const BatchedHeadsView<Scalar>& dq,
                                     const BatchedHeadsView<Scalar>& dk,
                                     const BatchedHeadsView<Scalar>& dv, Index block_size,
-                                    const AttentionOptions& options = {}) {
-  detail::run_backward_batch<Scalar>("fixed_block_attention_backward", q, k, v, out, dout, dq, dk,
-                                     dv, [&] {
-                                       detail::batched_fixed_block_attention_backward<Scalar>(
-                                           q, k, v, out, dout, dq, dk, dv, block_size, options);
-                                     });
+                                    const AttentionOptions& options = {},
+                                    RowLse<const detail::Compute<Scalar>> lse = {}) {
+  detail::run_backward_batch<Scalar>(
+      "fixed_block_attention_backward", q, k, v, out, dout, dq, dk, dv, [&] {
+        detail::batched_fixed_block_attention_backward<Scalar>(q, k, v, out, dout, dq, dk, dv,
+                                                               block_size, options, lse);
+      });
 }
 
 }  // namespace plsh

@@ -17,6 +17,7 @@
 #include "options.hpp"
 #include "tensor.hpp"
 #include "batched_heads_view.hpp"
+#include "row_lse.hpp"
 
 // ALiBi slopes and the draws of Random Binning.
 #include "alibi.hpp"
@@ -34,6 +35,7 @@
 #include "attention/online_softmax.hpp"
 #include "attention/regular.hpp"
 #include "attention/windowed.hpp"
+#include "attention/kept_keys.hpp"
 #include "attention/alibi_attention.hpp"
 #include "attention/plsh_attention.hpp"
 #include "attention/backward.hpp"

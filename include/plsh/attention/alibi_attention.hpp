@@ -31,7 +31,9 @@
 #include "../batched_heads_view.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validate.hpp"
+#include "../row_lse.hpp"
 #include "../tensor.hpp"
+#include "kept_keys.hpp"
 #include "near_field.hpp"
 #include "options.hpp"
 #include "regular.hpp"
@@ -59,13 +61,13 @@ void for_each_query_tile(const BatchedHeadsView<const Scalar>& q,
 
 /// Runs the tiled core for every (batch element, head, query tile), with `bias_of(h)` the
 /// LinearBias of head h; one parallel region for the whole batch. Grouped heads: query head h
-/// reads key/value head `h / (H / H_kv)`.
+/// reads key/value head `h / (H / H_kv)`. Writes the row lse to `lse` unless it is empty.
 template <class Scalar, class BiasOf>
 void linear_bias_attention(const BatchedHeadsView<const Scalar>& q,
                            const BatchedHeadsView<const Scalar>& k,
                            const BatchedHeadsView<const Scalar>& v,
                            const BatchedHeadsView<Scalar>& out, const AttentionOptions& options,
-                           BiasOf&& bias_of) {
+                           BiasOf&& bias_of, const RowLse<Compute<Scalar>>& lse = {}) {
   if (q.batch == 0 || q.tokens == 0) return;
   AttentionOptions resolved = options;
   resolved.scale = resolved_scale(options, q.dim);
@@ -73,7 +75,8 @@ void linear_bias_attention(const BatchedHeadsView<const Scalar>& q,
   for_each_query_tile(q, k, v, [&](Index b, Index h, Index, Index row_begin, Index row_end) {
     HeadMap<Scalar> out_head = out[b].head(h);
     attend_rows<Scalar>(q[b].head(h), k[b].head(h / group), v[b].head(h / group), resolved,
-                        bias_of(h), row_begin, row_end, out_head, nullptr);
+                        bias_of(h), row_begin, row_end, out_head,
+                        lse.empty() ? nullptr : lse.row(b, h));
   });
 }
 
@@ -85,23 +88,26 @@ inline Index factor_window(double slope, double tolerance) {
 }
 
 /// truncated_alibi_attention on a batch whose shapes validate_batch has checked: the checks of one
-/// element, then the kernel with head h's band factor_window(m_h, factor_tolerance). Tolerance 0
-/// is exact ALiBi: exact_alibi_attention is this core under its own `function` name.
+/// element, then the kernel with head h's band factor_window(m_h, factor_tolerance), writing the
+/// row lse to `lse` unless it is empty. Tolerance 0 is exact ALiBi: exact_alibi_attention is this
+/// core under its own `function` name.
 template <class Scalar>
-void batched_truncated_alibi_attention(const BatchedHeadsView<const Scalar>& q,
-                                       const BatchedHeadsView<const Scalar>& k,
-                                       const BatchedHeadsView<const Scalar>& v,
-                                       const BatchedHeadsView<Scalar>& out,
-                                       const std::vector<double>& slopes, double factor_tolerance,
-                                       const AttentionOptions& options,
-                                       const char* function = "truncated_alibi_attention") {
+void batched_truncated_alibi_attention(
+    const BatchedHeadsView<const Scalar>& q, const BatchedHeadsView<const Scalar>& k,
+    const BatchedHeadsView<const Scalar>& v, const BatchedHeadsView<Scalar>& out,
+    const std::vector<double>& slopes, double factor_tolerance, const AttentionOptions& options,
+    const char* function = "truncated_alibi_attention", const RowLse<Compute<Scalar>>& lse = {}) {
   validate_attention(function, q[0], k[0], v[0], out[0], options, memory_of(q));
   validate_slopes(function, slopes, q.heads);
   require_tolerance(factor_tolerance, function, "factor_tolerance");
-  linear_bias_attention(q, k, v, out, options, [&](Index h) {
-    const double slope = slopes[static_cast<std::size_t>(h)];
-    return LinearBias{slope, factor_window(slope, factor_tolerance)};
-  });
+  require_row_lse(function, "lse", lse, q.batch, q.heads, q.tokens);
+  linear_bias_attention(
+      q, k, v, out, options,
+      [&](Index h) {
+        const double slope = slopes[static_cast<std::size_t>(h)];
+        return LinearBias{slope, factor_window(slope, factor_tolerance)};
+      },
+      lse);
 }
 
 /// exact_alibi_attention on a checked batch: batched_truncated_alibi_attention with tolerance 0.
@@ -111,9 +117,10 @@ void batched_exact_alibi_attention(const BatchedHeadsView<const Scalar>& q,
                                    const BatchedHeadsView<const Scalar>& v,
                                    const BatchedHeadsView<Scalar>& out,
                                    const std::vector<double>& slopes,
-                                   const AttentionOptions& options) {
+                                   const AttentionOptions& options,
+                                   const RowLse<Compute<Scalar>>& lse = {}) {
   batched_truncated_alibi_attention<Scalar>(q, k, v, out, slopes, 0.0, options,
-                                            "exact_alibi_attention");
+                                            "exact_alibi_attention", lse);
 }
 
 /// Keys of the sequence that the caller does not hold (the sequence-parallel kernel's halo):
@@ -129,26 +136,32 @@ struct UnheldKeys {
 /// windowed_alibi_attention on a checked batch, as batched_exact_alibi_attention; tolerance 0 is
 /// exact ALiBi. When `out` is null nothing is written; when `kept` is not null (tolerance > 0) it
 /// receives the key rows each query tile visited, at `(b * H + h) * tiles + tile` for the tiles
-/// of kQueryTile rows. Returns the number of (batch element, head, query tile) whose certificate
-/// does not hold after visiting every held key: 0 unless `unheld` keys may weigh more than the
-/// tolerance (windowed_rows).
+/// of kQueryTile rows; with `out`, the row lse over the kept keys goes to `lse` unless it is
+/// empty. Returns the number of (batch element, head, query tile) whose certificate does not hold
+/// after visiting every held key: 0 unless `unheld` keys may weigh more than the tolerance
+/// (windowed_rows).
 template <class Scalar>
 Index batched_windowed_alibi_attention(
     const BatchedHeadsView<const Scalar>& q, const BatchedHeadsView<const Scalar>& k,
     const BatchedHeadsView<const Scalar>& v, const BatchedHeadsView<Scalar>* out,
     const std::vector<double>& slopes, double tolerance, const AttentionOptions& options,
-    const UnheldKeys& unheld = {}, std::vector<Block>* kept = nullptr) {
+    const UnheldKeys& unheld = {}, std::vector<Block>* kept = nullptr,
+    const RowLse<Compute<Scalar>>& lse = {}) {
   const char* function = "windowed_alibi_attention";
   if (out != nullptr) {
     validate_attention(function, q[0], k[0], v[0], (*out)[0], options, memory_of(q));
+    require_row_lse(function, "lse", lse, q.batch, q.heads, q.tokens);
   }
   validate_slopes(function, slopes, q.heads);
   require_tolerance(tolerance, function);
   if (tolerance == 0) {
     if (out != nullptr) {
-      linear_bias_attention(q, k, v, *out, options, [&](Index h) {
-        return LinearBias{slopes[static_cast<std::size_t>(h)], kNoWindow};
-      });
+      linear_bias_attention(
+          q, k, v, *out, options,
+          [&](Index h) {
+            return LinearBias{slopes[static_cast<std::size_t>(h)], kNoWindow};
+          },
+          lse);
     }
     return 0;
   }
@@ -175,7 +188,8 @@ Index batched_windowed_alibi_attention(
     if (!windowed_rows<Scalar>(q[b].head(h), k[b].head(h / group), v[b].head(h / group), resolved,
                                slopes[static_cast<std::size_t>(h)], tolerance,
                                bounds[static_cast<std::size_t>(b * k.heads + h / group)], row_begin,
-                               row_end, out_head ? &*out_head : nullptr, visited)) {
+                               row_end, out_head ? &*out_head : nullptr, visited,
+                               lse.empty() ? nullptr : lse.row(b, h))) {
       uncertified.fetch_add(1, std::memory_order_relaxed);
     }
     if (kept != nullptr) {
@@ -185,6 +199,25 @@ Index batched_windowed_alibi_attention(
   return uncertified.load();
 }
 
+/// windowed_alibi_attention with its optional outputs: the row lse (unless `lse` is empty) and,
+/// when `kept` is not null, the kept key rows with the call's shapes and tolerance.
+template <class Scalar>
+void windowed_alibi_attention_keeping(const BatchedHeadsView<const Scalar>& q,
+                                      const BatchedHeadsView<const Scalar>& k,
+                                      const BatchedHeadsView<const Scalar>& v,
+                                      const BatchedHeadsView<Scalar>& out,
+                                      const std::vector<double>& slopes, double tolerance,
+                                      const AttentionOptions& options,
+                                      const RowLse<Compute<Scalar>>& lse, KeptKeys* kept) {
+  std::vector<Block> ranges;
+  batched_windowed_alibi_attention<Scalar>(q, k, v, &out, slopes, tolerance, options, {},
+                                           kept == nullptr ? nullptr : &ranges, lse);
+  if (kept != nullptr) {
+    KeptKeysAccess::store(*kept, q.batch, q.heads, q.tokens, k.tokens, tolerance,
+                          std::move(ranges));
+  }
+}
+
 }  // namespace detail
 
 /// Exact ALiBi attention.
@@ -192,17 +225,19 @@ Index batched_windowed_alibi_attention(
 /// \param q `[n_q][H][d]`, \param k `[n_k][H_kv][d]`, \param v `[n_k][H_kv][d_v]`,
 /// \param out `[n_q][H][d_v]`; H a multiple of H_kv (grouped-query attention).
 /// \param slopes one slope per query head (alibi_slopes(H) for the standard list).
-/// \throws std::invalid_argument on shapes that disagree, a bad slope, or `out` overlapping an
-/// input; the message names the argument.
+/// \param lse when not empty, receives each row's log-sum-exp, `[1][H][n_q]` (row_lse.hpp), for
+/// the backward.
+/// \throws std::invalid_argument on shapes that disagree, a bad slope, `out` overlapping an
+/// input, or an `lse` of another shape; the message names the argument.
 template <class Scalar>
 void exact_alibi_attention(HeadsView<const detail::NonDeduced<Scalar>> q,
                            HeadsView<const detail::NonDeduced<Scalar>> k,
                            HeadsView<const detail::NonDeduced<Scalar>> v, HeadsView<Scalar> out,
-                           const std::vector<double>& slopes,
-                           const AttentionOptions& options = {}) {
+                           const std::vector<double>& slopes, const AttentionOptions& options = {},
+                           RowLse<detail::Compute<Scalar>> lse = {}) {
   detail::batched_exact_alibi_attention<Scalar>(detail::batch_of_one(q), detail::batch_of_one(k),
                                                 detail::batch_of_one(v), detail::batch_of_one(out),
-                                                slopes, options);
+                                                slopes, options, lse);
 }
 
 /// ALiBi attention that drops only keys it certifies to weigh at most `tolerance`: for every
@@ -215,17 +250,19 @@ void exact_alibi_attention(HeadsView<const detail::NonDeduced<Scalar>> q,
 /// visited, and where they are absent the window is a few multiples of \f$1/m_h\f$.
 /// `tolerance = 0` is exact ALiBi.
 ///
-/// Arguments as exact_alibi_attention; \param tolerance in [0, 1].
+/// Arguments as exact_alibi_attention (`lse` over the kept keys); \param tolerance in [0, 1];
+/// \param kept when not null, receives the key rows each query tile kept, for
+/// windowed_alibi_attention_backward.
 template <class Scalar>
 void windowed_alibi_attention(HeadsView<const detail::NonDeduced<Scalar>> q,
                               HeadsView<const detail::NonDeduced<Scalar>> k,
                               HeadsView<const detail::NonDeduced<Scalar>> v, HeadsView<Scalar> out,
                               const std::vector<double>& slopes, double tolerance = 1e-6,
-                              const AttentionOptions& options = {}) {
-  const BatchedHeadsView<Scalar> batched_out = detail::batch_of_one(out);
-  detail::batched_windowed_alibi_attention<Scalar>(detail::batch_of_one(q), detail::batch_of_one(k),
-                                                   detail::batch_of_one(v), &batched_out, slopes,
-                                                   tolerance, options);
+                              const AttentionOptions& options = {},
+                              RowLse<detail::Compute<Scalar>> lse = {}, KeptKeys* kept = nullptr) {
+  detail::windowed_alibi_attention_keeping<Scalar>(
+      detail::batch_of_one(q), detail::batch_of_one(k), detail::batch_of_one(v),
+      detail::batch_of_one(out), slopes, tolerance, options, lse, kept);
 }
 
 /// ALiBi truncated where the factor \f$e^{-m_h|p_i - p_j|}\f$ falls below `factor_tolerance`:
@@ -243,10 +280,12 @@ void truncated_alibi_attention(HeadsView<const detail::NonDeduced<Scalar>> q,
                                HeadsView<const detail::NonDeduced<Scalar>> k,
                                HeadsView<const detail::NonDeduced<Scalar>> v, HeadsView<Scalar> out,
                                const std::vector<double>& slopes, double factor_tolerance,
-                               const AttentionOptions& options = {}) {
+                               const AttentionOptions& options = {},
+                               RowLse<detail::Compute<Scalar>> lse = {}) {
   detail::batched_truncated_alibi_attention<Scalar>(
       detail::batch_of_one(q), detail::batch_of_one(k), detail::batch_of_one(v),
-      detail::batch_of_one(out), slopes, factor_tolerance, options);
+      detail::batch_of_one(out), slopes, factor_tolerance, options, "truncated_alibi_attention",
+      lse);
 }
 
 }  // namespace plsh

@@ -21,13 +21,16 @@
 /// dQ in one pass (dQ's accumulator is rescaled on a new row maximum, like the forward's output).
 /// Sweep 2, parallel over (batch element, key/value head, key tile): the logits again, P from the
 /// stored lse, dV and dK, with the query heads of the group and their query tiles visited in a
-/// fixed order. Each sweep is one OpenMP region for the whole batch (batch.hpp; an unbatched call
-/// is a batch of one), and the draws are made once per call. About \f$8d + 6d_v\f$ flops per
-/// visible score (the forward: \f$2d + 2d_v\f$); memory: lse and D, \f$2BHn_q\f$ scalars, plus
-/// one tile workspace per thread. Every output row is written by one job and every sum runs in a
-/// fixed order: the result is identical for any number of threads.
-/// The Positional LSH visible set and counts of a tile of rows come from BlockCounts, the fused
-/// forward's own.
+/// fixed order. Given the forward's row lse (RowLse, row_lse.hpp, FlashAttention's
+/// `softmax_lse`), sweep 1 takes \f$P = e^{l - \mathrm{lse}}\f$ from it (no running maximum, no
+/// rescaling) and sweep 2 reads it; given the windowed forward's kept keys (KeptKeys,
+/// kept_keys.hpp), the windowed backward does not run the certificate. Each sweep is one OpenMP
+/// region for the whole batch (batch.hpp; an unbatched call is a batch of one), and the draws are
+/// made once per call. About \f$8d + 6d_v\f$ flops per visible score (the forward: \f$2d +
+/// 2d_v\f$); memory: lse and D, \f$2BHn_q\f$ scalars, plus one tile workspace per thread. Every
+/// output row is written by one job and every sum runs in a fixed order: the result is identical
+/// for any number of threads. The Positional LSH visible set and counts of a tile of rows come from
+/// BlockCounts, the fused forward's own.
 ///
 /// Storage types (detail/storage.hpp): q, k, v, out, dout and the gradients may be float, double,
 /// Eigen::bfloat16 or Eigen::half; the sweeps compute in `Compute<S>` (float for the 16-bit
@@ -59,10 +62,12 @@
 #include "../detail/parallel.hpp"
 #include "../detail/validate.hpp"
 #include "../partition.hpp"
+#include "../row_lse.hpp"
 #include "../sampler.hpp"
 #include "../tensor.hpp"
 #include "alibi_attention.hpp"
 #include "block_counts.hpp"
+#include "kept_keys.hpp"
 #include "near_field.hpp"
 #include "options.hpp"
 #include "regular.hpp"
@@ -77,7 +82,7 @@ struct BackwardWorkspace {
   AlignedVector<Scalar> scores;         // logits, then weights or P, then dS
   AlignedVector<Scalar> value_scores;   // dP = dO v^T
   OnlineSoftmax<Scalar> softmax;        // sweep 1: running lse, dQ as its accumulator
-  RowMatrix<Scalar> accumulator;        // dK of a key tile
+  RowMatrix<Scalar> accumulator;        // dK of a key tile (sweep 1 with a given lse: dQ)
   RowMatrix<Scalar> value_accumulator;  // dV of a key tile
   std::vector<Index> nonfinite;         // rows of a product's operand with a non-finite entry
   RowMatrix<Scalar> clean;              // that operand with those rows zeroed
@@ -317,17 +322,49 @@ void score_gradient(Eigen::Map<RowMatrix<Scalar>>& weights,
   }
 }
 
+/// The weights \f$P_{ij} = e^{l_{ij} - \mathrm{lse}_i}\f$ in place of the logits of a tile whose
+/// rows have the log-sum-exp `lse[r]` (exactly 0 for a row with \f$\mathrm{lse} = -\infty\f$ and
+/// for a logit \f$-\infty\f$). A softmax weight is at most 1: \f$e^{l - \mathrm{lse}}\f$ above 1
+/// is the rounding of a logit computed in another tiling than the lse, which at huge scales would
+/// overflow (NaN stays NaN).
+template <class Scalar>
+void weights_from_lse(Eigen::Map<RowMatrix<Scalar>>& scores, const Scalar* lse,
+                      Eigen::Array<Scalar, 1, Eigen::Dynamic>& scratch) {
+  for (Index r = 0; r < scores.rows(); ++r) {
+    if (lse[r] == -std::numeric_limits<Scalar>::infinity()) {
+      scores.row(r).setZero();
+    } else {
+      masked_exp(scores.row(r).array(), lse[r], scratch);
+    }
+  }
+  scores = scores.unaryExpr([](Scalar p) { return p > Scalar(1) ? Scalar(1) : p; });
+}
+
+/// `accumulator += weights * operand`, where an operand row with a non-finite entry adds only
+/// where `weight_of(row, operand row)` is not 0.
+template <class Scalar, class Weights, class Operand, class WeightOf>
+void add_seen_product(BackwardWorkspace<Scalar>& workspace, RowMatrix<Scalar>& accumulator,
+                      const Weights& weights, const Operand& operand, WeightOf&& weight_of) {
+  find_nonfinite_rows(operand, workspace.nonfinite);
+  add_product(
+      accumulator, weights, operand, workspace.nonfinite, workspace.clean, EigenProduct{false},
+      [&](Index row, std::size_t i) { return weight_of(row, workspace.nonfinite[i]) != 0; });
+}
+
 /// Sweep 1 for query rows `[row_begin, row_end)` of head h: writes those rows of dq, and their
 /// lse and D. The forward's OnlineSoftmax runs over the logits, with \f$e^{l_{ij} - \mu_i}(dP_{ij}
 /// - D_i)\f$ in place of the weights and \f$k_j\f$ in place of the values: its accumulator holds
 /// \f$\sum_j e^{l_{ij} - \mu_i}(dP_{ij} - D_i) k_j\f$ and its output is \f$dQ_i/\text{scale}\f$.
+/// With the forward's lse given (`given_lse`, the head's rows; `lse` is then not written), no
+/// running maximum: \f$P\f$ from it (weights_from_lse), \f$dQ_i = \text{scale}\sum_j dS_{ij}
+/// k_j\f$ summed directly.
 template <class Storage, class Logits>
 void backward_query_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
                          const ConstHeadMap<Storage>& v, const ConstHeadMap<Storage>& out,
                          const ConstHeadMap<Storage>& dout, HeadMap<Storage>& dq,
                          const AttentionOptions& options, const Logits& logits, Index b, Index h,
-                         Index row_begin, Index row_end, Compute<Storage>* lse,
-                         Compute<Storage>* delta) {
+                         Index row_begin, Index row_end, const Compute<Storage>* given_lse,
+                         Compute<Storage>* lse, Compute<Storage>* delta) {
   using Scalar = Compute<Storage>;
   BackwardWorkspace<Scalar>& workspace = backward_workspace<Scalar>();
   ConvertedRows<Storage>& converted = converted_rows<Storage>();
@@ -339,7 +376,12 @@ void backward_query_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Stor
     const ConstHeadMap<Scalar> out_rows = compute_rows(out, row_begin, rows, converted.out);
     for (Index r = 0; r < rows; ++r) delta[row_begin + r] = dout_rows.row(r).dot(out_rows.row(r));
   }
-  workspace.softmax.reset(rows, q.cols());
+  const bool given = given_lse != nullptr;
+  if (given) {
+    workspace.accumulator.setZero(rows, q.cols());
+  } else {
+    workspace.softmax.reset(rows, q.cols());
+  }
   const Block keys = logits.prepare_rows(b, h, first_query, rows, workspace);
   if (keys.begin < keys.end) {
     workspace.query.noalias() = compute_rows(q, row_begin, rows, converted.query) * scale;
@@ -356,12 +398,25 @@ void backward_query_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Stor
       logits.apply(h, workspace, scores, first_query, c0);
       value_scores.noalias() =
           dout_rows * compute_rows(v, first_key, cols, converted.value).transpose();
-      workspace.softmax.exponentiate(scores);
+      if (given) {
+        weights_from_lse(scores, given_lse + row_begin, workspace.row_scratch);
+      } else {
+        workspace.softmax.exponentiate(scores);
+      }
       score_gradient(scores, value_scores, delta + row_begin);
-      workspace.softmax.accumulate(scores, k_tile);
+      if (given) {
+        add_seen_product(workspace, workspace.accumulator, scores, k_tile,
+                         [&](Index row, Index key) { return scores(row, key); });
+      } else {
+        workspace.softmax.accumulate(scores, k_tile);
+      }
     }
   }
-  workspace.softmax.finish(converted.result.bind(dq, row_begin, rows), lse + row_begin, &scale);
+  if (given) {
+    converted.result.bind(dq, row_begin, rows) = workspace.accumulator * scale;
+  } else {
+    workspace.softmax.finish(converted.result.bind(dq, row_begin, rows), lse + row_begin, &scale);
+  }
   converted.result.store();
 }
 
@@ -376,17 +431,13 @@ void backward_key_rows(const HeadsView<const Storage>& q, const HeadsView<const 
                        Index kv_head, Index col_begin, Index col_end, const Compute<Storage>* lse,
                        const Compute<Storage>* delta) {
   using Scalar = Compute<Storage>;
-  constexpr Scalar kMinusInfinity = -std::numeric_limits<Scalar>::infinity();
   BackwardWorkspace<Scalar>& workspace = backward_workspace<Scalar>();
   ConvertedRows<Storage>& converted = converted_rows<Storage>();
   // An operand row with a non-finite entry adds only where the weight is not 0.
   const auto add_product = [&](RowMatrix<Scalar>& accumulator,
                                const Eigen::Map<RowMatrix<Scalar>>& weights, const auto& operand) {
-    find_nonfinite_rows(operand, workspace.nonfinite);
-    detail::add_product(accumulator, weights.transpose(), operand, workspace.nonfinite,
-                        workspace.clean, EigenProduct{false}, [&](Index key, std::size_t i) {
-                          return weights(workspace.nonfinite[i], key) != 0;
-                        });
+    add_seen_product(workspace, accumulator, weights.transpose(), operand,
+                     [&](Index key, Index query) { return weights(query, key); });
   };
   const Index group = q.heads / k.heads;
   const Index cols = col_end - col_begin;
@@ -417,17 +468,7 @@ void backward_key_rows(const HeadsView<const Storage>& q, const HeadsView<const 
       workspace.query.noalias() = compute_rows(q_head, row_begin, rows, converted.query) * scale;
       scores.noalias() = workspace.query * k_tile.transpose();
       logits.apply(h, workspace, scores, p0, first_key);
-      for (Index r = 0; r < rows; ++r) {
-        const Scalar row_lse = head_lse[row_begin + r];
-        if (row_lse == kMinusInfinity) {
-          scores.row(r).setZero();
-        } else {
-          masked_exp(scores.row(r).array(), row_lse, workspace.row_scratch);
-        }
-      }
-      // A softmax weight is at most 1: e^{l - lse} above 1 is the rounding of a logit recomputed
-      // in another tiling than sweep 1's, which at huge scales would overflow (NaN stays NaN).
-      scores = scores.unaryExpr([](Scalar p) { return p > Scalar(1) ? Scalar(1) : p; });
+      weights_from_lse(scores, head_lse + row_begin, workspace.row_scratch);
       const ConstHeadMap<Scalar> dout_rows =
           compute_rows(dout_head, row_begin, rows, converted.dout);
       add_product(workspace.value_accumulator, scores, dout_rows);
@@ -445,7 +486,8 @@ void backward_key_rows(const HeadsView<const Storage>& q, const HeadsView<const 
 /// Both sweeps over a batch, each one parallel region over the jobs of every batch element:
 /// sweep 1 over (element, head, query tile), sweep 2 over (element, key/value head, key tile).
 /// `options.scale` must be resolved; the logits are shared by the elements. Views in the storage
-/// type `Scalar`, lse and D in its compute type.
+/// type `Scalar`, lse and D in its compute type. With `given_lse` (the forward's, checked) sweep 1
+/// takes P from it and both sweeps read it; otherwise sweep 1 computes it.
 template <class Scalar, class Logits>
 void attention_backward(const BatchedHeadsView<const Scalar>& q,
                         const BatchedHeadsView<const Scalar>& k,
@@ -454,12 +496,14 @@ void attention_backward(const BatchedHeadsView<const Scalar>& q,
                         const BatchedHeadsView<const Scalar>& dout,
                         const BatchedHeadsView<Scalar>& dq, const BatchedHeadsView<Scalar>& dk,
                         const BatchedHeadsView<Scalar>& dv, const AttentionOptions& options,
-                        const Logits& logits) {
+                        const Logits& logits, const RowLse<const Compute<Scalar>>& given_lse) {
   if (q.batch == 0) return;
   const Index group = q.heads / k.heads;
   const Index element_rows = q.heads * q.tokens;  // lse and D of one element, [H][n_q]
-  std::vector<Compute<Scalar>> lse(static_cast<std::size_t>(q.batch * element_rows));
-  std::vector<Compute<Scalar>> delta(lse.size());
+  const auto rows_of_batch = static_cast<std::size_t>(q.batch * element_rows);
+  std::vector<Compute<Scalar>> computed_lse(given_lse.empty() ? rows_of_batch : 0);
+  const Compute<Scalar>* lse = given_lse.empty() ? computed_lse.data() : given_lse.data;
+  std::vector<Compute<Scalar>> delta(rows_of_batch);
   const double work = static_cast<double>(q.batch) * attention_work(q[0], k[0], v[0]);
   struct Tile {
     Index head, begin, end;
@@ -477,10 +521,11 @@ void attention_backward(const BatchedHeadsView<const Scalar>& q,
     const Tile& tile = tiles[static_cast<std::size_t>(job % element_jobs)];
     HeadMap<Scalar> dq_head = dq[b].head(tile.head);
     const Index rows = b * element_rows + tile.head * q.tokens;
-    backward_query_rows<Scalar>(q[b].head(tile.head), k[b].head(tile.head / group),
-                                v[b].head(tile.head / group), out[b].head(tile.head),
-                                dout[b].head(tile.head), dq_head, options, logits, b, tile.head,
-                                tile.begin, tile.end, lse.data() + rows, delta.data() + rows);
+    backward_query_rows<Scalar>(
+        q[b].head(tile.head), k[b].head(tile.head / group), v[b].head(tile.head / group),
+        out[b].head(tile.head), dout[b].head(tile.head), dq_head, options, logits, b, tile.head,
+        tile.begin, tile.end, given_lse.empty() ? nullptr : lse + rows,
+        computed_lse.data() + (given_lse.empty() ? rows : 0), delta.data() + rows);
   });
   tiles.clear();
   for (Index g = 0; g < k.heads; ++g) {
@@ -494,7 +539,7 @@ void attention_backward(const BatchedHeadsView<const Scalar>& q,
     const Index b = job / element_jobs;
     const Tile& tile = tiles[static_cast<std::size_t>(job % element_jobs)];
     backward_key_rows<Scalar>(q[b], k[b], v[b], dout[b], dk[b], dv[b], options, logits, b,
-                              tile.head, tile.begin, tile.end, lse.data() + b * element_rows,
+                              tile.head, tile.begin, tile.end, lse + b * element_rows,
                               delta.data() + b * element_rows);
   });
 }
@@ -509,15 +554,17 @@ void batched_truncated_alibi_attention_backward(
     const BatchedHeadsView<const Scalar>& dout, const BatchedHeadsView<Scalar>& dq,
     const BatchedHeadsView<Scalar>& dk, const BatchedHeadsView<Scalar>& dv,
     const std::vector<double>& slopes, double factor_tolerance, const AttentionOptions& options,
-    const char* function = "truncated_alibi_attention_backward") {
+    const char* function = "truncated_alibi_attention_backward",
+    const RowLse<const Compute<Scalar>>& lse = {}) {
   validate_backward(function, q[0], k[0], v[0], out[0], dout[0], dq[0], dk[0], dv[0], options,
                     memory_of(q));
   validate_slopes(function, slopes, q.heads);
   require_tolerance(factor_tolerance, function, "factor_tolerance");
+  require_row_lse(function, "lse", lse, q.batch, q.heads, q.tokens);
   AttentionOptions resolved = options;
   resolved.scale = resolved_scale(options, q.dim);
   const AlibiLogits<Compute<Scalar>> logits(slopes, resolved, q.tokens, k.tokens, factor_tolerance);
-  attention_backward(q, k, v, out, dout, dq, dk, dv, resolved, logits);
+  attention_backward(q, k, v, out, dout, dq, dk, dv, resolved, logits, lse);
 }
 
 /// exact_alibi_attention_backward on a checked batch: batched_truncated_alibi_attention_backward
@@ -528,56 +575,65 @@ void batched_exact_alibi_attention_backward(
     const BatchedHeadsView<const Scalar>& v, const BatchedHeadsView<const Scalar>& out,
     const BatchedHeadsView<const Scalar>& dout, const BatchedHeadsView<Scalar>& dq,
     const BatchedHeadsView<Scalar>& dk, const BatchedHeadsView<Scalar>& dv,
-    const std::vector<double>& slopes, const AttentionOptions& options) {
-  batched_truncated_alibi_attention_backward<Scalar>(q, k, v, out, dout, dq, dk, dv, slopes, 0.0,
-                                                     options, "exact_alibi_attention_backward");
+    const std::vector<double>& slopes, const AttentionOptions& options,
+    const RowLse<const Compute<Scalar>>& lse = {}) {
+  batched_truncated_alibi_attention_backward<Scalar>(
+      q, k, v, out, dout, dq, dk, dv, slopes, 0.0, options, "exact_alibi_attention_backward", lse);
 }
 
 /// windowed_alibi_attention_backward on a checked batch: the checks of one element, the forward's
-/// kept keys (its certificate, run again without output), then both sweeps over those keys.
-/// Tolerance 0 is exact ALiBi's backward.
+/// kept keys (`kept` when given, else its certificate, run again without output), then both
+/// sweeps over those keys. Tolerance 0 is exact ALiBi's backward.
 template <class Scalar>
 void batched_windowed_alibi_attention_backward(
     const BatchedHeadsView<const Scalar>& q, const BatchedHeadsView<const Scalar>& k,
     const BatchedHeadsView<const Scalar>& v, const BatchedHeadsView<const Scalar>& out,
     const BatchedHeadsView<const Scalar>& dout, const BatchedHeadsView<Scalar>& dq,
     const BatchedHeadsView<Scalar>& dk, const BatchedHeadsView<Scalar>& dv,
-    const std::vector<double>& slopes, double tolerance, const AttentionOptions& options) {
+    const std::vector<double>& slopes, double tolerance, const AttentionOptions& options,
+    const RowLse<const Compute<Scalar>>& lse = {}, const KeptKeys* kept = nullptr) {
   const char* function = "windowed_alibi_attention_backward";
   validate_backward(function, q[0], k[0], v[0], out[0], dout[0], dq[0], dk[0], dv[0], options,
                     memory_of(q));
   validate_slopes(function, slopes, q.heads);
   require_tolerance(tolerance, function);
+  require_row_lse(function, "lse", lse, q.batch, q.heads, q.tokens);
+  const std::vector<Block>* given =
+      kept == nullptr ? nullptr
+                      : &KeptKeysAccess::ranges(function, "kept", *kept, q.batch, q.heads, q.tokens,
+                                                k.tokens, tolerance);
   AttentionOptions resolved = options;
   resolved.scale = resolved_scale(options, q.dim);
   if (tolerance == 0) {
     const AlibiLogits<Compute<Scalar>> logits(slopes, resolved, q.tokens, k.tokens);
-    attention_backward(q, k, v, out, dout, dq, dk, dv, resolved, logits);
+    attention_backward(q, k, v, out, dout, dq, dk, dv, resolved, logits, lse);
     return;
   }
-  std::vector<Block> kept;
-  batched_windowed_alibi_attention<Scalar>(q, k, v, nullptr, slopes, tolerance, options, {}, &kept);
-  const WindowedLogits<Compute<Scalar>> logits(slopes, resolved, q.heads, q.tokens, k.tokens, kept);
-  attention_backward(q, k, v, out, dout, dq, dk, dv, resolved, logits);
+  std::vector<Block> recomputed;
+  if (given == nullptr) {
+    batched_windowed_alibi_attention<Scalar>(q, k, v, nullptr, slopes, tolerance, options, {},
+                                             &recomputed);
+  }
+  const WindowedLogits<Compute<Scalar>> logits(slopes, resolved, q.heads, q.tokens, k.tokens,
+                                               given == nullptr ? recomputed : *given);
+  attention_backward(q, k, v, out, dout, dq, dk, dv, resolved, logits, lse);
 }
 
 /// Both sweeps with the Positional LSH logits of `grids` (one list of draws per head) and the near
 /// field `near_field` (PlshOptions::near_field); the tile heights come from `slopes`.
 template <class Scalar>
-void block_counts_backward(const BatchedHeadsView<const Scalar>& q,
-                           const BatchedHeadsView<const Scalar>& k,
-                           const BatchedHeadsView<const Scalar>& v,
-                           const BatchedHeadsView<const Scalar>& out,
-                           const BatchedHeadsView<const Scalar>& dout,
-                           const BatchedHeadsView<Scalar>& dq, const BatchedHeadsView<Scalar>& dk,
-                           const BatchedHeadsView<Scalar>& dv, const std::vector<double>& slopes,
-                           const std::vector<std::vector<Grid>>& grids,
-                           const AttentionOptions& options, double near_field = 0) {
+void block_counts_backward(
+    const BatchedHeadsView<const Scalar>& q, const BatchedHeadsView<const Scalar>& k,
+    const BatchedHeadsView<const Scalar>& v, const BatchedHeadsView<const Scalar>& out,
+    const BatchedHeadsView<const Scalar>& dout, const BatchedHeadsView<Scalar>& dq,
+    const BatchedHeadsView<Scalar>& dk, const BatchedHeadsView<Scalar>& dv,
+    const std::vector<double>& slopes, const std::vector<std::vector<Grid>>& grids,
+    const AttentionOptions& options, double near_field, const RowLse<const Compute<Scalar>>& lse) {
   AttentionOptions resolved = options;
   resolved.scale = resolved_scale(options, q.dim);
   const PlshLogits<Compute<Scalar>> logits(slopes, grids, resolved, position_range(q, k, options),
                                            q.tokens, k.tokens, near_field);
-  attention_backward(q, k, v, out, dout, dq, dk, dv, resolved, logits);
+  attention_backward(q, k, v, out, dout, dq, dk, dv, resolved, logits, lse);
 }
 
 /// plsh_attention_backward on a checked batch: the checks of one element, the draws (once,
@@ -588,15 +644,18 @@ void batched_plsh_attention_backward(
     const BatchedHeadsView<const Scalar>& v, const BatchedHeadsView<const Scalar>& out,
     const BatchedHeadsView<const Scalar>& dout, const BatchedHeadsView<Scalar>& dq,
     const BatchedHeadsView<Scalar>& dk, const BatchedHeadsView<Scalar>& dv,
-    const std::vector<double>& slopes, const PlshOptions& options) {
+    const std::vector<double>& slopes, const PlshOptions& options,
+    const RowLse<const Compute<Scalar>>& lse = {}) {
   const char* function = "plsh_attention_backward";
   validate_backward(function, q[0], k[0], v[0], out[0], dout[0], dq[0], dk[0], dv[0], options,
                     memory_of(q));
   validate_slopes(function, slopes, q.heads);
+  require_row_lse(function, "lse", lse, q.batch, q.heads, q.tokens);
   const auto grids = kernel_grids(slopes, options, function);
   // The forward's check: these options never evaluate the near-field estimator.
   require_near_field_kernel(options, options.kernel == Kernel::Passes, function);
-  block_counts_backward(q, k, v, out, dout, dq, dk, dv, slopes, grids, options, options.near_field);
+  block_counts_backward(q, k, v, out, dout, dq, dk, dv, slopes, grids, options, options.near_field,
+                        lse);
 }
 
 /// fixed_block_attention_backward on a checked batch: the checks of one element, then both
@@ -607,18 +666,19 @@ void batched_fixed_block_attention_backward(
     const BatchedHeadsView<const Scalar>& v, const BatchedHeadsView<const Scalar>& out,
     const BatchedHeadsView<const Scalar>& dout, const BatchedHeadsView<Scalar>& dq,
     const BatchedHeadsView<Scalar>& dk, const BatchedHeadsView<Scalar>& dv, Index block_size,
-    const AttentionOptions& options) {
+    const AttentionOptions& options, const RowLse<const Compute<Scalar>>& lse = {}) {
   const char* function = "fixed_block_attention_backward";
   validate_backward(function, q[0], k[0], v[0], out[0], dout[0], dq[0], dk[0], dv[0], options,
                     memory_of(q));
   require(block_size >= 1, function, "block_size must be at least 1");
+  require_row_lse(function, "lse", lse, q.batch, q.heads, q.tokens);
   const std::vector<std::vector<Grid>> grids(
       static_cast<std::size_t>(q.heads),
       std::vector<Grid>{fixed_grid(static_cast<double>(block_size))});
   // The tile heights of the logits come from a slope: about one block per tile.
   const std::vector<double> slopes(static_cast<std::size_t>(q.heads),
                                    1.0 / static_cast<double>(block_size));
-  block_counts_backward(q, k, v, out, dout, dq, dk, dv, slopes, grids, options);
+  block_counts_backward(q, k, v, out, dout, dq, dk, dv, slopes, grids, options, 0.0, lse);
 }
 
 }  // namespace detail
@@ -633,39 +693,46 @@ void batched_fixed_block_attention_backward(
 /// \param q, k, v, out as exact_alibi_attention (out is its result for these inputs).
 /// \param dout `[n_q][H][d_v]`. \param dq like q, \param dk like k, \param dv like v.
 /// \param slopes, options as the forward.
-/// \throws std::invalid_argument on shapes that disagree, a bad slope, or a gradient view that
-/// overlaps an input or another gradient; the message names the argument.
+/// \param lse the forward's row log-sum-exp (row_lse.hpp), or empty: then computed here. Given,
+/// sweep 1 takes \f$P = e^{l - \mathrm{lse}}\f$ from it, without a running maximum.
+/// \throws std::invalid_argument on shapes that disagree, a bad slope, a gradient view that
+/// overlaps an input or another gradient, or an `lse` of another shape; the message names the
+/// argument.
 template <class Scalar>
 void exact_alibi_attention_backward(
     HeadsView<const detail::NonDeduced<Scalar>> q, HeadsView<const detail::NonDeduced<Scalar>> k,
     HeadsView<const detail::NonDeduced<Scalar>> v, HeadsView<const detail::NonDeduced<Scalar>> out,
     HeadsView<const detail::NonDeduced<Scalar>> dout, HeadsView<Scalar> dq, HeadsView<Scalar> dk,
-    HeadsView<Scalar> dv, const std::vector<double>& slopes, const AttentionOptions& options = {}) {
+    HeadsView<Scalar> dv, const std::vector<double>& slopes, const AttentionOptions& options = {},
+    RowLse<const detail::Compute<Scalar>> lse = {}) {
   detail::batched_exact_alibi_attention_backward<Scalar>(
       detail::batch_of_one(q), detail::batch_of_one(k), detail::batch_of_one(v),
       detail::batch_of_one(out), detail::batch_of_one(dout), detail::batch_of_one(dq),
-      detail::batch_of_one(dk), detail::batch_of_one(dv), slopes, options);
+      detail::batch_of_one(dk), detail::batch_of_one(dv), slopes, options, lse);
 }
 
 /// Gradients of windowed_alibi_attention with respect to q, k and v: of the function the forward
-/// computes, exact ALiBi over the keys each query tile kept (the forward's certificate, evaluated
-/// again here at about the cost of one forward), so they are exact for that function and, for the
-/// keys it dropped, 0. `tolerance = 0` is exact_alibi_attention_backward.
+/// computes, exact ALiBi over the keys each query tile kept (`kept`, the forward's, or else the
+/// forward's certificate evaluated again here at about the cost of one forward), so they are
+/// exact for that function and, for the keys it dropped, 0. `tolerance = 0` is
+/// exact_alibi_attention_backward.
 ///
-/// Arguments as exact_alibi_attention_backward, with the forward's `tolerance`.
-/// \throws std::invalid_argument as exact_alibi_attention_backward, and for a tolerance outside
-/// [0, 1].
+/// Arguments as exact_alibi_attention_backward, with the forward's `tolerance`; \param kept the
+/// forward's kept keys, or null.
+/// \throws std::invalid_argument as exact_alibi_attention_backward, for a tolerance outside
+/// [0, 1], and for a `kept` that is empty or from a call of other shapes or tolerance.
 template <class Scalar>
 void windowed_alibi_attention_backward(
     HeadsView<const detail::NonDeduced<Scalar>> q, HeadsView<const detail::NonDeduced<Scalar>> k,
     HeadsView<const detail::NonDeduced<Scalar>> v, HeadsView<const detail::NonDeduced<Scalar>> out,
     HeadsView<const detail::NonDeduced<Scalar>> dout, HeadsView<Scalar> dq, HeadsView<Scalar> dk,
     HeadsView<Scalar> dv, const std::vector<double>& slopes, double tolerance = 1e-6,
-    const AttentionOptions& options = {}) {
+    const AttentionOptions& options = {}, RowLse<const detail::Compute<Scalar>> lse = {},
+    const KeptKeys* kept = nullptr) {
   detail::batched_windowed_alibi_attention_backward<Scalar>(
       detail::batch_of_one(q), detail::batch_of_one(k), detail::batch_of_one(v),
       detail::batch_of_one(out), detail::batch_of_one(dout), detail::batch_of_one(dq),
-      detail::batch_of_one(dk), detail::batch_of_one(dv), slopes, tolerance, options);
+      detail::batch_of_one(dk), detail::batch_of_one(dv), slopes, tolerance, options, lse, kept);
 }
 
 /// Gradients of truncated_alibi_attention with respect to q, k and v: exact ALiBi's over each
@@ -683,11 +750,12 @@ void truncated_alibi_attention_backward(
     HeadsView<const detail::NonDeduced<Scalar>> v, HeadsView<const detail::NonDeduced<Scalar>> out,
     HeadsView<const detail::NonDeduced<Scalar>> dout, HeadsView<Scalar> dq, HeadsView<Scalar> dk,
     HeadsView<Scalar> dv, const std::vector<double>& slopes, double factor_tolerance,
-    const AttentionOptions& options = {}) {
+    const AttentionOptions& options = {}, RowLse<const detail::Compute<Scalar>> lse = {}) {
   detail::batched_truncated_alibi_attention_backward<Scalar>(
       detail::batch_of_one(q), detail::batch_of_one(k), detail::batch_of_one(v),
       detail::batch_of_one(out), detail::batch_of_one(dout), detail::batch_of_one(dq),
-      detail::batch_of_one(dk), detail::batch_of_one(dv), slopes, factor_tolerance, options);
+      detail::batch_of_one(dk), detail::batch_of_one(dv), slopes, factor_tolerance, options,
+      "truncated_alibi_attention_backward", lse);
 }
 
 /// Gradients of plsh_attention with respect to q, k and v: the function of the fused kernel,
@@ -705,11 +773,12 @@ void plsh_attention_backward(HeadsView<const detail::NonDeduced<Scalar>> q,
                              HeadsView<const detail::NonDeduced<Scalar>> out,
                              HeadsView<const detail::NonDeduced<Scalar>> dout, HeadsView<Scalar> dq,
                              HeadsView<Scalar> dk, HeadsView<Scalar> dv,
-                             const std::vector<double>& slopes, const PlshOptions& options = {}) {
+                             const std::vector<double>& slopes, const PlshOptions& options = {},
+                             RowLse<const detail::Compute<Scalar>> lse = {}) {
   detail::batched_plsh_attention_backward<Scalar>(
       detail::batch_of_one(q), detail::batch_of_one(k), detail::batch_of_one(v),
       detail::batch_of_one(out), detail::batch_of_one(dout), detail::batch_of_one(dq),
-      detail::batch_of_one(dk), detail::batch_of_one(dv), slopes, options);
+      detail::batch_of_one(dk), detail::batch_of_one(dv), slopes, options, lse);
 }
 
 /// Gradients of fixed_block_attention with respect to q, k and v: softmax over the keys of the
@@ -723,11 +792,12 @@ void fixed_block_attention_backward(
     HeadsView<const detail::NonDeduced<Scalar>> q, HeadsView<const detail::NonDeduced<Scalar>> k,
     HeadsView<const detail::NonDeduced<Scalar>> v, HeadsView<const detail::NonDeduced<Scalar>> out,
     HeadsView<const detail::NonDeduced<Scalar>> dout, HeadsView<Scalar> dq, HeadsView<Scalar> dk,
-    HeadsView<Scalar> dv, Index block_size, const AttentionOptions& options = {}) {
+    HeadsView<Scalar> dv, Index block_size, const AttentionOptions& options = {},
+    RowLse<const detail::Compute<Scalar>> lse = {}) {
   detail::batched_fixed_block_attention_backward<Scalar>(
       detail::batch_of_one(q), detail::batch_of_one(k), detail::batch_of_one(v),
       detail::batch_of_one(out), detail::batch_of_one(dout), detail::batch_of_one(dq),
-      detail::batch_of_one(dk), detail::batch_of_one(dv), block_size, options);
+      detail::batch_of_one(dk), detail::batch_of_one(dv), block_size, options, lse);
 }
 
 }  // namespace plsh

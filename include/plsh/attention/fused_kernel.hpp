@@ -30,6 +30,7 @@
 #include "../detail/storage.hpp"
 #include "../detail/validate.hpp"
 #include "../partition.hpp"
+#include "../row_lse.hpp"
 #include "../sampler.hpp"
 #include "../tensor.hpp"
 #include "arch/avx512/causal_rows.hpp"
@@ -99,12 +100,14 @@ inline Block span_keys(const std::vector<Grid>& grids, const PositionRange& rang
 /// arithmetic either way. (A tile's query rows are copied anyway, scaled, and its output rows
 /// written once.) When the keys are in the compute type, the values of those keys are tested for
 /// finiteness once here, and the tiles skip their own test when they are
-/// (OnlineSoftmax::update_counted, fused_row_by_row).
+/// (OnlineSoftmax::update_counted, fused_row_by_row). When `lse` (the head's, by row) is not
+/// null, the rows' log-sum-exp of \f$S_{ij} + \log c_{ij}\f$ go to `lse[row_begin..row_end)`.
 template <class Storage>
 void fused_span(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
                 const ConstHeadMap<Storage>& v, const std::vector<Grid>& grids, double slope,
                 const AttentionOptions& options, const PositionRange& range, Index row_begin,
-                Index row_end, HeadMap<Storage>& out, Index max_packed_keys, NearField near = {}) {
+                Index row_end, HeadMap<Storage>& out, Index max_packed_keys, NearField near = {},
+                Compute<Storage>* lse = nullptr) {
   using Scalar = Compute<Storage>;
   const Index height = fused_tile_rows(slope);
   const Block keys = span_keys(grids, range, options.query_position + row_begin,
@@ -124,14 +127,14 @@ void fused_span(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
     if constexpr (kCausalRows<Scalar>) {
       if (at.causal && slope * kCausalRowsReach > 1) {
         fused_causal_rows<Storage>(q, key_rows, value_rows, grids, at, range, row_begin, row_end,
-                                   out, finite_values, near);
+                                   out, finite_values, near, lse);
         return;
       }
     }
 #endif
     for (Index r0 = row_begin; r0 < row_end; r0 += height) {
       fused_rows<Storage>(q, key_rows, value_rows, grids, at, range, r0,
-                          std::min(row_end, r0 + height), out, finite_values, near);
+                          std::min(row_end, r0 + height), out, finite_values, near, lse);
     }
   };
   const bool strided = k.outerStride() != k.cols() || v.outerStride() != v.cols();
@@ -150,7 +153,8 @@ void fused_span(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
 
 /// The fused kernel: parallel over (batch element, span of fused_span_rows query rows, head) in
 /// one parallel region (fused_span, packing at most `max_packed_keys` keys per job); the grids are
-/// shared by the batch elements. `near_field` is PlshOptions::near_field (0: none). Consecutive
+/// shared by the batch elements. `near_field` is PlshOptions::near_field (0: none). The row lse
+/// goes to `lse` unless it is empty. Consecutive
 /// jobs take the heads of one span in turn: in a token-major tensor their rows share pages, which
 /// the first job brings in.
 template <class Storage>
@@ -159,7 +163,8 @@ void fused_attention(const BatchedHeadsView<const Storage>& q,
                      const BatchedHeadsView<const Storage>& v, const BatchedHeadsView<Storage>& out,
                      const std::vector<std::vector<Grid>>& grids, const std::vector<double>& slopes,
                      const AttentionOptions& options, double near_field = 0,
-                     Index max_packed_keys = kFusedSpanKeys) {
+                     Index max_packed_keys = kFusedSpanKeys,
+                     const RowLse<Compute<Storage>>& lse = {}) {
   if (q.batch == 0 || q.tokens == 0) return;
   AttentionOptions resolved = options;
   resolved.scale = resolved_scale(options, q.dim);
@@ -178,7 +183,8 @@ void fused_attention(const BatchedHeadsView<const Storage>& q,
     fused_span<Storage>(q[b].head(h), k[b].head(h / group), v[b].head(h / group),
                         grids[static_cast<std::size_t>(h)], slope, resolved, range, row_begin,
                         std::min(q.tokens, row_begin + span_rows), out_head, max_packed_keys,
-                        head_near_field(slope, near_field, range));
+                        head_near_field(slope, near_field, range),
+                        lse.empty() ? nullptr : lse.row(b, h));
   });
 }
 

@@ -94,12 +94,14 @@ constexpr Index kRowByRowKeys = 80;
 /// (exactly 0 where the logit is \f$-\infty\f$) and \f$o_i = \sum_j w_{ij} v_j / \sum_j
 /// w_{ij}\f$ by another product: a row that sees one key gets its value exactly. Non-finite
 /// inputs as the online softmax (online_softmax.hpp): a value row with a non-finite entry is
-/// added, term by term, only to the rows whose logit for it is above \f$-\infty\f$.
+/// added, term by term, only to the rows whose logit for it is above \f$-\infty\f$. When `lse`
+/// is not null, `lse[r]` receives row r's \f$\max_j l_{ij} + \log\sum_j w_{ij}\f$.
 template <class Storage>
 void fused_row_by_row(FusedWorkspace<Storage>& workspace, const RowMatrix<Compute<Storage>>& query,
                       const ConstHeadMap<Compute<Storage>>& key_rows,
                       const ConstHeadMap<Compute<Storage>>& value_rows, Index first_key,
-                      HeadMap<Compute<Storage>> out, bool finite_values) {
+                      HeadMap<Compute<Storage>> out, bool finite_values,
+                      Compute<Storage>* lse = nullptr) {
   using Scalar = Compute<Storage>;
   constexpr Scalar kMinusInfinity = -std::numeric_limits<Scalar>::infinity();
   const Index width = key_rows.rows();
@@ -117,6 +119,7 @@ void fused_row_by_row(FusedWorkspace<Storage>& workspace, const RowMatrix<Comput
     Index last = limit;
     while (last > first && count[last - 1] == 0) --last;
     auto out_row = out.row(r);
+    if (lse != nullptr) lse[r] = kMinusInfinity;
     if (first == last) {
       out_row.setZero();
       continue;
@@ -135,6 +138,7 @@ void fused_row_by_row(FusedWorkspace<Storage>& workspace, const RowMatrix<Comput
       // Nothing visible weighs anything, unless a NaN hid from (or is) the maximum.
       if (std::isnan(high) || workspace.logits.hasNaN()) {
         out_row.setConstant(std::numeric_limits<Scalar>::quiet_NaN());
+        if (lse != nullptr) lse[r] = std::numeric_limits<Scalar>::quiet_NaN();
       } else {
         out_row.setZero();
       }
@@ -159,6 +163,7 @@ void fused_row_by_row(FusedWorkspace<Storage>& workspace, const RowMatrix<Comput
     }
     if (sum != 0) {  // NaN: seen, and poisoned
       out_row = workspace.sum / sum;
+      if (lse != nullptr) lse[r] = high + std::log(sum);
     } else {
       out_row.setZero();
     }
@@ -179,7 +184,7 @@ void fused_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeyStorage>& 
                 const ConstHeadMap<KeyStorage>& v, const std::vector<Grid>& grids,
                 const AttentionOptions& options, const PositionRange& range, Index row_begin,
                 Index row_end, HeadMap<Storage>& out, bool finite_values = false,
-                NearField near = {}) {
+                NearField near = {}, Compute<Storage>* lse = nullptr) {
   using Scalar = Compute<Storage>;
   static thread_local FusedWorkspace<Storage> workspace;
   const Index rows = row_end - row_begin;
@@ -194,7 +199,8 @@ void fused_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeyStorage>& 
     fused_row_by_row(workspace, workspace.query,
                      compute_rows(map_rows(k, first_key, width), workspace.key_rows),
                      compute_rows(map_rows(v, first_key, width), workspace.value_rows), keys.begin,
-                     workspace.output.bind(map_rows(out, row_begin, rows)), finite_values);
+                     workspace.output.bind(map_rows(out, row_begin, rows)), finite_values,
+                     lse == nullptr ? nullptr : lse + row_begin);
     workspace.output.store();
     return;
   }
@@ -233,7 +239,8 @@ void fused_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeyStorage>& 
           workspace.counts.log_counts(), workspace.counts.max_index(), finite_values);
     }
   }
-  workspace.softmax.finish(workspace.output.bind(map_rows(out, row_begin, rows)), nullptr);
+  workspace.softmax.finish(workspace.output.bind(map_rows(out, row_begin, rows)),
+                           lse == nullptr ? nullptr : lse + row_begin);
   workspace.output.store();
 }
 

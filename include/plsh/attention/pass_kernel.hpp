@@ -28,6 +28,7 @@
 #include "../detail/storage.hpp"
 #include "../detail/validate.hpp"
 #include "../partition.hpp"
+#include "../row_lse.hpp"
 #include "../sampler.hpp"
 #include "../tensor.hpp"
 #include "online_softmax.hpp"
@@ -43,13 +44,13 @@ namespace detail {
 /// Storage S is read and written through the compute type C = Compute<S>: each block's rows are
 /// converted once (compute_rows) and `kernel` gets `ConstHeadMap<C>` maps; the merged output of a
 /// head is kept in C and rounded to S at the end (OutputRows, a head of scratch per thread when
-/// S is a 16-bit type).
+/// S is a 16-bit type). The merged row lse goes to `lse_out` unless it is empty.
 template <class Storage, class RegularKernel>
 void pass_attention(const BatchedHeadsView<const Storage>& q,
                     const BatchedHeadsView<const Storage>& k,
                     const BatchedHeadsView<const Storage>& v, const BatchedHeadsView<Storage>& out,
                     const std::vector<std::vector<Grid>>& grids, const AttentionOptions& options,
-                    RegularKernel&& kernel) {
+                    RegularKernel&& kernel, const RowLse<Compute<Storage>>& lse_out = {}) {
   using Scalar = Compute<Storage>;
   if (q.batch == 0 || q.tokens == 0) return;
   AttentionOptions resolved = options;
@@ -105,6 +106,7 @@ void pass_attention(const BatchedHeadsView<const Storage>& q,
       }
     }
     output.store();
+    if (!lse_out.empty()) std::copy(lse.data(), lse.data() + q.tokens, lse_out.row(b, h));
   });
 }
 

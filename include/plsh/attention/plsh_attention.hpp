@@ -24,12 +24,14 @@
 /// \f$D^{-1}(e^S\circ\hat K)V\f$ in double, same grids) in tests/test_plsh_attention.cpp; the
 /// 16-bit types against the float kernels in tests/test_fused_half.cpp.
 
+#include <type_traits>
 #include <vector>
 
 #include "../batched_heads_view.hpp"
 #include "../detail/check.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validate.hpp"
+#include "../row_lse.hpp"
 #include "../sampler.hpp"
 #include "../tensor.hpp"
 #include "fused_kernel.hpp"
@@ -42,25 +44,37 @@ namespace detail {
 
 /// plsh_attention on a batch whose shapes validate_batch has checked: the checks of one element,
 /// the draws (once, shared by the elements), then the fused or pass kernel, or the pass kernel
-/// with `kernel` when one is given.
+/// with `kernel` when one is given; the row lse goes to `lse` unless it is empty.
+template <class Scalar, class... RegularKernel>
+void plsh_attention_writing_lse(const BatchedHeadsView<const Scalar>& q,
+                                const BatchedHeadsView<const Scalar>& k,
+                                const BatchedHeadsView<const Scalar>& v,
+                                const BatchedHeadsView<Scalar>& out,
+                                const std::vector<double>& slopes, const PlshOptions& options,
+                                const RowLse<Compute<Scalar>>& lse, RegularKernel&&... kernel) {
+  static_assert(sizeof...(RegularKernel) <= 1, "at most one regular kernel");
+  validate_plsh("plsh_attention", q[0], k[0], v[0], out[0], slopes, options, memory_of(q));
+  require_row_lse("plsh_attention", "lse", lse, q.batch, q.heads, q.tokens);
+  const auto grids = kernel_grids(slopes, options, "plsh_attention");
+  const bool passes = sizeof...(RegularKernel) == 1 || options.kernel == Kernel::Passes;
+  require_near_field_kernel(options, passes, "plsh_attention");
+  if constexpr (sizeof...(RegularKernel) == 1) {
+    pass_attention(q, k, v, out, grids, options, kernel..., lse);
+  } else if (passes) {
+    pass_attention(q, k, v, out, grids, options, RegularAttention{}, lse);
+  } else {
+    fused_attention(q, k, v, out, grids, slopes, options, options.near_field, kFusedSpanKeys, lse);
+  }
+}
+
+/// plsh_attention_writing_lse without the lse.
 template <class Scalar, class... RegularKernel>
 void batched_plsh_attention(const BatchedHeadsView<const Scalar>& q,
                             const BatchedHeadsView<const Scalar>& k,
                             const BatchedHeadsView<const Scalar>& v,
                             const BatchedHeadsView<Scalar>& out, const std::vector<double>& slopes,
                             const PlshOptions& options, RegularKernel&&... kernel) {
-  static_assert(sizeof...(RegularKernel) <= 1, "at most one regular kernel");
-  validate_plsh("plsh_attention", q[0], k[0], v[0], out[0], slopes, options, memory_of(q));
-  const auto grids = kernel_grids(slopes, options, "plsh_attention");
-  const bool passes = sizeof...(RegularKernel) == 1 || options.kernel == Kernel::Passes;
-  require_near_field_kernel(options, passes, "plsh_attention");
-  if constexpr (sizeof...(RegularKernel) == 1) {
-    pass_attention(q, k, v, out, grids, options, kernel...);
-  } else if (passes) {
-    pass_attention(q, k, v, out, grids, options, RegularAttention{});
-  } else {
-    fused_attention(q, k, v, out, grids, slopes, options, options.near_field);
-  }
+  plsh_attention_writing_lse<Scalar>(q, k, v, out, slopes, options, {}, kernel...);
 }
 
 /// fixed_block_attention on a checked batch: the checks of one element, then one pass of the
@@ -70,14 +84,16 @@ void batched_fixed_block_attention(const BatchedHeadsView<const Scalar>& q,
                                    const BatchedHeadsView<const Scalar>& k,
                                    const BatchedHeadsView<const Scalar>& v,
                                    const BatchedHeadsView<Scalar>& out, Index block_size,
-                                   const AttentionOptions& options) {
+                                   const AttentionOptions& options,
+                                   const RowLse<Compute<Scalar>>& lse = {}) {
   const char* function = "fixed_block_attention";
   validate_attention(function, q[0], k[0], v[0], out[0], options, memory_of(q));
   require(block_size >= 1, function, "block_size must be at least 1");
+  require_row_lse(function, "lse", lse, q.batch, q.heads, q.tokens);
   const std::vector<std::vector<Grid>> grids(
       static_cast<std::size_t>(q.heads),
       std::vector<Grid>{fixed_grid(static_cast<double>(block_size))});
-  pass_attention(q, k, v, out, grids, options, RegularAttention{});
+  pass_attention(q, k, v, out, grids, options, RegularAttention{}, lse);
 }
 
 }  // namespace detail
@@ -104,16 +120,20 @@ void batched_fixed_block_attention(const BatchedHeadsView<const Scalar>& q,
 /// \param options causal, scale, absolute positions of the first query and key rows, samples s,
 /// seed, and which kernel evaluates the estimator (Kernel::Fused and Kernel::Passes agree to
 /// rounding). The result is identical for any number of threads.
+/// \param lse when not empty, receives each row's log-sum-exp of \f$S_{ij} + \log c_{ij}\f$,
+/// `[1][H][n_q]` (row_lse.hpp), for plsh_attention_backward.
 /// \throws std::invalid_argument on shapes that disagree, a bad slope, `samples < 1`, `out`
-/// overlapping an input, or a scale that is not finite and non-zero in the compute type.
+/// overlapping an input, a scale that is not finite and non-zero in the compute type, or an
+/// `lse` of another shape.
 template <class Scalar>
 void plsh_attention(HeadsView<const detail::NonDeduced<Scalar>> q,
                     HeadsView<const detail::NonDeduced<Scalar>> k,
                     HeadsView<const detail::NonDeduced<Scalar>> v, HeadsView<Scalar> out,
-                    const std::vector<double>& slopes, const PlshOptions& options = {}) {
-  detail::batched_plsh_attention<Scalar>(detail::batch_of_one(q), detail::batch_of_one(k),
-                                         detail::batch_of_one(v), detail::batch_of_one(out), slopes,
-                                         options);
+                    const std::vector<double>& slopes, const PlshOptions& options = {},
+                    RowLse<detail::Compute<Scalar>> lse = {}) {
+  detail::plsh_attention_writing_lse<Scalar>(detail::batch_of_one(q), detail::batch_of_one(k),
+                                             detail::batch_of_one(v), detail::batch_of_one(out),
+                                             slopes, options, lse);
 }
 
 /// Positional LSH with a user-supplied regular attention kernel: always the pass kernel
@@ -127,7 +147,9 @@ void plsh_attention(HeadsView<const detail::NonDeduced<Scalar>> q,
 /// kernel must write normalised rows and their log-sum-exp (\f$-\infty\f$ and zeros for a row
 /// with no visible key), like RegularAttention. With OpenMP it is called from several threads
 /// at once (one job per head and batch element).
-template <class Scalar, class RegularKernel>
+template <class Scalar, class RegularKernel,
+          class = std::enable_if_t<
+              !std::is_convertible<RegularKernel, RowLse<detail::Compute<Scalar>>>::value>>
 void plsh_attention(HeadsView<const detail::NonDeduced<Scalar>> q,
                     HeadsView<const detail::NonDeduced<Scalar>> k,
                     HeadsView<const detail::NonDeduced<Scalar>> v, HeadsView<Scalar> out,
@@ -147,10 +169,11 @@ template <class Scalar>
 void fixed_block_attention(HeadsView<const detail::NonDeduced<Scalar>> q,
                            HeadsView<const detail::NonDeduced<Scalar>> k,
                            HeadsView<const detail::NonDeduced<Scalar>> v, HeadsView<Scalar> out,
-                           Index block_size, const AttentionOptions& options = {}) {
+                           Index block_size, const AttentionOptions& options = {},
+                           RowLse<detail::Compute<Scalar>> lse = {}) {
   detail::batched_fixed_block_attention<Scalar>(detail::batch_of_one(q), detail::batch_of_one(k),
                                                 detail::batch_of_one(v), detail::batch_of_one(out),
-                                                block_size, options);
+                                                block_size, options, lse);
 }
 
 }  // namespace plsh

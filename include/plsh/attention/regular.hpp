@@ -154,6 +154,16 @@ void apply_linear_bias(Eigen::Map<RowMatrix<Scalar>>& scores, Index distance, bo
   }
 }
 
+/// The log-sum-exp of the true logits of a tile's `rows` rows from that of the logits
+/// apply_linear_bias formed with `span`, which carry the row constant \f$m r_i\f$.
+template <class Scalar>
+void unshift_lse(Scalar* lse, Index rows, double slope, const KeySpan& span) {
+  if (slope == 0) return;
+  for (Index r = 0; r < rows; ++r) {
+    lse[r] -= static_cast<Scalar>(slope * static_cast<double>(nearest_key_distance(span, r)));
+  }
+}
+
 /// Key rows `[begin, end)` of `k`, `v` into the running softmax of a tile whose scaled query rows
 /// (first at position `first_query`) are in `workspace.query`, kKeyTile keys at a time: the
 /// scores, apply_linear_bias, the softmax update.
@@ -206,13 +216,7 @@ void attend_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
   Scalar* row_lse = lse == nullptr ? nullptr : lse + row_begin;
   workspace.softmax.finish(converted.result.bind(out, row_begin, rows), row_lse);
   converted.result.store();
-  if (row_lse != nullptr && bias.slope != 0) {
-    // The logits were shifted by m r_i (apply_linear_bias): the lse of the true logits.
-    for (Index r = 0; r < rows; ++r) {
-      row_lse[r] -=
-          static_cast<Scalar>(bias.slope * static_cast<double>(nearest_key_distance(span, r)));
-    }
-  }
+  if (row_lse != nullptr) unshift_lse(row_lse, rows, bias.slope, span);
 }
 
 /// All rows of a span, tile by tile.

@@ -213,16 +213,17 @@ bool window_certified(const KeyNormBounds& bounds, double slope, double toleranc
 
 /// Query rows `[row_begin, row_end)` of one head of windowed_alibi_attention: visits key tiles
 /// nearest first from the rows' own positions until window_certified holds (or no held key is
-/// left), writes the rows of `out` and sets `kept` to the key rows visited. `options.scale`
-/// resolved, `tolerance` > 0; `bounds` are those of this head's keys. Returns whether the
-/// certificate holds for the keys left unvisited: always when every key of the sequence is held
-/// (they are all visited, if need be); false when keys that are not held may weigh more than the
-/// tolerance (a halo too narrow for the tile).
+/// left), writes the rows of `out` and, when `lse` is not null, `lse[row_begin..row_end)` over the
+/// kept keys, and sets `kept` to the key rows visited. `options.scale` resolved, `tolerance` > 0;
+/// `bounds` are those of this head's keys. Returns whether the certificate holds for the keys left
+/// unvisited: always when every key of the sequence is held (they are all visited, if need be);
+/// false when keys that are not held may weigh more than the tolerance (a halo too narrow for the
+/// tile).
 template <class Storage>
 bool windowed_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
                    const ConstHeadMap<Storage>& v, const AttentionOptions& options, double slope,
                    double tolerance, const KeyNormBounds& bounds, Index row_begin, Index row_end,
-                   HeadMap<Storage>* out, Block& kept) {
+                   HeadMap<Storage>* out, Block& kept, Compute<Storage>* lse = nullptr) {
   using Scalar = Compute<Storage>;
   TileWorkspace<Scalar>& workspace = tile_workspace<Scalar>();
   ConvertedRows<Storage>& converted = converted_rows<Storage>();
@@ -276,8 +277,10 @@ bool windowed_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& 
     kept = Block{lo, hi};
   }
   if (out != nullptr) {
-    workspace.softmax.finish(converted.result.bind(*out, row_begin, rows), nullptr);
+    Scalar* row_lse = lse == nullptr ? nullptr : lse + row_begin;
+    workspace.softmax.finish(converted.result.bind(*out, row_begin, rows), row_lse);
     converted.result.store();
+    if (row_lse != nullptr) unshift_lse(row_lse, rows, slope, span);
   }
   return certified;
 }

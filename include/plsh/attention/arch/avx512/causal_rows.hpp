@@ -94,7 +94,7 @@ void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeySto
                        const ConstHeadMap<KeyStorage>& v, const std::vector<Grid>& grids,
                        const AttentionOptions& options, const PositionRange& range, Index row_begin,
                        Index row_end, HeadMap<Storage>& out, bool finite_values,
-                       NearField near = {}) {
+                       NearField near = {}, Compute<Storage>* lse = nullptr) {
   static thread_local CausalRowsWorkspace scratch;
   const Index samples = static_cast<Index>(grids.size());
   const Index draws = (samples + 7) / 8 * 8;
@@ -189,7 +189,7 @@ void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeySto
                         std::min(p + 1, key_end) - std::max(first_key_of(smallest, p), key_begin));
     }
     if (widest > kCausalRowKeys) {
-      fused_rows<Storage>(q, k, v, grids, options, range, r0, r1, out, finite_values, near);
+      fused_rows<Storage>(q, k, v, grids, options, range, r0, r1, out, finite_values, near, lse);
       continue;
     }
     // The tile's query rows first, in one loop of independent loads.
@@ -209,13 +209,14 @@ void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeySto
       const Index first = std::max(scratch.smallest[static_cast<std::size_t>(r - r0)], key_begin);
       const Index count = std::min(p + 1, key_end) - first;
       auto out_row = out.row(r);
+      if (lse != nullptr) lse[r] = -std::numeric_limits<float>::infinity();
       if (count <= 0) {
         out_row.setZero();
         continue;
       }
       const auto bad = std::lower_bound(scratch.bad.begin(), scratch.bad.end(), first);
       if (bad != scratch.bad.end() && *bad < first + count) {
-        fused_rows<Storage>(q, k, v, grids, options, range, r, r + 1, out, false, near);
+        fused_rows<Storage>(q, k, v, grids, options, range, r, r + 1, out, false, near, lse);
         continue;
       }
       // Pass 1, 16 keys at a time in registers: the logits S + log c_j, c_j = #{t : b_t <=
@@ -260,6 +261,7 @@ void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeySto
         // A NaN poisons the row; a row whose scores are all -inf sees nothing (fused_rows).
         out_row.setConstant(nan != 0 ? static_cast<Storage>(std::numeric_limits<float>::quiet_NaN())
                                      : Storage(0));
+        if (lse != nullptr && nan != 0) lse[r] = std::numeric_limits<float>::quiet_NaN();
         continue;
       }
       // Pass 2: the weights e^(l - max) (the largest exactly 1) and their sum.
@@ -276,6 +278,7 @@ void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeySto
         totals = _mm512_add_ps(totals, weight);
       }
       const float total = _mm512_reduce_add_ps(totals);
+      if (lse != nullptr) lse[r] = max + std::log(total);
       avx512::weighted_sum(v.data() + (first - key_begin) * v.outerStride(), count, value_dim,
                            v.outerStride(), scratch.weights.data(), scratch.sum.data());
       Eigen::Map<Eigen::Matrix<float, 1, Eigen::Dynamic>> sum(scratch.sum.data(), value_dim);
