@@ -622,13 +622,16 @@ void batched_windowed_alibi_attention_backward(
 /// Both sweeps with the Positional LSH logits of `grids` (one list of draws per head) and the near
 /// field `near_field` (PlshOptions::near_field); the tile heights come from `slopes`.
 template <class Scalar>
-void block_counts_backward(
-    const BatchedHeadsView<const Scalar>& q, const BatchedHeadsView<const Scalar>& k,
-    const BatchedHeadsView<const Scalar>& v, const BatchedHeadsView<const Scalar>& out,
-    const BatchedHeadsView<const Scalar>& dout, const BatchedHeadsView<Scalar>& dq,
-    const BatchedHeadsView<Scalar>& dk, const BatchedHeadsView<Scalar>& dv,
-    const std::vector<double>& slopes, const std::vector<std::vector<Grid>>& grids,
-    const AttentionOptions& options, double near_field, const RowLse<const Compute<Scalar>>& lse) {
+void block_counts_backward(const BatchedHeadsView<const Scalar>& q,
+                           const BatchedHeadsView<const Scalar>& k,
+                           const BatchedHeadsView<const Scalar>& v,
+                           const BatchedHeadsView<const Scalar>& out,
+                           const BatchedHeadsView<const Scalar>& dout,
+                           const BatchedHeadsView<Scalar>& dq, const BatchedHeadsView<Scalar>& dk,
+                           const BatchedHeadsView<Scalar>& dv, const std::vector<double>& slopes,
+                           const std::vector<std::vector<Grid>>& grids,
+                           const AttentionOptions& options, double near_field = 0,
+                           const RowLse<const Compute<Scalar>>& lse = {}) {
   AttentionOptions resolved = options;
   resolved.scale = resolved_scale(options, q.dim);
   const PlshLogits<Compute<Scalar>> logits(slopes, grids, resolved, position_range(q, k, options),
