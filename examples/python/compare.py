@@ -521,7 +521,9 @@ def write_long(records, out_dir, runs):
         f"{next(iter(records.values()))['parameters']:,} parameters; the King James Bible "
         f"(Debian's bible-kjv); AdamW (lr {cfg['lr']:g}, {cfg['warmup']} warmup steps, cosine to "
         "10%). " + "; ".join(f"L = {length}: {LONG_LENGTHS[length][3]} steps of "
-                            f"{LONG_LENGTHS[length][1]} window(s)" for length in LONG_LENGTHS)
+                            + ("1 window" if LONG_LENGTHS[length][1] == "1"
+                               else f"{LONG_LENGTHS[length][1]} windows")
+                            for length in LONG_LENGTHS)
         + ". One thread per run; same initialisation and data order for every configuration of a "
         "seed. Validation: the first "
         f"{cfg['eval_bytes']:,} bytes of the last 10% of the text in windows of L and 2L, nats per "
@@ -549,7 +551,7 @@ def write_long(records, out_dir, runs):
             + (f"{r['speed']:.2f}×" if r["speed"] else "–") + f" | {fmt_time(r['run'][0])} |")
     if missing:
         lines += ["", "Runs not yet complete (`compare.py --status`): " + ", ".join(missing) + "."]
-    lines += ["", "![validation loss against training time at L = 8192](long.png)", ""]
+    lines += ["", "![validation loss against training time, one panel per L](long.png)", ""]
     with open(os.path.join(out_dir, "long.md"), "w") as f:
         f.write("\n".join(lines))
 
