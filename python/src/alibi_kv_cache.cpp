@@ -161,28 +161,11 @@ class AlibiKvCacheOf : public AlibiKvCacheBase {
     return f();
   }
 
-  // The arrays of a call: ndarrays of the cache's dtype (TypeError naming the first that is not)
-  // and of 3 dimensions.
   static Arrays arrays_of(std::initializer_list<std::pair<const char*, py::object>> named) {
-    const char* name = named.begin()->first;
-    const py::array first = as_ndarray(named.begin()->second, name);
-    if (!has_dtype<Scalar>(first)) {
-      throw py::type_error(std::string(name) + " must have the cache's dtype " +
-                           dtype_name<Scalar>() + " (got " + dtype_string(first) + ")");
-    }
-    Arrays arrays(named, storage_of<Scalar>());
-    if (arrays.arrays.front().ndim() != 3) {
-      throw py::value_error("AlibiKvCache takes arrays of 3 dimensions [tokens, heads, dim] (got " +
-                            std::to_string(arrays.arrays.front().ndim()) + ")");
-    }
-    return arrays;
+    return cache_arrays<Scalar>("AlibiKvCache", named);
   }
-
-  // The output [q tokens, heads, value_dim]: `out`, checked, or a new array.
   Output<Scalar> output_for(const Arrays& arrays, const py::object& out) const {
-    return output_of<Scalar>(out, "out",
-                             {arrays.shape(0)[0], static_cast<py::ssize_t>(heads_),
-                              static_cast<py::ssize_t>(value_dim_)});
+    return cache_output<Scalar>(arrays, out, heads_, value_dim_);
   }
 
   Index heads_;

@@ -220,6 +220,35 @@ struct Arrays {
   std::string axis_text(std::size_t i, int axis) const;
 };
 
+// The arrays of a call of the decoding cache named `cache` (KvCache, AlibiKvCache): ndarrays of
+// the cache's dtype Scalar (TypeError naming the first that is not) and of 3 dimensions [tokens,
+// heads, dim] (ValueError).
+template <class Scalar>
+Arrays cache_arrays(const char* cache,
+                    std::initializer_list<std::pair<const char*, py::object>> named) {
+  const char* name = named.begin()->first;
+  const py::array first = as_ndarray(named.begin()->second, name);
+  if (!has_dtype<Scalar>(first)) {
+    throw py::type_error(std::string(name) + " must have the cache's dtype " +
+                         dtype_name<Scalar>() + " (got " + dtype_string(first) + ")");
+  }
+  Arrays arrays(named, storage_of<Scalar>());
+  if (arrays.arrays.front().ndim() != 3) {
+    throw py::value_error(std::string(cache) +
+                          " takes arrays of 3 dimensions [tokens, heads, dim] (got " +
+                          std::to_string(arrays.arrays.front().ndim()) + ")");
+  }
+  return arrays;
+}
+
+// The output [q tokens, heads, value_dim] of a decoding cache's call whose first array is q:
+// `out`, checked, or a new array.
+template <class Scalar>
+Output<Scalar> cache_output(const Arrays& arrays, const py::object& out, py::ssize_t heads,
+                            py::ssize_t value_dim) {
+  return output_of<Scalar>(out, "out", {arrays.shape(0)[0], heads, value_dim});
+}
+
 }  // namespace plsh_python
 
 #endif  // PLSH_PYTHON_ARRAYS_HPP
