@@ -39,7 +39,7 @@
 /// an unconverged solver, sizes that cannot be allocated.
 
 #include <Eigen/Core>
-#include <Eigen/SVD>
+#include <Eigen/Eigenvalues>
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -241,10 +241,11 @@ Eigen::MatrixXd plsh_attention_matrix(HeadsView<const detail::NonDeduced<Scalar>
 }
 
 /// All three norms of \f$A_{\text{plsh}} - A_{\text{alibi}}\f$ from the dense matrices, the
-/// spectral norm by a singular value decomposition (Eigen::BDCSVD): O(n_q n_k) memory and
-/// \f$O(n^3)\f$ time, the reference of the matrix-free norms. All three are NaN when E has a NaN
-/// entry (no decomposition is attempted).
-/// \throws std::invalid_argument as plsh_attention_matrix, and for a bad slope.
+/// spectral norm as \f$\sqrt{\lambda_{\max}(G)}\f$ of the smaller Gram matrix G (\f$E^T E\f$ or
+/// \f$E E^T\f$) by Eigen::SelfAdjointEigenSolver (the solver error_norms.hpp uses for small
+/// operators): O(n_q n_k) memory and \f$O(n^3)\f$ time, the reference of the matrix-free norms. All
+/// three are NaN when E has a NaN entry (no decomposition is attempted). \throws
+/// std::invalid_argument as plsh_attention_matrix, and for a bad slope.
 template <class Scalar>
 AttentionError dense_attention_error(HeadsView<const detail::NonDeduced<Scalar>> q,
                                      HeadsView<const detail::NonDeduced<Scalar>> k, double slope,
@@ -265,8 +266,11 @@ AttentionError dense_attention_error(HeadsView<const detail::NonDeduced<Scalar>>
     const double nan = std::numeric_limits<double>::quiet_NaN();
     return AttentionError{nan, nan, nan};
   }
-  const Eigen::BDCSVD<Eigen::MatrixXd> svd(error);
-  result.spectral = svd.singularValues().size() > 0 ? svd.singularValues()[0] : 0.0;
+  const Eigen::MatrixXd gram = error.rows() < error.cols()
+                                   ? Eigen::MatrixXd(error * error.transpose())
+                                   : Eigen::MatrixXd(error.transpose() * error);
+  const Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd> solver(gram, Eigen::EigenvaluesOnly);
+  result.spectral = std::sqrt(std::max(solver.eigenvalues().maxCoeff(), 0.0));
   result.max = error.cwiseAbs().maxCoeff();
   result.frobenius = error.norm();
   return result;
