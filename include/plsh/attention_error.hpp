@@ -242,10 +242,10 @@ Eigen::MatrixXd plsh_attention_matrix(HeadsView<const detail::NonDeduced<Scalar>
 
 /// All three norms of \f$A_{\text{plsh}} - A_{\text{alibi}}\f$ from the dense matrices, the
 /// spectral norm as \f$\sqrt{\lambda_{\max}(G)}\f$ of the smaller Gram matrix G (\f$E^T E\f$ or
-/// \f$E E^T\f$) by Eigen::SelfAdjointEigenSolver (the solver error_norms.hpp uses for small
-/// operators): O(n_q n_k) memory and \f$O(n^3)\f$ time, the reference of the matrix-free norms. All
-/// three are NaN when E has a NaN entry (no decomposition is attempted). \throws
-/// std::invalid_argument as plsh_attention_matrix, and for a bad slope.
+/// \f$E E^T\f$, by Eigen::SelfAdjointEigenSolver): O(n_q n_k) memory and \f$O(n^3)\f$ time, the
+/// reference of the matrix-free norms. All three are NaN when E has a NaN entry (no decomposition
+/// is attempted).
+/// \throws std::invalid_argument as plsh_attention_matrix, and for a bad slope.
 template <class Scalar>
 AttentionError dense_attention_error(HeadsView<const detail::NonDeduced<Scalar>> q,
                                      HeadsView<const detail::NonDeduced<Scalar>> k, double slope,
