@@ -8,7 +8,8 @@
 ///
 /// The headers come in layer order; each includes only headers of its own layer or below:
 /// limits, options, views -> slopes, draws -> partitions, mask metrics -> scratch -> attention
-/// kernels -> batches -> KV caches -> attention error. (detail/ holds the internals of every layer.)
+/// kernels -> batches -> KV caches -> attention error. (detail/ holds the internals of every
+/// layer.)
 
 // The order is the map of the layers, not the alphabet.
 // clang-format off

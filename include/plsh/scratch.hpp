@@ -4,22 +4,25 @@
 /// \file scratch.hpp
 /// The memory the kernels keep between calls, and how to free it.
 ///
-/// Every thread that runs a kernel keeps one workspace per kind of work and scalar type (a tile of
-/// scores, the converted rows of a 16-bit tile, the backward's tile, the fused kernel's counts and
-/// packed keys, the pass kernel's block buffers), so that a call allocates nothing once the thread
-/// has seen a call of the same shape. A workspace keeps the largest size its thread has needed:
-/// O(tile) for the tiled kernels (a 64-row tile of the query rows and scores against 128 keys); the
-/// fused kernel's packed keys and values, up to 2 * kFusedSpanKeys rows of a span (about
-/// 2 * 8192 * d scalars); the pass kernel's largest block; in total a few megabytes per thread
-/// for head dimensions of a few hundred, whatever the sequence length, except the pass kernel,
-/// whose block buffers hold the widest block seen (rows of a flat head's block, `1/m` and more).
-/// Threads: the calling thread and those of the OpenMP team that ran the kernel.
+/// Every thread that runs a kernel keeps one workspace per kind of work and scalar type (the tiled
+/// kernels' tile of scores and online softmax, the rows of a 16-bit tile converted to float, the
+/// backward's tile, the fused kernel's tile and packed span keys, the pass kernel's block
+/// buffers), so that a call allocates nothing once the thread has seen a call of the same shape.
+/// A workspace keeps the largest size its thread has needed: a fixed tile (64 query rows against
+/// 128 keys) for exact, truncated and windowed ALiBi and the backward; at most 8192 key and value
+/// rows for the fused kernel's span keys; and, for the fused kernel's tile and the pass kernel's
+/// blocks, the union of a tile's blocks or the widest block, about 1/m positions for a head of
+/// slope m and the whole sequence at slope 0. Threads: the calling thread and those of the OpenMP
+/// team that ran the kernel. docs/performance.md lists them.
 ///
 /// release_scratch frees them, for instance after a long call with a flat head or before a long
 /// phase without attention. The next call allocates again and computes the same results bit for
 /// bit. A workspace is never shared between threads; a kernel that calls back into plsh on the
 /// same thread while its workspace is in use (a regular kernel passed to plsh_attention calling
 /// plsh_attention with Kernel::Passes) gets std::logic_error.
+///
+/// Cost: release_scratch opens one parallel region, in which each thread walks its few
+/// workspaces; scratch_workspaces walks the calling thread's.
 ///
 /// Tested in tests/test_scratch.cpp.
 

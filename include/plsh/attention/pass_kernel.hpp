@@ -40,13 +40,12 @@ namespace plsh {
 namespace detail {
 
 /// Per-thread scratch of the pass kernel (detail/scratch.hpp), leased for a (batch element, head)
-/// job, the calls of the regular kernel included: the merged output and lse of the head, one
-/// block's output and lse, and its rows in the compute type.
+/// job, the calls of the regular kernel included: one block's output and lse, and its rows in the
+/// compute type (16-bit storage), as large as the widest block the thread has seen. (The head's
+/// merged output and lse, O(n) each, belong to the job.)
 template <class Storage>
 struct PassWorkspace {
   using Scalar = Compute<Storage>;
-  OutputRows<Storage> output;
-  Eigen::Matrix<Scalar, Eigen::Dynamic, 1> lse;
   std::vector<Scalar> pass_out;
   std::vector<Scalar> pass_lse;
   AlignedVector<Scalar> query_rows, key_rows, value_rows;
@@ -84,11 +83,12 @@ void pass_attention(const BatchedHeadsView<const Storage>& q,
     // the lease throws std::logic_error instead.
     const ScratchLease<PassWorkspace<Storage>> lease;
     PassWorkspace<Storage>& workspace = *lease;
-    OutputRows<Storage>& output = workspace.output;
+    OutputRows<Storage> output;
     HeadMap<Scalar> out_head = output.bind(out[b].head(h));
     out_head.setZero();
-    Eigen::Matrix<Scalar, Eigen::Dynamic, 1>& lse = workspace.lse;
-    lse.setConstant(q.tokens, -std::numeric_limits<Scalar>::infinity());
+    Eigen::Matrix<Scalar, Eigen::Dynamic, 1> lse =
+        Eigen::Matrix<Scalar, Eigen::Dynamic, 1>::Constant(
+            q.tokens, -std::numeric_limits<Scalar>::infinity());
     std::vector<Scalar>& pass_out = workspace.pass_out;
     std::vector<Scalar>& pass_lse = workspace.pass_lse;
     AlignedVector<Scalar>& query_rows = workspace.query_rows;
