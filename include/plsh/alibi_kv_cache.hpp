@@ -472,8 +472,10 @@ class AlibiKvCache {
   /// tiled core (regular.hpp) into one online softmax; writes the rows of `out` and their bounds.
   void attend_rows(const HeadsView<const Scalar>& q, const HeadsView<Scalar>& out, Index h,
                    Index row_begin, Index row_end) const {
-    detail::TileWorkspace<Compute>& workspace = detail::tile_workspace<Compute>();
-    detail::ConvertedRows<Scalar>& converted = detail::converted_rows<Scalar>();
+    const detail::TileWorkspaceLease<Compute> workspace_lease;
+    const detail::ConvertedRowsLease<Scalar> converted_lease;
+    detail::TileWorkspace<Compute>& workspace = *workspace_lease;
+    detail::ConvertedRows<Scalar>& converted = *converted_lease;
     const std::size_t g = static_cast<std::size_t>(h / (heads_ / kv_heads_));
     const detail::KvBuffer<Scalar>& buffer = buffers_[g];
     const detail::PinnedKeys<Scalar>& pins = pins_[g];

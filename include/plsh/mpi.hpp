@@ -258,12 +258,13 @@ ExchangeCounts exact_alibi_attention(MPI_Comm comm, HeadsView<const detail::NonD
   AttentionOptions resolved = options;
   resolved.scale = detail::resolved_scale(options, q.dim);
   resolved.query_position = options.query_position + layout.chunk(me).begin;
-  // The chunk in hand and the one arriving, each keys then values.
+  // The chunk in hand and the one arriving, each keys then values: two buffers for the whole
+  // ring, grown only when a chunk is larger than any before.
   detail::PackedRows<Scalar> keys[2];
   detail::PackedRows<Scalar> values[2];
   const auto load = [&](int slot, int owner) {
-    keys[slot] = detail::PackedRows<Scalar>(layout.chunk(owner).size(), k.heads, k.dim);
-    values[slot] = detail::PackedRows<Scalar>(layout.chunk(owner).size(), v.heads, v.dim);
+    keys[slot].reshape(layout.chunk(owner).size(), k.heads, k.dim);
+    values[slot].reshape(layout.chunk(owner).size(), v.heads, v.dim);
   };
   load(0, me);
   detail::pack_token_rows(k, 0, k.tokens, keys[0].row(0));
@@ -273,10 +274,10 @@ ExchangeCounts exact_alibi_attention(MPI_Comm comm, HeadsView<const detail::NonD
   std::vector<Scalar> lse(partial_lse.size(), -std::numeric_limits<Scalar>::infinity());
   for (Index h = 0; h < q.heads; ++h) out.head(h).setZero();
   ExchangeCounts counts;
+  detail::Messages messages(call.get());  // its counts add up over the steps
   for (int step = 0; step < ranks; ++step) {
     const int slot = step % 2;
     const int owner = (me - step + ranks) % ranks;
-    detail::Messages messages(call.get());
     if (step + 1 < ranks) {
       // The next chunk comes from the left neighbour, which holds the owner's left neighbour's.
       const int next_owner = (owner - 1 + ranks) % ranks;
@@ -315,7 +316,7 @@ ExchangeCounts exact_alibi_attention(MPI_Comm comm, HeadsView<const detail::NonD
                              LseMap<Scalar>(head_lse, rows));
       });
     }
-    counts += messages.wait();
+    counts = messages.wait();
   }
   return counts;
 }

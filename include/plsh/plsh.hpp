@@ -7,8 +7,9 @@
 /// are found (and PLSH_NO_SPECTRA is not defined): plsh builds without Spectra.
 ///
 /// The headers come in layer order; each includes only headers of its own layer or below:
-/// limits, options, views -> slopes, draws -> partitions, mask metrics -> attention kernels ->
-/// batches -> KV caches -> attention error. (detail/ holds the internals of every layer.)
+/// limits, options, views -> slopes, draws -> partitions, mask metrics -> scratch -> attention
+/// kernels -> batches -> KV caches -> attention error. (detail/ holds the internals of every
+/// layer.)
 
 // The order is the map of the layers, not the alphabet.
 // clang-format off
@@ -27,6 +28,9 @@
 #include "partition.hpp"
 #include "metrics.hpp"
 #include "error_norms.hpp"
+
+// The kernels' per-thread scratch: what it keeps, and release_scratch.
+#include "scratch.hpp"
 
 // Attention kernels: online softmax, regular, the certified window, exact, windowed and truncated
 // ALiBi, Positional LSH (passes and fused), backward, and the dense references they are tested

@@ -452,6 +452,27 @@ TEST_CASE("the halo of short chunks spans several ranks, of long chunks one neig
   }
 }
 
+TEST_CASE("PackedRows::reshape keeps its storage unless a larger shape needs more",
+          "[mpi][layout]") {
+  // The ring's receive buffers: one pair for the whole call, reshaped at every step.
+  plsh::detail::PackedRows<double> rows(5, 2, 3);
+  const double* storage = rows.data.data();
+  rows.reshape(2, 2, 3);
+  CHECK(rows.tokens == 2);
+  CHECK(rows.row_bytes() == 6 * sizeof(double));
+  CHECK(rows.view().tokens == 2);
+  rows.reshape(0, 2, 3);
+  CHECK(rows.tokens == 0);
+  rows.reshape(3, 1, 10);  // 30 elements, as many as the first shape
+  CHECK(rows.data.data() == storage);
+  CHECK(rows.row_bytes() == 10 * sizeof(double));
+  CHECK(rows.row(2) == storage + 20);
+  rows.reshape(7, 2, 3);  // 42 elements: grows
+  CHECK(rows.data.size() >= 42);
+  CHECK(rows.tokens == 7);
+  CHECK(rows.row(6) == rows.data.data() + 36);
+}
+
 TEST_CASE("even_chunk_sizes and ChunkLayout", "[mpi][layout]") {
   CHECK(plsh::mpi::even_chunk_sizes(10, 4) == std::vector<Index>{3, 3, 2, 2});
   CHECK(plsh::mpi::even_chunk_sizes(2, 3) == std::vector<Index>{1, 1, 0});

@@ -177,7 +177,7 @@ Index batched_windowed_alibi_attention(
     const double outside = unheld.norm.empty() ? 0.0 : unheld.norm[static_cast<std::size_t>(g)];
     bounds[static_cast<std::size_t>(job)].build(k[job / k.heads].head(g), -unheld.before,
                                                 k.tokens + unheld.after, outside,
-                                                converted_rows<Scalar>().key);
+                                                ConvertedRowsLease<Scalar>()->key);
   });
   const Index group = q.heads / k.heads;
   std::atomic<Index> uncertified{0};

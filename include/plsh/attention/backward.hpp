@@ -60,6 +60,7 @@
 #include "../batched_heads_view.hpp"
 #include "../detail/check.hpp"
 #include "../detail/parallel.hpp"
+#include "../detail/scratch.hpp"
 #include "../detail/validate.hpp"
 #include "../partition.hpp"
 #include "../row_lse.hpp"
@@ -92,11 +93,9 @@ struct BackwardWorkspace {
   Eigen::Array<Scalar, 1, Eigen::Dynamic> offsets;  // 0, 1, ..., for apply_linear_bias
 };
 
+/// The calling thread's BackwardWorkspace for the lease's lifetime (detail/scratch.hpp).
 template <class Scalar>
-BackwardWorkspace<Scalar>& backward_workspace() {
-  static thread_local BackwardWorkspace<Scalar> workspace;
-  return workspace;
-}
+using BackwardWorkspaceLease = ScratchLease<BackwardWorkspace<Scalar>>;
 
 /// Logits of exact ALiBi: \f$S_{ij} - m_h|p_i - p_j|\f$, causal keys masked; with a
 /// `factor_tolerance` above 0, those of truncated_alibi_attention: the keys outside head h's band
@@ -366,8 +365,10 @@ void backward_query_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Stor
                          Index row_begin, Index row_end, const Compute<Storage>* given_lse,
                          Compute<Storage>* lse, Compute<Storage>* delta) {
   using Scalar = Compute<Storage>;
-  BackwardWorkspace<Scalar>& workspace = backward_workspace<Scalar>();
-  ConvertedRows<Storage>& converted = converted_rows<Storage>();
+  const BackwardWorkspaceLease<Scalar> workspace_lease;
+  const ConvertedRowsLease<Storage> converted_lease;
+  BackwardWorkspace<Scalar>& workspace = *workspace_lease;
+  ConvertedRows<Storage>& converted = *converted_lease;
   const Index rows = row_end - row_begin;
   const Index first_query = options.query_position + row_begin;
   const Scalar scale = static_cast<Scalar>(options.scale);
@@ -431,8 +432,10 @@ void backward_key_rows(const HeadsView<const Storage>& q, const HeadsView<const 
                        Index kv_head, Index col_begin, Index col_end, const Compute<Storage>* lse,
                        const Compute<Storage>* delta) {
   using Scalar = Compute<Storage>;
-  BackwardWorkspace<Scalar>& workspace = backward_workspace<Scalar>();
-  ConvertedRows<Storage>& converted = converted_rows<Storage>();
+  const BackwardWorkspaceLease<Scalar> workspace_lease;
+  const ConvertedRowsLease<Storage> converted_lease;
+  BackwardWorkspace<Scalar>& workspace = *workspace_lease;
+  ConvertedRows<Storage>& converted = *converted_lease;
   // An operand row with a non-finite entry adds only where the weight is not 0.
   const auto add_product = [&](RowMatrix<Scalar>& accumulator,
                                const Eigen::Map<RowMatrix<Scalar>>& weights, const auto& operand) {

@@ -26,6 +26,7 @@
 
 #include "../batched_heads_view.hpp"
 #include "../detail/parallel.hpp"
+#include "../detail/scratch.hpp"
 #include "../detail/simd.hpp"
 #include "../detail/storage.hpp"
 #include "../detail/validate.hpp"
@@ -143,7 +144,8 @@ void fused_span(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
     tiles(k, v, options);
     return;
   }
-  static thread_local SpanKeys<Scalar> span;
+  const ScratchLease<SpanKeys<Scalar>> span_lease;
+  SpanKeys<Scalar>& span = *span_lease;
   const Index first_key = keys.begin - options.key_position;
   AttentionOptions packed = options;
   packed.key_position = keys.begin;

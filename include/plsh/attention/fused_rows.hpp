@@ -186,7 +186,8 @@ void fused_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeyStorage>& 
                 Index row_end, HeadMap<Storage>& out, bool finite_values = false,
                 NearField near = {}, Compute<Storage>* lse = nullptr) {
   using Scalar = Compute<Storage>;
-  static thread_local FusedWorkspace<Storage> workspace;
+  const ScratchLease<FusedWorkspace<Storage>> workspace_lease;
+  FusedWorkspace<Storage>& workspace = *workspace_lease;
   const Index rows = row_end - row_begin;
   const Block keys = workspace.counts.prepare(
       grids, range, options.query_position + row_begin, rows, options.key_position,

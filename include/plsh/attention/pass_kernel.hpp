@@ -25,6 +25,7 @@
 
 #include "../batched_heads_view.hpp"
 #include "../detail/parallel.hpp"
+#include "../detail/scratch.hpp"
 #include "../detail/storage.hpp"
 #include "../detail/validate.hpp"
 #include "../partition.hpp"
@@ -37,6 +38,18 @@
 
 namespace plsh {
 namespace detail {
+
+/// Per-thread scratch of the pass kernel (detail/scratch.hpp), leased for a (batch element, head)
+/// job, the calls of the regular kernel included: one block's output and lse, and its rows in the
+/// compute type (16-bit storage), as large as the widest block the thread has seen. (The head's
+/// merged output and lse, O(n) each, belong to the job.)
+template <class Storage>
+struct PassWorkspace {
+  using Scalar = Compute<Storage>;
+  std::vector<Scalar> pass_out;
+  std::vector<Scalar> pass_lse;
+  AlignedVector<Scalar> query_rows, key_rows, value_rows;
+};
 
 /// The pass kernel: per batch element and head, per grid, per block, `kernel` on the block's
 /// queries and keys, merged into `out` by log-sum-exp. `grids[h]` are the partitions of head h,
@@ -66,15 +79,21 @@ void pass_attention(const BatchedHeadsView<const Storage>& q,
     const ConstHeadMap<Storage> q_head = q[b].head(h);
     const ConstHeadMap<Storage> k_head = k[b].head(h / group);
     const ConstHeadMap<Storage> v_head = v[b].head(h / group);
+    // A regular kernel that calls the pass kernel again on this thread would overwrite these:
+    // the lease throws std::logic_error instead.
+    const ScratchLease<PassWorkspace<Storage>> lease;
+    PassWorkspace<Storage>& workspace = *lease;
     OutputRows<Storage> output;
     HeadMap<Scalar> out_head = output.bind(out[b].head(h));
     out_head.setZero();
     Eigen::Matrix<Scalar, Eigen::Dynamic, 1> lse =
         Eigen::Matrix<Scalar, Eigen::Dynamic, 1>::Constant(
             q.tokens, -std::numeric_limits<Scalar>::infinity());
-    std::vector<Scalar> pass_out;
-    std::vector<Scalar> pass_lse;
-    AlignedVector<Scalar> query_rows, key_rows, value_rows;
+    std::vector<Scalar>& pass_out = workspace.pass_out;
+    std::vector<Scalar>& pass_lse = workspace.pass_lse;
+    AlignedVector<Scalar>& query_rows = workspace.query_rows;
+    AlignedVector<Scalar>& key_rows = workspace.key_rows;
+    AlignedVector<Scalar>& value_rows = workspace.value_rows;
     for (const Grid& grid : grids[static_cast<std::size_t>(h)]) {
       // Only blocks that hold a query matter: visiting them costs O(q.tokens) per draw, whatever
       // the distance between the query and key ranges.

@@ -12,7 +12,8 @@
 ///
 /// Cost: query tiles of 64 rows against key tiles of 128; per tile one product \f$QK^\top\f$,
 /// one vectorised exp, one product \f$PV\f$: \f$2(d + d_v)\f$ flops per visible score. Key tiles
-/// outside the causal or window range are skipped. Memory: one tile of scores per thread.
+/// outside the causal or window range are skipped. Memory: one tile of scores per thread (its
+/// TileWorkspace, detail/scratch.hpp).
 ///
 /// Storage types (detail/storage.hpp): the tiled core reads q, k, v stored as float, double,
 /// Eigen::bfloat16 or Eigen::half and computes in `Compute<S>`; a 16-bit tile of queries, keys or
@@ -36,6 +37,7 @@
 #include <vector>
 
 #include "../detail/check.hpp"
+#include "../detail/scratch.hpp"
 #include "../detail/storage.hpp"
 #include "../detail/validate.hpp"
 #include "../tensor.hpp"
@@ -78,23 +80,26 @@ struct ConvertedRows {
   OutputRows<Storage> result, value_result;
 };
 
-/// One ConvertedRows per thread and storage type.
+/// The calling thread's ConvertedRows of a storage type, for the lease's lifetime.
 template <class Storage>
-ConvertedRows<Storage>& converted_rows() {
-  static thread_local ConvertedRows<Storage> rows;
-  return rows;
-}
+using ConvertedRowsLease = ScratchLease<ConvertedRows<Storage>>;
 
-/// One workspace per thread and scalar type, so kernels allocate nothing per tile.
+/// The calling thread's TileWorkspace of a scalar type for the lease's lifetime (scratch.hpp), so
+/// that kernels allocate nothing per tile; `offsets` is set.
 template <class Scalar>
-TileWorkspace<Scalar>& tile_workspace() {
-  static thread_local TileWorkspace<Scalar> workspace;
-  if (workspace.offsets.size() != kKeyTile) {
-    workspace.offsets =
-        Eigen::Array<Scalar, 1, Eigen::Dynamic>::LinSpaced(kKeyTile, 0, kKeyTile - 1);
+class TileWorkspaceLease {
+ public:
+  TileWorkspaceLease() {
+    if (lease_->offsets.size() != kKeyTile) {
+      lease_->offsets =
+          Eigen::Array<Scalar, 1, Eigen::Dynamic>::LinSpaced(kKeyTile, 0, kKeyTile - 1);
+    }
   }
-  return workspace;
-}
+  TileWorkspace<Scalar>& operator*() const { return *lease_; }
+
+ private:
+  ScratchLease<TileWorkspace<Scalar>> lease_;
+};
 
 /// The keys a span of queries may attend to, as distances from the first query of a tile:
 /// \f$p_i - p_{first}\f$ and \f$p_i - p_{last}\f$ for the tile's first row i.
@@ -196,8 +201,10 @@ void attend_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
                  const LinearBias& bias, Index row_begin, Index row_end, HeadMap<Storage>& out,
                  Compute<Storage>* lse) {
   using Scalar = Compute<Storage>;
-  TileWorkspace<Scalar>& workspace = tile_workspace<Scalar>();
-  ConvertedRows<Storage>& converted = converted_rows<Storage>();
+  const TileWorkspaceLease<Scalar> workspace_lease;
+  const ConvertedRowsLease<Storage> converted_lease;
+  TileWorkspace<Scalar>& workspace = *workspace_lease;
+  ConvertedRows<Storage>& converted = *converted_lease;
   const Index rows = row_end - row_begin;
   const Index first_query = options.query_position + row_begin;
   const Index last_query = options.query_position + row_end - 1;

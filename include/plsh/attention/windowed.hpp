@@ -211,6 +211,15 @@ bool window_certified(const KeyNormBounds& bounds, double slope, double toleranc
   return true;
 }
 
+/// Per-row values of a tile's certificate, per thread (detail/scratch.hpp): \f$a_r\f$, the
+/// logits' row constant and the running log-sum-exp.
+template <class Scalar>
+struct CertificateRows {
+  std::vector<double> row_norm;
+  std::vector<double> shift;
+  std::vector<Scalar> lse;
+};
+
 /// Query rows `[row_begin, row_end)` of one head of windowed_alibi_attention: visits key tiles
 /// nearest first from the rows' own positions until window_certified holds (or no held key is
 /// left), writes the rows of `out` and, when `lse` is not null, `lse[row_begin..row_end)` over the
@@ -225,8 +234,11 @@ bool windowed_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& 
                    double tolerance, const KeyNormBounds& bounds, Index row_begin, Index row_end,
                    HeadMap<Storage>* out, Block& kept, Compute<Storage>* lse = nullptr) {
   using Scalar = Compute<Storage>;
-  TileWorkspace<Scalar>& workspace = tile_workspace<Scalar>();
-  ConvertedRows<Storage>& converted = converted_rows<Storage>();
+  const TileWorkspaceLease<Scalar> workspace_lease;
+  const ConvertedRowsLease<Storage> converted_lease;
+  const ScratchLease<CertificateRows<Scalar>> certificate_lease;
+  TileWorkspace<Scalar>& workspace = *workspace_lease;
+  ConvertedRows<Storage>& converted = *converted_lease;
   const Index rows = row_end - row_begin;
   const Index first_query = options.query_position + row_begin;
   const Index last_query = options.query_position + row_end - 1;
@@ -248,9 +260,13 @@ bool windowed_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& 
   if (key_end > 0) {
     workspace.query.noalias() =
         compute_rows(q, row_begin, rows, converted.query) * static_cast<Scalar>(options.scale);
-    std::vector<double> row_norm(static_cast<std::size_t>(rows));
-    std::vector<double> shift(static_cast<std::size_t>(rows));
-    std::vector<Scalar> lse(static_cast<std::size_t>(rows));
+    // At most kQueryTile rows: the vectors grow once per thread.
+    std::vector<double>& row_norm = certificate_lease->row_norm;
+    std::vector<double>& shift = certificate_lease->shift;
+    std::vector<Scalar>& lse = certificate_lease->lse;
+    row_norm.resize(static_cast<std::size_t>(rows));
+    shift.resize(static_cast<std::size_t>(rows));
+    lse.resize(static_cast<std::size_t>(rows));
     for (Index r = 0; r < rows; ++r) {
       row_norm[static_cast<std::size_t>(r)] =
           std::sqrt(workspace.query.row(r).template cast<double>().squaredNorm());

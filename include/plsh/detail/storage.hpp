@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "../tensor.hpp"
+#include "scratch.hpp"  // the per-thread workspaces that hold the kernels' scratch
 #include "simd.hpp"
 
 namespace plsh {

@@ -164,6 +164,18 @@ struct PackedRows {
         heads(head_count),
         dim(width) {}
 
+  /// Takes the shape `[row_count][head_count][width]`, keeping the storage unless it is too small:
+  /// a buffer reused for rows of several shapes allocates only when one is larger than any
+  /// before. The rows' contents are unspecified.
+  void reshape(Index row_count, Index head_count, Index width) {
+    const auto needed =
+        static_cast<std::size_t>(std::max<Index>(1, row_count * head_count * width));
+    if (data.size() < needed) data.resize(needed);
+    tokens = row_count;
+    heads = head_count;
+    dim = width;
+  }
+
   Scalar* row(Index t) { return data.data() + t * heads * dim; }
   std::size_t row_bytes() const { return static_cast<std::size_t>(heads * dim) * sizeof(Scalar); }
   HeadsView<Scalar> view() { return HeadsView<Scalar>{data.data(), tokens, heads, dim}; }

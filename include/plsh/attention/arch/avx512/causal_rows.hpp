@@ -95,7 +95,8 @@ void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeySto
                        const AttentionOptions& options, const PositionRange& range, Index row_begin,
                        Index row_end, HeadMap<Storage>& out, bool finite_values,
                        NearField near = {}, Compute<Storage>* lse = nullptr) {
-  static thread_local CausalRowsWorkspace scratch;
+  const ScratchLease<CausalRowsWorkspace> scratch_lease;
+  CausalRowsWorkspace& scratch = *scratch_lease;
   const Index samples = static_cast<Index>(grids.size());
   const Index draws = (samples + 7) / 8 * 8;
   const Index dim = q.cols();
