@@ -172,8 +172,10 @@ class _AttentionFunction(_torch.autograd.Function):
     the kernels' positional argument after the tensors (the slopes, or the block size of fixed
     blocks); ``options`` their keyword arguments (causal, softmax_scale, the positions, the layout
     and the draws of Positional LSH). The backward kernel gets the same parameter and options as
-    the forward, so Positional LSH differentiates the forward's own draws. The output and the
-    gradients are new contiguous tensors in the inputs' layout.
+    the forward, so Positional LSH differentiates the forward's own draws, and the forward's row
+    log-sum-exp (and the windowed kernel's kept keys), so that it does not compute them again
+    (FlashAttention's ``softmax_lse``). The output and the gradients are new contiguous tensors in
+    the inputs' layout.
     """
 
     @staticmethod
@@ -181,8 +183,12 @@ class _AttentionFunction(_torch.autograd.Function):
         forward_kernel, backward_kernel = kernels
         options = dict(options, dtype=_kernel_dtype(q.dtype))
         out = _torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
-        forward_kernel(_array(q), _array(k), _array(v), parameter, out=_array(out), **options)
-        ctx.save_for_backward(q, k, v, out)
+        _, lse, *kept = forward_kernel(_array(q), _array(k), _array(v), parameter, out=_array(out),
+                                       return_lse=True, **options)
+        # lse among the saved tensors, so that activation checkpointing drops and recomputes it
+        # with the others; the kept keys (windowed) are O(B H T / 64) and stay on ctx.
+        ctx.save_for_backward(q, k, v, out, _torch.from_numpy(lse))
+        ctx.kept = {"kept": kept[0]} if kept else {}
         ctx.backward_kernel = backward_kernel
         ctx.parameter = parameter
         ctx.options = options
@@ -193,12 +199,12 @@ class _AttentionFunction(_torch.autograd.Function):
     def backward(ctx, dout):
         """(dq, dk, dv) from the backward kernel, as new contiguous tensors in the inputs' layout;
         None for the non-tensor arguments."""
-        q, k, v, out = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = (_torch.empty_like(t, memory_format=_torch.contiguous_format)
                       for t in (q, k, v))
         ctx.backward_kernel(_array(q), _array(k), _array(v), _array(out), _array(dout),
-                            ctx.parameter, dq=_array(dq), dk=_array(dk), dv=_array(dv),
-                            **ctx.options)
+                            ctx.parameter, lse=lse.numpy(), dq=_array(dq), dk=_array(dk),
+                            dv=_array(dv), **ctx.kept, **ctx.options)
         return dq, dk, dv, None, None, None
 
 
