@@ -1,7 +1,8 @@
 // Tests of the row log-sum-exp the forwards write and the backwards take (row_lse.hpp) and of the
 // windowed forward's kept keys (attention/kept_keys.hpp): every forward's lse against the dense
 // row log-sum-exp in double, every backward given the forward's lse against the one that computes
-// it (causal and not, grouped heads, one token, rows that see no key), the windowed backward given
+// it (causal and not, grouped heads, one token, rows that see no key, queries beyond the last key
+// and before the first), the windowed backward given
 // the forward's kept keys against the one that runs the certificate again, the batched calls
 // against the loop over the batch, and every rejected argument.
 
@@ -231,6 +232,13 @@ bool same_bits(const Buffer<Scalar>& a, const Buffer<Scalar>& b) {
   return std::memcmp(a.storage.data(), b.storage.data(), a.storage.size() * sizeof(Scalar)) == 0;
 }
 
+/// (query_position, key_position) of the cases of a shape: the last query level with the last
+/// key; the queries beyond the last key, and before the first key, where the ALiBi logits carry
+/// a row constant (regular.hpp's apply_linear_bias).
+std::vector<std::pair<Index, Index>> positions(const Shape& s) {
+  return {{s.n_k - s.n_q, 0}, {s.n_k - s.n_q + 37, 3}, {0, 21}};
+}
+
 const std::vector<Shape>& shapes() {
   static const std::vector<Shape> list = {
       {150, 150, 4, 2, 16, 8},  // grouped heads, query and key tiles that end mid-tile
@@ -249,21 +257,24 @@ TEMPLATE_TEST_CASE("every forward's lse is the dense row log-sum-exp", "[lse]", 
   for (const Shape& shape : shapes()) {
     const std::vector<double> slopes = plsh::alibi_slopes(shape.heads);
     for (const bool causal : {true, false}) {
-      for (const Kernel& kernel : kernels(causal, shape.n_k - shape.n_q, 0)) {
-        INFO(kernel.name << ", " << shape << (causal ? ", causal" : ", not causal"));
-        Problem<Scalar> p(shape, 11);
-        std::vector<C> lse(static_cast<std::size_t>(shape.heads * shape.n_q), C(7));
-        forward<Scalar>(kernel, p, slopes, {lse.data(), shape.heads, shape.n_q});
-        const std::vector<double> expected = reference_lse(kernel, p, slopes);
-        // The windowed kernel drops keys of total weight at most the tolerance.
-        const double allowed = kernel.kind == Kind::Windowed ? 2 * kTolerance : tolerance;
-        double worst = 0;
-        for (std::size_t i = 0; i < lse.size(); ++i) {
-          worst = std::max(worst, std::abs(static_cast<double>(lse[i]) - expected[i]) /
-                                      std::max(1.0, std::abs(expected[i])));
+      for (const auto& [query_position, key_position] : positions(shape)) {
+        for (const Kernel& kernel : kernels(causal, query_position, key_position)) {
+          INFO(kernel.name << ", " << shape << (causal ? ", causal" : ", not causal")
+                           << ", positions " << query_position << ", " << key_position);
+          Problem<Scalar> p(shape, 11);
+          std::vector<C> lse(static_cast<std::size_t>(shape.heads * shape.n_q), C(7));
+          forward<Scalar>(kernel, p, slopes, {lse.data(), shape.heads, shape.n_q});
+          const std::vector<double> expected = reference_lse(kernel, p, slopes);
+          // The windowed kernel drops keys of total weight at most the tolerance.
+          const double allowed = kernel.kind == Kind::Windowed ? 2 * kTolerance : tolerance;
+          double worst = 0;
+          for (std::size_t i = 0; i < lse.size(); ++i) {
+            worst = std::max(worst, std::abs(static_cast<double>(lse[i]) - expected[i]) /
+                                        std::max(1.0, std::abs(expected[i])));
+          }
+          INFO("largest relative difference " << worst);
+          CHECK(worst <= allowed);
         }
-        INFO("largest relative difference " << worst);
-        CHECK(worst <= allowed);
       }
     }
   }
@@ -277,31 +288,34 @@ TEMPLATE_TEST_CASE("every backward given the forward's lse equals the one that c
   for (const Shape& shape : shapes()) {
     const std::vector<double> slopes = plsh::alibi_slopes(shape.heads);
     for (const bool causal : {true, false}) {
-      for (const Kernel& kernel : kernels(causal, shape.n_k - shape.n_q, 0)) {
-        INFO(kernel.name << ", " << shape << (causal ? ", causal" : ", not causal"));
-        Problem<Scalar> computed(shape, 12);
-        std::vector<C> lse(static_cast<std::size_t>(shape.heads * shape.n_q));
-        plsh::KeptKeys kept;
-        forward<Scalar>(kernel, computed, slopes, {lse.data(), shape.heads, shape.n_q}, &kept);
-        Problem<Scalar> given = computed;
-        backward<Scalar>(kernel, computed, slopes, {});
-        backward<Scalar>(kernel, given, slopes, RowLse<C>(lse.data(), shape.heads, shape.n_q));
-        CHECK(max_relative_difference(given.dq, computed.dq) <= tolerance);
-        CHECK(max_relative_difference(given.dk, computed.dk) <= tolerance);
-        CHECK(max_relative_difference(given.dv, computed.dv) <= tolerance);
-        if (kernel.kind == Kind::Windowed) {
-          // The forward's kept keys are the certificate's: the same code path, the same bits.
-          Problem<Scalar> kept_given = computed;
-          backward<Scalar>(kernel, kept_given, slopes, {}, &kept);
-          CHECK(same_bits(kept_given.dq, computed.dq));
-          CHECK(same_bits(kept_given.dk, computed.dk));
-          CHECK(same_bits(kept_given.dv, computed.dv));
-          Problem<Scalar> both = computed;
-          backward<Scalar>(kernel, both, slopes, RowLse<C>(lse.data(), shape.heads, shape.n_q),
-                           &kept);
-          CHECK(same_bits(both.dq, given.dq));
-          CHECK(same_bits(both.dk, given.dk));
-          CHECK(same_bits(both.dv, given.dv));
+      for (const auto& [query_position, key_position] : positions(shape)) {
+        for (const Kernel& kernel : kernels(causal, query_position, key_position)) {
+          INFO(kernel.name << ", " << shape << (causal ? ", causal" : ", not causal")
+                           << ", positions " << query_position << ", " << key_position);
+          Problem<Scalar> computed(shape, 12);
+          std::vector<C> lse(static_cast<std::size_t>(shape.heads * shape.n_q));
+          plsh::KeptKeys kept;
+          forward<Scalar>(kernel, computed, slopes, {lse.data(), shape.heads, shape.n_q}, &kept);
+          Problem<Scalar> given = computed;
+          backward<Scalar>(kernel, computed, slopes, {});
+          backward<Scalar>(kernel, given, slopes, RowLse<C>(lse.data(), shape.heads, shape.n_q));
+          CHECK(max_relative_difference(given.dq, computed.dq) <= tolerance);
+          CHECK(max_relative_difference(given.dk, computed.dk) <= tolerance);
+          CHECK(max_relative_difference(given.dv, computed.dv) <= tolerance);
+          if (kernel.kind == Kind::Windowed) {
+            // The forward's kept keys are the certificate's: the same code path, the same bits.
+            Problem<Scalar> kept_given = computed;
+            backward<Scalar>(kernel, kept_given, slopes, {}, &kept);
+            CHECK(same_bits(kept_given.dq, computed.dq));
+            CHECK(same_bits(kept_given.dk, computed.dk));
+            CHECK(same_bits(kept_given.dv, computed.dv));
+            Problem<Scalar> both = computed;
+            backward<Scalar>(kernel, both, slopes, RowLse<C>(lse.data(), shape.heads, shape.n_q),
+                             &kept);
+            CHECK(same_bits(both.dq, given.dq));
+            CHECK(same_bits(both.dk, given.dk));
+            CHECK(same_bits(both.dv, given.dv));
+          }
         }
       }
     }

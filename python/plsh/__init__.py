@@ -7,8 +7,10 @@ with ``dtype="bfloat16"``, as in ``KvCache``; both 16-bit types computed in floa
 their strides without copying when the layout allows. ``softmax_scale=None`` means 1/sqrt(dim);
 ``alibi_slopes=None`` means the standard slopes ``alibi_slopes(heads)``. The GIL is released
 while a kernel runs. C++ argument errors and shapes that do not fit are raised as ``ValueError``
-naming the axes; a wrong dtype is a ``TypeError``. ``__version__`` is the plsh project's version;
-``PLSH_DEFAULTS`` the defaults of the Positional LSH estimator (``samples``, ``seed``,
+naming the axes; a wrong dtype is a ``TypeError``. A forward called with ``return_lse=True``
+also returns its row log-sum-exp (and, windowed, its ``KeptKeys``), which its backward takes as
+``lse=`` (and ``kept=``) instead of computing them again. ``__version__`` is the plsh project's
+version; ``PLSH_DEFAULTS`` the defaults of the Positional LSH estimator (``samples``, ``seed``,
 ``sampling``, ``near_field``), those of the C++ ``PlshOptions``.
 
 ``plsh.torch`` (imported on its own, ``import plsh.torch``) adds autograd functions and an
@@ -26,6 +28,7 @@ from ._plsh import (
     AlibiKvCache,
     CertificateError,
     Grid,
+    KeptKeys,
     KvCache,
     MaskError,
     RandomBinning,
@@ -53,6 +56,7 @@ __all__ = [
     "AlibiKvCache",
     "CertificateError",
     "Grid",
+    "KeptKeys",
     "KvCache",
     "MaskError",
     "RandomBinning",

@@ -172,8 +172,10 @@ class _AttentionFunction(_torch.autograd.Function):
     the kernels' positional argument after the tensors (the slopes, or the block size of fixed
     blocks); ``options`` their keyword arguments (causal, softmax_scale, the positions, the layout
     and the draws of Positional LSH). The backward kernel gets the same parameter and options as
-    the forward, so Positional LSH differentiates the forward's own draws. The output and the
-    gradients are new contiguous tensors in the inputs' layout.
+    the forward, so Positional LSH differentiates the forward's own draws, and the forward's row
+    log-sum-exp (and the windowed kernel's kept keys), so that it does not compute them again
+    (FlashAttention's ``softmax_lse``). The output and the gradients are new contiguous tensors in
+    the inputs' layout.
     """
 
     @staticmethod
@@ -181,8 +183,12 @@ class _AttentionFunction(_torch.autograd.Function):
         forward_kernel, backward_kernel = kernels
         options = dict(options, dtype=_kernel_dtype(q.dtype))
         out = _torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
-        forward_kernel(_array(q), _array(k), _array(v), parameter, out=_array(out), **options)
-        ctx.save_for_backward(q, k, v, out)
+        _, lse, *kept = forward_kernel(_array(q), _array(k), _array(v), parameter, out=_array(out),
+                                       return_lse=True, **options)
+        # lse among the saved tensors, so that activation checkpointing drops and recomputes it
+        # with the others; the kept keys (windowed) are O(B H T / 64) and stay on ctx.
+        ctx.save_for_backward(q, k, v, out, _torch.from_numpy(lse))
+        ctx.kept = {"kept": kept[0]} if kept else {}
         ctx.backward_kernel = backward_kernel
         ctx.parameter = parameter
         ctx.options = options
@@ -193,12 +199,12 @@ class _AttentionFunction(_torch.autograd.Function):
     def backward(ctx, dout):
         """(dq, dk, dv) from the backward kernel, as new contiguous tensors in the inputs' layout;
         None for the non-tensor arguments."""
-        q, k, v, out = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = (_torch.empty_like(t, memory_format=_torch.contiguous_format)
                       for t in (q, k, v))
         ctx.backward_kernel(_array(q), _array(k), _array(v), _array(out), _array(dout),
-                            ctx.parameter, dq=_array(dq), dk=_array(dk), dv=_array(dv),
-                            **ctx.options)
+                            ctx.parameter, lse=lse.numpy(), dq=_array(dq), dk=_array(dk),
+                            dv=_array(dv), **ctx.kept, **ctx.options)
         return dq, dk, dv, None, None, None
 
 
@@ -656,39 +662,20 @@ def _numpy_dtype(dtype):
     return table[dtype]
 
 
-class KvCache:
-    """The key/value cache of :class:`plsh.KvCache` on torch tensors: incremental causal
-    decoding with Positional LSH that forgets the keys no later query can reach.
+class _Cache:
+    """What :class:`KvCache` and :class:`AlibiKvCache` share: a decoding cache of plsh._plsh
+    (``_cache``, made by the subclass with ``_numpy_dtype(dtype)``) on torch tensors of one
+    ``dtype`` in one ``layout``.
 
     Tensors: CPU, of the cache's ``dtype`` (torch.float32, float64, float16 or bfloat16), in the
     cache's ``layout``: "bthd" ``[T, H, D]`` or ``[1, T, H, D]``, "bhtd" ``[H, T, D]`` or
     ``[1, H, T, D]``; read in place (no copy) and returned as new tensors of the same rank and
-    layout. No autograd: the cache is for inference.
-
-    ``append(k, v)`` adds the keys and values of the next positions; ``attend(q)`` returns the
-    outputs of the queries at the newest positions; ``decode(q, k, v)`` does both in one step.
-    ``keys()`` and ``values()`` return the resident rows; ``position``, ``resident``,
-    ``oldest_position`` and ``bytes`` (the resident size of the buffers) describe the cache.
-
-    Arguments as :class:`plsh.KvCache` (``alibi_slopes`` None means the standard slopes,
-    ``softmax_scale`` None means 1/sqrt(dim)); ``value_dim`` None means ``dim``.
+    layout. No autograd: the caches are for inference.
     """
 
-    def __init__(self, heads: int, kv_heads: int, dim: int, value_dim: Optional[int] = None,
-                 alibi_slopes: Slopes = None, *, samples: int = _DEFAULTS["samples"],
-                 seed: int = 0, sampling: str = _DEFAULTS["sampling"],
-                 near_field: float = _DEFAULTS["near_field"],
-                 softmax_scale: Optional[float] = None, key_position: int = 0,
-                 kernel: str = "fused",
-                 dtype: _torch.dtype = _torch.float32, layout: str = "bthd"):
+    def __init__(self, layout, dtype):
         self.layout = _check_layout(layout)
         self.dtype = dtype
-        value_dim = dim if value_dim is None else value_dim
-        self._cache = _plsh.KvCache(heads, kv_heads, dim, value_dim, _slopes(alibi_slopes),
-                                    samples=samples, seed=seed, sampling=sampling,
-                                    near_field=_near_field(near_field),
-                                    softmax_scale=softmax_scale, key_position=key_position,
-                                    kernel=kernel, dtype=_numpy_dtype(dtype))
 
     def _view(self, name, tensor):
         """The [tokens, heads, dim] NumPy view of ``tensor`` and whether it had a batch axis."""
@@ -735,8 +722,8 @@ class KvCache:
         return out
 
     def decode(self, q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor) -> _torch.Tensor:
-        """One decoding step: ``append(k, v)`` then ``attend(q)``; a call that raises leaves the
-        cache as it was."""
+        """One decoding step: ``append(k, v)`` then ``attend(q)``; arguments that fail their
+        checks (a ``ValueError`` or ``TypeError``) leave the cache as it was."""
         q, batched = self._view("q", q)
         k, _ = self._view("k", k)
         v, _ = self._view("v", v)
@@ -744,41 +731,10 @@ class KvCache:
         self._cache.decode(_array(q), _array(k), _array(v), out=target)
         return out
 
-    def _tensor(self, array):
-        if self.dtype == _torch.bfloat16:  # torch reads uint16 arrays as int16 only
-            tensor = _torch.from_numpy(array.view(_numpy.int16)).view(_torch.bfloat16)
-        else:
-            tensor = _torch.from_numpy(array)
-        return tensor.transpose(0, 1).contiguous() if self.layout == "bhtd" else tensor
-
-    def keys(self) -> _torch.Tensor:
-        """A copy of the resident keys, ``[resident, kv_heads, dim]`` (or ``[kv_heads, resident,
-        dim]`` in layout "bhtd")."""
-        return self._tensor(self._cache.keys())
-
-    def values(self) -> _torch.Tensor:
-        """A copy of the resident values, as :meth:`keys`."""
-        return self._tensor(self._cache.values())
-
     @property
     def position(self) -> int:
         """The position of the next appended token."""
         return self._cache.position
-
-    @property
-    def resident(self) -> int:
-        """The tokens whose keys and values the cache holds."""
-        return self._cache.resident
-
-    @property
-    def oldest_position(self) -> int:
-        """The position of the oldest resident token."""
-        return self._cache.oldest_position
-
-    @property
-    def bytes(self) -> int:
-        """Bytes of the key and value buffers (resident rows and room for later appends)."""
-        return self._cache.bytes
 
     @property
     def heads(self) -> int:
@@ -802,17 +758,87 @@ class KvCache:
 
     @property
     def options(self) -> dict:
-        """samples, seed, sampling, near_field, kernel, softmax_scale (0: 1/sqrt(dim)) and
-        key_position."""
+        """The options the cache was made with (softmax_scale 0: 1/sqrt(dim))."""
         return self._cache.options
 
+    def _repr_extra(self) -> str:
+        return ""
+
     def __repr__(self) -> str:
-        return (f"KvCache(heads={self.heads}, kv_heads={self.kv_heads}, dim={self.dim}, "
-                f"value_dim={self.value_dim}, dtype={self.dtype}, layout={self.layout!r}, "
-                f"position={self.position}, resident={self.resident})")
+        return (f"{type(self).__name__}(heads={self.heads}, kv_heads={self.kv_heads}, "
+                f"dim={self.dim}, value_dim={self.value_dim}, dtype={self.dtype}, "
+                f"layout={self.layout!r}, position={self.position}, resident={self.resident}"
+                f"{self._repr_extra()})")
 
 
-class AlibiKvCache:
+class KvCache(_Cache):
+    """The key/value cache of :class:`plsh.KvCache` on torch tensors: incremental causal
+    decoding with Positional LSH that forgets the keys no later query can reach.
+
+    Tensors: CPU, of the cache's ``dtype`` (torch.float32, float64, float16 or bfloat16), in the
+    cache's ``layout``: "bthd" ``[T, H, D]`` or ``[1, T, H, D]``, "bhtd" ``[H, T, D]`` or
+    ``[1, H, T, D]``; read in place (no copy) and returned as new tensors of the same rank and
+    layout. No autograd: the cache is for inference.
+
+    ``append(k, v)`` adds the keys and values of the next positions; ``attend(q)`` returns the
+    outputs of the queries at the newest positions; ``decode(q, k, v)`` does both in one step (a
+    call that raises leaves the cache as it was). ``keys()`` and ``values()`` return the resident
+    rows; ``position``, ``resident``, ``oldest_position`` and ``bytes`` (the resident size of the
+    buffers) describe the cache; ``options``: samples, seed, sampling, near_field, kernel,
+    softmax_scale (0: 1/sqrt(dim)) and key_position.
+
+    Arguments as :class:`plsh.KvCache` (``alibi_slopes`` None means the standard slopes,
+    ``softmax_scale`` None means 1/sqrt(dim)); ``value_dim`` None means ``dim``.
+    """
+
+    def __init__(self, heads: int, kv_heads: int, dim: int, value_dim: Optional[int] = None,
+                 alibi_slopes: Slopes = None, *, samples: int = _DEFAULTS["samples"],
+                 seed: int = 0, sampling: str = _DEFAULTS["sampling"],
+                 near_field: float = _DEFAULTS["near_field"],
+                 softmax_scale: Optional[float] = None, key_position: int = 0,
+                 kernel: str = "fused",
+                 dtype: _torch.dtype = _torch.float32, layout: str = "bthd"):
+        super().__init__(layout, dtype)
+        value_dim = dim if value_dim is None else value_dim
+        self._cache = _plsh.KvCache(heads, kv_heads, dim, value_dim, _slopes(alibi_slopes),
+                                    samples=samples, seed=seed, sampling=sampling,
+                                    near_field=_near_field(near_field),
+                                    softmax_scale=softmax_scale, key_position=key_position,
+                                    kernel=kernel, dtype=_numpy_dtype(dtype))
+
+    def _tensor(self, array):
+        if self.dtype == _torch.bfloat16:  # torch reads uint16 arrays as int16 only
+            tensor = _torch.from_numpy(array.view(_numpy.int16)).view(_torch.bfloat16)
+        else:
+            tensor = _torch.from_numpy(array)
+        return tensor.transpose(0, 1).contiguous() if self.layout == "bhtd" else tensor
+
+    def keys(self) -> _torch.Tensor:
+        """A copy of the resident keys, ``[resident, kv_heads, dim]`` (or ``[kv_heads, resident,
+        dim]`` in layout "bhtd")."""
+        return self._tensor(self._cache.keys())
+
+    def values(self) -> _torch.Tensor:
+        """A copy of the resident values, as :meth:`keys`."""
+        return self._tensor(self._cache.values())
+
+    @property
+    def resident(self) -> int:
+        """The tokens whose keys and values the cache holds."""
+        return self._cache.resident
+
+    @property
+    def oldest_position(self) -> int:
+        """The position of the oldest resident token."""
+        return self._cache.oldest_position
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the key and value buffers (resident rows and room for later appends)."""
+        return self._cache.bytes
+
+
+class AlibiKvCache(_Cache):
     """The key/value cache of :class:`plsh.AlibiKvCache` on torch tensors: decoding a model
     trained with exact ALiBi in bounded memory, with a certified bound per row on the exact-ALiBi
     weight of the keys it dropped.
@@ -826,14 +852,12 @@ class AlibiKvCache:
     prefix. After each ``attend`` or ``decode``: ``bound`` (the largest over the step's rows and
     heads), ``certified`` (``bound <= tolerance``) and ``bounds`` (``[T, H]``, float64); with
     ``strict=True`` a step whose bound exceeds the tolerance raises :class:`plsh.CertificateError`
-    after it is taken.
+    after it is taken. ``options``: tolerance, max_score, min_logit, sinks, strict, softmax_scale
+    (0: 1/sqrt(dim)) and key_position.
 
     Tensors as :class:`KvCache`: CPU, of the cache's ``dtype``, in its ``layout`` ("bthd" ``[T, H,
     D]`` or ``[1, T, H, D]``, "bhtd" ``[H, T, D]`` or ``[1, H, T, D]``); no autograd.
     """
-
-    _view = KvCache._view
-    _output = KvCache._output
 
     def __init__(self, heads: int, kv_heads: int, dim: int, value_dim: Optional[int] = None,
                  alibi_slopes: Slopes = None, *, tolerance: float = 1e-4,
@@ -841,38 +865,13 @@ class AlibiKvCache:
                  strict: bool = False, softmax_scale: Optional[float] = None,
                  key_position: int = 0, dtype: _torch.dtype = _torch.float32,
                  layout: str = "bthd"):
-        self.layout = _check_layout(layout)
-        self.dtype = dtype
+        super().__init__(layout, dtype)
         value_dim = dim if value_dim is None else value_dim
         self._cache = _plsh.AlibiKvCache(heads, kv_heads, dim, value_dim, _slopes(alibi_slopes),
                                          tolerance=tolerance, max_score=max_score,
                                          min_logit=min_logit, sinks=sinks, strict=strict,
                                          softmax_scale=softmax_scale, key_position=key_position,
                                          dtype=_numpy_dtype(dtype))
-
-    def append(self, k: _torch.Tensor, v: _torch.Tensor) -> None:
-        """Appends the keys and values of positions ``position .. position + n - 1``."""
-        k, _ = self._view("k", k)
-        v, _ = self._view("v", v)
-        self._cache.append(_array(k), _array(v))
-
-    def attend(self, q: _torch.Tensor) -> _torch.Tensor:
-        """The outputs of the queries ``q`` at positions ``position - n .. position - 1``; sets
-        ``bound``, ``certified`` and ``bounds``."""
-        q, batched = self._view("q", q)
-        out, target = self._output(q, batched)
-        self._cache.attend(_array(q), out=target)
-        return out
-
-    def decode(self, q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor) -> _torch.Tensor:
-        """One decoding step: ``append(k, v)`` then ``attend(q)``; a ``ValueError`` leaves the
-        cache as it was."""
-        q, batched = self._view("q", q)
-        k, _ = self._view("k", k)
-        v, _ = self._view("v", v)
-        out, target = self._output(q, batched)
-        self._cache.decode(_array(q), _array(k), _array(v), out=target)
-        return out
 
     @property
     def bound(self) -> float:
@@ -904,11 +903,6 @@ class AlibiKvCache:
         return self._cache.pinned_positions(kv_head)
 
     @property
-    def position(self) -> int:
-        """The position of the next appended token."""
-        return self._cache.position
-
-    @property
     def resident(self) -> int:
         """The most rows (window and pinned keys) a key/value head holds."""
         return self._cache.resident
@@ -923,36 +917,8 @@ class AlibiKvCache:
         """Bytes of the rows held and of the blocks of dropped positions."""
         return self._cache.bytes
 
-    @property
-    def heads(self) -> int:
-        return self._cache.heads
-
-    @property
-    def kv_heads(self) -> int:
-        return self._cache.kv_heads
-
-    @property
-    def dim(self) -> int:
-        return self._cache.dim
-
-    @property
-    def value_dim(self) -> int:
-        return self._cache.value_dim
-
-    @property
-    def alibi_slopes(self) -> List[float]:
-        return self._cache.alibi_slopes
-
-    @property
-    def options(self) -> dict:
-        """tolerance, max_score, min_logit, sinks, strict, softmax_scale (0: 1/sqrt(dim)) and
-        key_position."""
-        return self._cache.options
-
-    def __repr__(self) -> str:
-        return (f"AlibiKvCache(heads={self.heads}, kv_heads={self.kv_heads}, dim={self.dim}, "
-                f"value_dim={self.value_dim}, dtype={self.dtype}, layout={self.layout!r}, "
-                f"position={self.position}, resident={self.resident}, windows={self.windows})")
+    def _repr_extra(self) -> str:
+        return f", windows={self.windows}"
 
 
 __all__ += ["AlibiKvCache"]

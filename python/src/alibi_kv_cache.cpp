@@ -8,7 +8,6 @@
 
 #include <cstddef>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -18,6 +17,7 @@
 #include "arguments.hpp"
 #include "arrays.hpp"
 #include "bindings.hpp"
+#include "cache_binding.hpp"
 #include "options.hpp"
 
 namespace plsh_python {
@@ -25,154 +25,82 @@ namespace plsh_python {
 namespace {
 
 // The Python AlibiKvCache: a plsh::AlibiKvCache of float, double, Eigen::half or Eigen::bfloat16
-// behind one interface. A mutex keeps calls from several Python threads (the GIL is released
-// inside) from racing on the cache.
-class AlibiKvCacheBase {
+// behind one interface (cache_binding.hpp), with the dropped weight of its last step.
+class AlibiKvCacheBase : public CacheInterface {
  public:
-  virtual ~AlibiKvCacheBase() = default;
-  virtual void append(const py::object& k, const py::object& v) = 0;
-  virtual py::array attend(const py::object& q, const py::object& out) = 0;
-  virtual py::array decode(const py::object& q, const py::object& k, const py::object& v,
-                           const py::object& out) = 0;
   virtual plsh::DroppedWeight dropped() const = 0;
   virtual py::array bounds() const = 0;
-  virtual Index position() const = 0;
-  virtual Index resident() const = 0;
   virtual std::vector<Index> resident_per_head() const = 0;
   virtual std::vector<Index> windows() const = 0;
   virtual Index oldest_position(Index kv_head) const = 0;
   virtual std::vector<Index> pinned_positions(Index kv_head) const = 0;
-  virtual std::size_t bytes() const = 0;
-  virtual py::dtype dtype() const = 0;
-  virtual Index heads() const = 0;
-  virtual Index kv_heads() const = 0;
-  virtual Index dim() const = 0;
-  virtual Index value_dim() const = 0;
-  virtual std::vector<double> slopes() const = 0;
   virtual plsh::AlibiCacheOptions options() const = 0;
 };
 
 template <class Scalar>
-class AlibiKvCacheOf : public AlibiKvCacheBase {
+class AlibiKvCacheOf : public CacheOf<AlibiKvCacheBase, Scalar, plsh::AlibiKvCache<Scalar>> {
+  using Base = CacheOf<AlibiKvCacheBase, Scalar, plsh::AlibiKvCache<Scalar>>;
+  using typename Base::OutputRows;
+  using typename Base::Rows;
+
  public:
   AlibiKvCacheOf(Index heads, Index kv_heads, Index dim, Index value_dim,
                  std::vector<double> slopes, const plsh::AlibiCacheOptions& options)
-      : heads_(heads),
-        value_dim_(value_dim),
-        cache_(heads, kv_heads, dim, value_dim, std::move(slopes), options) {}
-
-  void append(const py::object& k, const py::object& v) override {
-    const Arrays arrays = arrays_of({{"k", k}, {"v", v}});
-    const Input<Scalar> k_in = arrays.input<Scalar>(0);
-    const Input<Scalar> v_in = arrays.input<Scalar>(1);
-    py::gil_scoped_release release;
-    const std::lock_guard<std::mutex> lock(mutex_);
-    cache_.append(k_in.view[0], v_in.view[0]);
-  }
-
-  py::array attend(const py::object& q, const py::object& out) override {
-    const Arrays arrays = arrays_of({{"q", q}});
-    const Input<Scalar> q_in = arrays.input<Scalar>(0);
-    const Output<Scalar> result = output_for(arrays, out);
-    {
-      py::gil_scoped_release release;
-      const std::lock_guard<std::mutex> lock(mutex_);
-      try {
-        dropped_ = cache_.attend(q_in.view[0], result.view[0]);
-      } catch (const plsh::CertificateError& error) {
-        dropped_ = error.dropped();  // the step was taken
-        throw;
-      }
-    }
-    return result.array;
-  }
-
-  py::array decode(const py::object& q, const py::object& k, const py::object& v,
-                   const py::object& out) override {
-    const Arrays arrays = arrays_of({{"q", q}, {"k", k}, {"v", v}});
-    const Input<Scalar> q_in = arrays.input<Scalar>(0);
-    const Input<Scalar> k_in = arrays.input<Scalar>(1);
-    const Input<Scalar> v_in = arrays.input<Scalar>(2);
-    const Output<Scalar> result = output_for(arrays, out);
-    {
-      py::gil_scoped_release release;
-      const std::lock_guard<std::mutex> lock(mutex_);
-      try {
-        dropped_ = cache_.decode(q_in.view[0], k_in.view[0], v_in.view[0], result.view[0]);
-      } catch (const plsh::CertificateError& error) {
-        dropped_ = error.dropped();  // the step was taken
-        throw;
-      }
-    }
-    return result.array;
-  }
+      : Base("AlibiKvCache", heads, kv_heads, dim, value_dim, std::move(slopes), options),
+        heads_(heads) {}
 
   plsh::DroppedWeight dropped() const override {
-    return locked([&] { return dropped_; });
+    return this->locked([&] { return dropped_; });
   }
   py::array bounds() const override {
-    return locked([&] {
-      const std::vector<double>& bounds = cache_.bounds();
+    return this->locked([&] {
+      const std::vector<double>& bounds = this->cache_.bounds();
       const py::ssize_t rows = static_cast<py::ssize_t>(bounds.size()) / heads_;
       py::array_t<double> array(std::vector<py::ssize_t>{rows, static_cast<py::ssize_t>(heads_)});
       std::copy(bounds.begin(), bounds.end(), array.mutable_data());
       return py::array(std::move(array));
     });
   }
-  Index position() const override {
-    return locked([&] { return cache_.position(); });
-  }
-  Index resident() const override {
-    return locked([&] { return cache_.resident(); });
-  }
   std::vector<Index> resident_per_head() const override {
-    return locked([&] {
+    return this->locked([&] {
       std::vector<Index> rows;
-      for (Index g = 0; g < cache_.kv_heads(); ++g) rows.push_back(cache_.resident(g));
+      for (Index g = 0; g < this->cache_.kv_heads(); ++g) rows.push_back(this->cache_.resident(g));
       return rows;
     });
   }
   std::vector<Index> windows() const override {
     std::vector<Index> windows;
-    for (Index g = 0; g < cache_.kv_heads(); ++g) windows.push_back(cache_.window(g));
+    for (Index g = 0; g < this->cache_.kv_heads(); ++g) windows.push_back(this->cache_.window(g));
     return windows;
   }
   Index oldest_position(Index kv_head) const override {
-    return locked([&] { return cache_.oldest_position(kv_head); });
+    return this->locked([&] { return this->cache_.oldest_position(kv_head); });
   }
   std::vector<Index> pinned_positions(Index kv_head) const override {
-    return locked([&] { return cache_.pinned_positions(kv_head); });
+    return this->locked([&] { return this->cache_.pinned_positions(kv_head); });
   }
-  std::size_t bytes() const override {
-    return locked([&] { return cache_.bytes(); });
-  }
-  py::dtype dtype() const override { return numpy_dtype(storage_of<Scalar>()); }
-  Index heads() const override { return cache_.heads(); }
-  Index kv_heads() const override { return cache_.kv_heads(); }
-  Index dim() const override { return cache_.dim(); }
-  Index value_dim() const override { return cache_.value_dim(); }
-  std::vector<double> slopes() const override { return cache_.slopes(); }
-  plsh::AlibiCacheOptions options() const override { return cache_.options(); }
+  plsh::AlibiCacheOptions options() const override { return this->cache_.options(); }
 
  private:
-  template <class F>
-  auto locked(F&& f) const {
-    const std::lock_guard<std::mutex> lock(mutex_);
-    return f();
+  void attend_rows(const Rows& q, const OutputRows& out) override {
+    try {
+      dropped_ = this->cache_.attend(q, out);
+    } catch (const plsh::CertificateError& error) {
+      dropped_ = error.dropped();  // the step was taken
+      throw;
+    }
   }
-
-  static Arrays arrays_of(std::initializer_list<std::pair<const char*, py::object>> named) {
-    return cache_arrays<Scalar>("AlibiKvCache", named);
-  }
-  Output<Scalar> output_for(const Arrays& arrays, const py::object& out) const {
-    return cache_output<Scalar>(arrays, out, heads_, value_dim_);
+  void decode_rows(const Rows& q, const Rows& k, const Rows& v, const OutputRows& out) override {
+    try {
+      dropped_ = this->cache_.decode(q, k, v, out);
+    } catch (const plsh::CertificateError& error) {
+      dropped_ = error.dropped();  // the step was taken
+      throw;
+    }
   }
 
   Index heads_;
-  Index value_dim_;
-  plsh::AlibiKvCache<Scalar> cache_;
   plsh::DroppedWeight dropped_;
-  mutable std::mutex mutex_;
 };
 
 // The AlibiKvCache of `dtype` (a NumPy float dtype or "bfloat16") with these shapes and options.
@@ -252,8 +180,6 @@ void bind_alibi_kv_cache(py::module_& m) {
           "Whether the last step's bound is at most the tolerance.")
       .def_property_readonly("bounds", &AlibiKvCacheBase::bounds,
                              "The bound of every row and head of the last step, [n, heads].")
-      .def_property_readonly("position", &AlibiKvCacheBase::position,
-                             "The position of the next appended token.")
       .def_property_readonly("resident", &AlibiKvCacheBase::resident,
                              "The most rows (window and pinned keys) a key/value head holds.")
       .def_property_readonly("resident_per_head", &AlibiKvCacheBase::resident_per_head,
@@ -266,11 +192,6 @@ void bind_alibi_kv_cache(py::module_& m) {
            "The positions of the pinned keys of a key/value head, oldest first.")
       .def_property_readonly("bytes", &AlibiKvCacheBase::bytes,
                              "Bytes of the rows held and of the blocks of dropped positions.")
-      .def_property_readonly("heads", &AlibiKvCacheBase::heads)
-      .def_property_readonly("kv_heads", &AlibiKvCacheBase::kv_heads)
-      .def_property_readonly("dim", &AlibiKvCacheBase::dim)
-      .def_property_readonly("value_dim", &AlibiKvCacheBase::value_dim)
-      .def_property_readonly("alibi_slopes", &AlibiKvCacheBase::slopes, "The slopes, one per head.")
       .def_property_readonly(
           "options",
           [](const AlibiKvCacheBase& self) {
@@ -280,9 +201,8 @@ void bind_alibi_kv_cache(py::module_& m) {
                             "strict"_a = options.strict, "softmax_scale"_a = options.scale,
                             "key_position"_a = options.key_position);
           },
-          "The options the cache was made with (softmax_scale 0 meaning 1/sqrt(dim)).")
-      .def_property_readonly("dtype", &AlibiKvCacheBase::dtype,
-                             "The NumPy dtype of the cache's arrays (uint16 for bfloat16).");
+          "The options the cache was made with (softmax_scale 0 meaning 1/sqrt(dim)).");
+  bind_cache_members(cache);
   m.def(
       "alibi_cache_window",
       [](double slope, double tolerance, double max_score, double min_logit) {

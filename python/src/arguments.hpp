@@ -130,6 +130,14 @@ struct OutputArguments {
   py::object out;
 };
 
+// The forward's row log-sum-exp a backward kernel takes (None: computed again), as the forward
+// called with return_lse=True returned it.
+struct LseArguments {
+  using Fields = std::tuple<const py::object&>;
+  static auto arguments() { return std::make_tuple(py::arg("lse") = py::none()); }
+  py::object lse;
+};
+
 // Where a backward kernel writes dq, dk and dv (None: new arrays).
 struct GradientArguments {
   using Fields = std::tuple<const py::object&, const py::object&, const py::object&>;

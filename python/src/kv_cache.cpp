@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cstddef>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -18,6 +17,7 @@
 #include "arguments.hpp"
 #include "arrays.hpp"
 #include "bindings.hpp"
+#include "cache_binding.hpp"
 #include "options.hpp"
 
 namespace plsh_python {
@@ -25,108 +25,36 @@ namespace plsh_python {
 namespace {
 
 // The Python KvCache: a plsh::KvCache of float, double, Eigen::half or Eigen::bfloat16 behind one
-// interface. A mutex keeps calls from several Python threads (the GIL is released inside) from
-// racing on the cache.
-class KvCacheBase {
+// interface (cache_binding.hpp).
+class KvCacheBase : public CacheInterface {
  public:
-  virtual ~KvCacheBase() = default;
-  virtual void append(const py::object& k, const py::object& v) = 0;
-  virtual py::array attend(const py::object& q, const py::object& out) = 0;
-  virtual py::array decode(const py::object& q, const py::object& k, const py::object& v,
-                           const py::object& out) = 0;
-  virtual Index position() const = 0;
-  virtual Index resident() const = 0;
   virtual Index oldest_position() const = 0;
-  virtual std::size_t bytes() const = 0;
-  virtual py::dtype dtype() const = 0;
   virtual py::array keys() const = 0;
   virtual py::array values() const = 0;
-  virtual Index heads() const = 0;
-  virtual Index kv_heads() const = 0;
-  virtual Index dim() const = 0;
-  virtual Index value_dim() const = 0;
-  virtual std::vector<double> slopes() const = 0;
   virtual plsh::PlshOptions options() const = 0;
 };
 
 template <class Scalar>
-class KvCacheOf : public KvCacheBase {
+class KvCacheOf : public CacheOf<KvCacheBase, Scalar, plsh::KvCache<Scalar>> {
+  using Base = CacheOf<KvCacheBase, Scalar, plsh::KvCache<Scalar>>;
+
  public:
   KvCacheOf(Index heads, Index kv_heads, Index dim, Index value_dim, std::vector<double> slopes,
             const plsh::PlshOptions& options)
-      : heads_(heads),
-        value_dim_(value_dim),
-        cache_(heads, kv_heads, dim, value_dim, std::move(slopes), options) {}
+      : Base("KvCache", heads, kv_heads, dim, value_dim, std::move(slopes), options) {}
 
-  void append(const py::object& k, const py::object& v) override {
-    const Arrays arrays = arrays_of({{"k", k}, {"v", v}});
-    const Input<Scalar> k_in = arrays.input<Scalar>(0);
-    const Input<Scalar> v_in = arrays.input<Scalar>(1);
-    py::gil_scoped_release release;
-    const std::lock_guard<std::mutex> lock(mutex_);
-    cache_.append(k_in.view[0], v_in.view[0]);
-  }
-
-  py::array attend(const py::object& q, const py::object& out) override {
-    const Arrays arrays = arrays_of({{"q", q}});
-    const Input<Scalar> q_in = arrays.input<Scalar>(0);
-    const Output<Scalar> result = output_for(arrays, out);
-    {
-      py::gil_scoped_release release;
-      const std::lock_guard<std::mutex> lock(mutex_);
-      cache_.attend(q_in.view[0], result.view[0]);
-    }
-    return result.array;
-  }
-
-  py::array decode(const py::object& q, const py::object& k, const py::object& v,
-                   const py::object& out) override {
-    const Arrays arrays = arrays_of({{"q", q}, {"k", k}, {"v", v}});
-    const Input<Scalar> q_in = arrays.input<Scalar>(0);
-    const Input<Scalar> k_in = arrays.input<Scalar>(1);
-    const Input<Scalar> v_in = arrays.input<Scalar>(2);
-    const Output<Scalar> result = output_for(arrays, out);
-    {
-      py::gil_scoped_release release;
-      const std::lock_guard<std::mutex> lock(mutex_);
-      cache_.decode(q_in.view[0], k_in.view[0], v_in.view[0], result.view[0]);
-    }
-    return result.array;
-  }
-
-  Index position() const override {
-    return locked([&] { return cache_.position(); });
-  }
-  Index resident() const override {
-    return locked([&] { return cache_.resident(); });
-  }
   Index oldest_position() const override {
-    return locked([&] { return cache_.oldest_position(); });
+    return this->locked([&] { return this->cache_.oldest_position(); });
   }
-  std::size_t bytes() const override {
-    return locked([&] { return cache_.bytes(); });
-  }
-  py::dtype dtype() const override { return numpy_dtype(storage_of<Scalar>()); }
   py::array keys() const override {
-    return locked([&] { return copy_of(cache_.keys()); });
+    return this->locked([&] { return copy_of(this->cache_.keys()); });
   }
   py::array values() const override {
-    return locked([&] { return copy_of(cache_.values()); });
+    return this->locked([&] { return copy_of(this->cache_.values()); });
   }
-  Index heads() const override { return cache_.heads(); }
-  Index kv_heads() const override { return cache_.kv_heads(); }
-  Index dim() const override { return cache_.dim(); }
-  Index value_dim() const override { return cache_.value_dim(); }
-  std::vector<double> slopes() const override { return cache_.slopes(); }
-  plsh::PlshOptions options() const override { return cache_.options(); }
+  plsh::PlshOptions options() const override { return this->cache_.options(); }
 
  private:
-  template <class F>
-  auto locked(F&& f) const {
-    const std::lock_guard<std::mutex> lock(mutex_);
-    return f();
-  }
-
   // A new array [tokens, heads, dim] holding the rows of `view`.
   static py::array copy_of(const plsh::HeadsView<const Scalar>& view) {
     py::array array(numpy_dtype(storage_of<Scalar>()),
@@ -140,18 +68,6 @@ class KvCacheOf : public KvCacheBase {
     }
     return array;
   }
-
-  static Arrays arrays_of(std::initializer_list<std::pair<const char*, py::object>> named) {
-    return cache_arrays<Scalar>("KvCache", named);
-  }
-  Output<Scalar> output_for(const Arrays& arrays, const py::object& out) const {
-    return cache_output<Scalar>(arrays, out, heads_, value_dim_);
-  }
-
-  Index heads_;
-  Index value_dim_;
-  plsh::KvCache<Scalar> cache_;
-  mutable std::mutex mutex_;
 };
 
 // The KvCache of `dtype` (a NumPy float dtype or "bfloat16") with these shapes and options.
@@ -222,17 +138,10 @@ void bind_kv_cache(py::module_& m) {
            "position - 1.")
       .def("values", &KvCacheBase::values,
            "A copy of the resident values [resident, kv_heads, value_dim].")
-      .def_property_readonly("position", &KvCacheBase::position,
-                             "The position of the next appended token (tokens appended so far).")
       .def_property_readonly("resident", &KvCacheBase::resident,
                              "The number of tokens whose keys and values the cache holds.")
       .def_property_readonly("oldest_position", &KvCacheBase::oldest_position,
                              "The position of the oldest resident token.")
-      .def_property_readonly("heads", &KvCacheBase::heads)
-      .def_property_readonly("kv_heads", &KvCacheBase::kv_heads)
-      .def_property_readonly("dim", &KvCacheBase::dim)
-      .def_property_readonly("value_dim", &KvCacheBase::value_dim)
-      .def_property_readonly("alibi_slopes", &KvCacheBase::slopes, "The slopes, one per head.")
       .def_property_readonly(
           "options",
           [](const KvCacheBase& cache) {
@@ -243,9 +152,8 @@ void bind_kv_cache(py::module_& m) {
                 "kernel"_a = options.kernel == plsh::Kernel::Passes ? "passes" : "fused",
                 "softmax_scale"_a = options.scale, "key_position"_a = options.key_position);
           },
-          "The options the cache was made with (softmax_scale 0 meaning 1/sqrt(dim)).")
-      .def_property_readonly("dtype", &KvCacheBase::dtype,
-                             "The NumPy dtype of the cache's arrays (uint16 for bfloat16).");
+          "The options the cache was made with (softmax_scale 0 meaning 1/sqrt(dim)).");
+  bind_cache_members(kv_cache);
 }
 
 }  // namespace plsh_python

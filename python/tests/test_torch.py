@@ -94,15 +94,18 @@ def test_results_equal_the_cpp_kernels_bit_for_bit(method):
     q, k, v = random_tensors(dtype=torch.float32, seed=2)
     arrays = [t.detach().numpy() for t in (q, k, v)]
     dout = torch.randn(q.shape[:-1] + v.shape[-1:], generator=torch.Generator().manual_seed(1))
+    # The backward of plsh.torch is the C++ backward given the forward's row log-sum-exp.
     if method == "exact":
         out = pt.exact_alibi_attention(q, k, v, **OPTIONS)
-        expected = plsh.exact_alibi_attention(*arrays, **OPTIONS)
-        grads = plsh.exact_alibi_attention_backward(*arrays, expected, dout.numpy(), **OPTIONS)
+        expected, lse = plsh.exact_alibi_attention(*arrays, return_lse=True, **OPTIONS)
+        grads = plsh.exact_alibi_attention_backward(*arrays, expected, dout.numpy(), lse=lse,
+                                                    **OPTIONS)
     else:
         draws = dict(samples=9, seed=4, **ESTIMATOR[method])
         out = pt.plsh_attention(q, k, v, **draws, **OPTIONS)
-        expected = plsh.plsh_attention(*arrays, **draws, **OPTIONS)
-        grads = plsh.plsh_attention_backward(*arrays, expected, dout.numpy(), **draws, **OPTIONS)
+        expected, lse = plsh.plsh_attention(*arrays, **draws, return_lse=True, **OPTIONS)
+        grads = plsh.plsh_attention_backward(*arrays, expected, dout.numpy(), **draws, lse=lse,
+                                             **OPTIONS)
     assert out.dtype == torch.float32
     assert np.array_equal(out.detach().numpy(), expected)
     out.backward(dout)
@@ -186,10 +189,11 @@ def test_fixed_block_attention_against_dense_pytorch_and_cpp():
     for grad, reference_grad in zip(grads, expected):
         assert_close(grad, reference_grad, 1e-11)
     arrays = [t.detach().numpy() for t in (q, k, v)]
-    cpp_out = plsh.fixed_block_attention(*arrays, 8, **OPTIONS)
+    cpp_out, lse = plsh.fixed_block_attention(*arrays, 8, return_lse=True, **OPTIONS)
     assert np.array_equal(out.detach().numpy(), cpp_out)
+    # The backward of plsh.torch is the C++ backward given the forward's row log-sum-exp.
     cpp_grads = plsh.fixed_block_attention_backward(*arrays, cpp_out, weights.numpy(), 8,
-                                                    **OPTIONS)
+                                                    lse=lse, **OPTIONS)
     for grad, cpp_grad in zip(grads, cpp_grads):
         assert np.array_equal(grad.numpy(), cpp_grad)
 
@@ -435,3 +439,68 @@ def test_half_tensors_against_float32_inputs(method, storage):
     assert relative(out_half, out_float) <= 4 * u
     for name, a, b in zip(("dq", "dk", "dv"), half, floats):
         assert relative(a.grad, b.grad) <= 6 * u, name
+
+
+# Each torch function with its C++ forward and backward and the arguments they share.
+LSE_METHODS = {
+    "exact": (lambda *t, **o: pt.exact_alibi_attention(*t, [0.4, 0.2, 0.1, 0.05], **o),
+              plsh.exact_alibi_attention, plsh.exact_alibi_attention_backward,
+              ([0.4, 0.2, 0.1, 0.05],), {}),
+    "windowed": (lambda *t, **o: pt.windowed_alibi_attention(*t, [0.4, 0.2, 0.1, 0.05],
+                                                             tolerance=1e-3, **o),
+                 plsh.windowed_alibi_attention, plsh.windowed_alibi_attention_backward,
+                 ([0.4, 0.2, 0.1, 0.05], 1e-3), {}),
+    "truncated": (lambda *t, **o: pt.truncated_alibi_attention(*t, [0.4, 0.2, 0.1, 0.05], 0.05,
+                                                               **o),
+                  plsh.truncated_alibi_attention, plsh.truncated_alibi_attention_backward,
+                  ([0.4, 0.2, 0.1, 0.05], 0.05), {}),
+    "plsh": (lambda *t, **o: pt.plsh_attention(*t, samples=9, seed=4, **o),
+             plsh.plsh_attention, plsh.plsh_attention_backward, (), dict(samples=9, seed=4)),
+    "fixed": (lambda *t, **o: pt.fixed_block_attention(*t, 5, **o),
+              plsh.fixed_block_attention, plsh.fixed_block_attention_backward, (5,), {}),
+}
+
+
+@pytest.mark.parametrize("method", LSE_METHODS)
+@pytest.mark.parametrize("layout", ["bthd", "bhtd"])
+def test_gradients_equal_the_backward_that_computes_the_lse(method, layout):
+    # float64: the backward given the forward's lse differs from the one that computes it by
+    # rounding only.
+    function, forward, backward, arguments, keywords = LSE_METHODS[method]
+    q, k, v = random_tensors(n=70, seed=5)
+    if layout == "bhtd":
+        q, k, v = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    options = dict(OPTIONS, layout=layout)
+    out = function(q, k, v, **options)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(6), dtype=out.dtype)
+    out.backward(dout)
+    arrays = [t.detach().numpy() for t in (q, k, v)]
+    expected = backward(*arrays, out.detach().numpy(), dout.numpy(), *arguments, **keywords,
+                        **options)
+    for tensor, grad in zip((q, k, v), expected):
+        assert np.abs(tensor.grad.numpy() - grad).max() <= 1e-12 * max(1.0, np.abs(grad).max())
+
+
+@pytest.mark.parametrize("method", LSE_METHODS)
+def test_the_backward_gets_the_forward_lse_and_kept_keys(method, monkeypatch):
+    function, forward, backward, arguments, keywords = LSE_METHODS[method]
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return backward(*args, **kwargs)
+
+    kernels = {"exact": "_EXACT_KERNELS", "windowed": "_WINDOWED_KERNELS",
+               "truncated": "_TRUNCATED_KERNELS", "plsh": "_PLSH_KERNELS",
+               "fixed": "_FIXED_BLOCK_KERNELS"}[method]
+    monkeypatch.setattr(pt, kernels, (forward, spy))
+    q, k, v = random_tensors(dtype=torch.float32, seed=7)
+    out = function(q, k, v, **OPTIONS)
+    out.sum().backward()
+    arrays = [t.detach().numpy() for t in (q, k, v)]
+    _, lse, *kept = forward(*arrays, *arguments, **keywords, return_lse=True, **OPTIONS)
+    assert len(calls) == 1 and np.array_equal(calls[0]["lse"], lse)
+    if method == "windowed":
+        assert isinstance(calls[0]["kept"], plsh.KeptKeys) and not calls[0]["kept"].empty
+    else:
+        assert "kept" not in calls[0]

@@ -172,10 +172,12 @@ def test_torch_truncated_equals_the_numpy_kernels_bit_for_bit():
     dout = torch.randn(q.shape[:-1] + v.shape[-1:], generator=torch.Generator().manual_seed(29))
     options = dict(causal=True, query_position=7, key_position=2)
     out = pt.truncated_alibi_attention(q, k, v, None, 0.05, **options)
-    expected = plsh.truncated_alibi_attention(*arrays, None, 0.05, **options)
+    expected, lse = plsh.truncated_alibi_attention(*arrays, None, 0.05, return_lse=True,
+                                                   **options)
     assert out.dtype == torch.float32 and np.array_equal(out.detach().numpy(), expected)
+    # The backward of plsh.torch is the C++ backward given the forward's row log-sum-exp.
     grads = plsh.truncated_alibi_attention_backward(*arrays, expected, dout.numpy(), None, 0.05,
-                                                    **options)
+                                                    lse=lse, **options)
     out.backward(dout)
     for tensor, grad in zip((q, k, v), grads):
         assert np.array_equal(tensor.grad.numpy(), grad)

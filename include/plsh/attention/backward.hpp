@@ -23,7 +23,9 @@
 /// stored lse, dV and dK, with the query heads of the group and their query tiles visited in a
 /// fixed order. Given the forward's row lse (RowLse, row_lse.hpp, FlashAttention's
 /// `softmax_lse`), sweep 1 takes \f$P = e^{l - \mathrm{lse}}\f$ from it (no running maximum, no
-/// rescaling) and sweep 2 reads it; given the windowed forward's kept keys (KeptKeys,
+/// rescaling) and sweep 2 reads it, after the row constant of ALiBi's logits (regular.hpp's
+/// apply_linear_bias: nonzero for a query beyond the last key or before the first) is added to a
+/// copy of it; given the windowed forward's kept keys (KeptKeys,
 /// kept_keys.hpp), the windowed backward does not run the certificate. Each sweep is one OpenMP
 /// region for the whole batch (batch.hpp; an unbatched call is a batch of one), and the draws are
 /// made once per call. About \f$8d + 6d_v\f$ flops per visible score (the forward: \f$2d +
@@ -141,14 +143,24 @@ class AlibiLogits {
       workspace.offsets =
           Eigen::Array<Scalar, 1, Eigen::Dynamic>::LinSpaced(kKeyTile, 0, kKeyTile - 1);
     }
-    // The same key span as the forward (attend_rows): the logits carry the same row shift.
-    const KeySpan span{first_query - options_.key_position, first_query - (key_end_ - 1)};
     apply_linear_bias(scores, first_query - first_key, options_.causal,
-                      LinearBias{slopes_[static_cast<std::size_t>(h)], band(h)}, span,
-                      workspace.offsets);
+                      LinearBias{slopes_[static_cast<std::size_t>(h)], band(h)},
+                      key_span(first_query), workspace.offsets);
+  }
+
+  /// The lse of these logits of head h's rows `[first_query, first_query + rows)` in place of the
+  /// lse of the true logits (the forward's, given to the backward): these carry the row constant
+  /// \f$m_h r_i\f$ of apply_linear_bias.
+  void shift_given_lse(Index h, Index first_query, Index rows, Scalar* lse) const {
+    shift_lse(lse, rows, slopes_[static_cast<std::size_t>(h)], key_span(first_query));
   }
 
  private:
+  /// The same key span as the forward (attend_rows): the logits carry the same row shift.
+  KeySpan key_span(Index first_query) const {
+    return KeySpan{first_query - options_.key_position, first_query - (key_end_ - 1)};
+  }
+
   /// \f$W_h\f$: kNoWindow for exact ALiBi.
   Index band(Index h) const {
     return factor_window(slopes_[static_cast<std::size_t>(h)], factor_tolerance_);
@@ -289,6 +301,9 @@ class PlshLogits {
              Index, Index first_key) const {
     workspace.block_counts.add_log_counts(scores, first_key);
   }
+
+  /// The lse of the true logits is that of these (no row constant).
+  void shift_given_lse(Index, Index, Index, Scalar*) const {}
 
  private:
   NearField near(Index h) const {
@@ -504,8 +519,19 @@ void attention_backward(const BatchedHeadsView<const Scalar>& q,
   const Index group = q.heads / k.heads;
   const Index element_rows = q.heads * q.tokens;  // lse and D of one element, [H][n_q]
   const auto rows_of_batch = static_cast<std::size_t>(q.batch * element_rows);
-  std::vector<Compute<Scalar>> computed_lse(given_lse.empty() ? rows_of_batch : 0);
-  const Compute<Scalar>* lse = given_lse.empty() ? computed_lse.data() : given_lse.data;
+  // The lse of the logits as formed here: sweep 1 writes it, or it is the given lse of the true
+  // logits with the logits' row constant added (Logits::shift_given_lse).
+  const bool given = !given_lse.empty();
+  std::vector<Compute<Scalar>> lse(rows_of_batch);
+  if (given) {
+    std::copy(given_lse.data, given_lse.data + rows_of_batch, lse.begin());
+    for (Index b = 0; b < q.batch; ++b) {
+      for (Index h = 0; h < q.heads; ++h) {
+        logits.shift_given_lse(h, options.query_position, q.tokens,
+                               lse.data() + b * element_rows + h * q.tokens);
+      }
+    }
+  }
   std::vector<Compute<Scalar>> delta(rows_of_batch);
   const double work = static_cast<double>(q.batch) * attention_work(q[0], k[0], v[0]);
   struct Tile {
@@ -524,11 +550,11 @@ void attention_backward(const BatchedHeadsView<const Scalar>& q,
     const Tile& tile = tiles[static_cast<std::size_t>(job % element_jobs)];
     HeadMap<Scalar> dq_head = dq[b].head(tile.head);
     const Index rows = b * element_rows + tile.head * q.tokens;
-    backward_query_rows<Scalar>(
-        q[b].head(tile.head), k[b].head(tile.head / group), v[b].head(tile.head / group),
-        out[b].head(tile.head), dout[b].head(tile.head), dq_head, options, logits, b, tile.head,
-        tile.begin, tile.end, given_lse.empty() ? nullptr : lse + rows,
-        computed_lse.data() + (given_lse.empty() ? rows : 0), delta.data() + rows);
+    backward_query_rows<Scalar>(q[b].head(tile.head), k[b].head(tile.head / group),
+                                v[b].head(tile.head / group), out[b].head(tile.head),
+                                dout[b].head(tile.head), dq_head, options, logits, b, tile.head,
+                                tile.begin, tile.end, given ? lse.data() + rows : nullptr,
+                                lse.data() + rows, delta.data() + rows);
   });
   tiles.clear();
   for (Index g = 0; g < k.heads; ++g) {
@@ -542,7 +568,7 @@ void attention_backward(const BatchedHeadsView<const Scalar>& q,
     const Index b = job / element_jobs;
     const Tile& tile = tiles[static_cast<std::size_t>(job % element_jobs)];
     backward_key_rows<Scalar>(q[b], k[b], v[b], dout[b], dk[b], dv[b], options, logits, b,
-                              tile.head, tile.begin, tile.end, lse + b * element_rows,
+                              tile.head, tile.begin, tile.end, lse.data() + b * element_rows,
                               delta.data() + b * element_rows);
   });
 }

@@ -169,6 +169,16 @@ void unshift_lse(Scalar* lse, Index rows, double slope, const KeySpan& span) {
   }
 }
 
+/// The inverse of unshift_lse: the log-sum-exp of the logits apply_linear_bias forms with `span`
+/// (the true logits plus \f$m r_i\f$) from that of the true logits.
+template <class Scalar>
+void shift_lse(Scalar* lse, Index rows, double slope, const KeySpan& span) {
+  if (slope == 0) return;
+  for (Index r = 0; r < rows; ++r) {
+    lse[r] += static_cast<Scalar>(slope * static_cast<double>(nearest_key_distance(span, r)));
+  }
+}
+
 /// Key rows `[begin, end)` of `k`, `v` into the running softmax of a tile whose scaled query rows
 /// (first at position `first_query`) are in `workspace.query`, kKeyTile keys at a time: the
 /// scores, apply_linear_bias, the softmax update.
