@@ -116,28 +116,28 @@ struct DecodeThreadState {
 template <class Storage>
 struct DecodeWorkspace {
   using Scalar = Compute<Storage>;
-  std::vector<Index> begins;      // [row][head][draw]: sorted block starts of the older rows
-  std::vector<Index> first_job;   // [row * heads + head]: its first job; one more at the end
-  std::vector<DecodeJob> jobs;    // in (row, head, range) order
-  std::vector<Index> part_first;  // [part]: the first job of each thread's part; one more
-  AlignedVector<Scalar> queries;  // [row][head][dim]: the queries times the scale
-  AlignedVector<Scalar> partial;  // [job][value_dim]: normalised output of the job's keys
-  AlignedVector<Scalar> lse;      // [job]: log-sum-exp of the job's logits
-  std::vector<Scalar> log_count;  // log(c) for c = 0..s, log(0) = -inf
+  std::vector<Index> begins;       // [row][head][draw]: sorted block starts of the older rows
+  std::vector<Index> first_job;    // [row * heads + head]: its first job; one more at the end
+  std::vector<DecodeJob> jobs;     // in (row, head, range) order
+  std::vector<Index> part_first;   // [part]: the first job of each thread's part; one more
+  AlignedVector<Scalar> queries;   // [row][head][dim]: the queries times the scale
+  AlignedVector<Scalar> partial;   // [job][value_dim]: normalised output of the job's keys
+  AlignedVector<Scalar> lse;       // [job]: log-sum-exp of the job's logits
+  LogWeights<Scalar> log_weights;  // log c for c = 0..s (Estimator), log(0) = -inf
   std::vector<DecodeThreadState<Storage>> threads;
 };
 
 /// Adds \f$\log c_j\f$ to the logits of keys `first_position .. first_position + count - 1`:
 /// \f$c_j = \#\{t : b_t \le j\}\f$, `begins` the s block starts of the row's draws, sorted, in
-/// segments of constant count.
+/// segments of constant count; `log_count[c]` is \f$\log c\f$ (LogWeights' counts).
 template <class Scalar>
 void add_log_counts(Scalar* scores, Index count, Index first_position, const Index* begins,
-                    Index samples, const std::vector<Scalar>& log_count) {
+                    Index samples, const Scalar* log_count) {
   Index draws = std::upper_bound(begins, begins + samples, first_position) - begins;
   for (Index position = first_position; position < first_position + count;) {
     const Index next =
         draws < samples ? std::min(begins[draws], first_position + count) : first_position + count;
-    const Scalar log_c = log_count[static_cast<std::size_t>(draws)];
+    const Scalar log_c = log_count[draws];
     for (Index j = position - first_position; j < next - first_position; ++j) scores[j] += log_c;
     position = next;
     while (draws < samples && begins[draws] <= position) ++draws;
@@ -145,13 +145,13 @@ void add_log_counts(Scalar* scores, Index count, Index first_position, const Ind
 }
 
 /// The logits of one job, \f$q \cdot k_j + \log c_j\f$ over its keys (q already scaled), or
-/// \f$q \cdot k_j + \log s - m(p - j)\f$ for its near keys, into an online softmax of one row;
-/// writes the job's normalised output and log-sum-exp. The general path: any input, with the
-/// non-finite contract of OnlineSoftmax.
+/// \f$q \cdot k_j + \log s - m(p - j)\f$ (Estimator::log_near_weight) for its near keys, into an
+/// online softmax of one row; writes the job's normalised output and log-sum-exp. The general
+/// path: any input, with the non-finite contract of OnlineSoftmax.
 template <class Storage>
 void decode_job_general(const ConstHeadMap<Storage>& keys, const ConstHeadMap<Storage>& values,
                         const Compute<Storage>* query, Index first_position, const Index* begins,
-                        Index samples, const std::vector<Compute<Storage>>& log_count,
+                        Index samples, const Compute<Storage>* log_count,
                         DecodeThreadState<Storage>& state, Compute<Storage>* out,
                         Compute<Storage>* lse, const DecodeNear& near) {
   using Scalar = Compute<Storage>;
@@ -184,7 +184,7 @@ template <class Storage>
 void decode_job(const ConstHeadMap<Storage>& keys, const ConstHeadMap<Storage>& values,
                 const Compute<Storage>* query, const Storage* raw_query, Compute<Storage> scale,
                 Index first_position, const Index* begins, Index samples,
-                const std::vector<Compute<Storage>>& log_count, DecodeThreadState<Storage>& state,
+                const Compute<Storage>* log_count, DecodeThreadState<Storage>& state,
                 Compute<Storage>* out, Compute<Storage>* lse, const DecodeNear& near) {
   using Scalar = Compute<Storage>;
   const Index count = keys.rows();
@@ -261,14 +261,15 @@ inline int decode_threads_available() {
 /// One step of the single-query path (file comment): the outputs `out` of the queries `q` at the
 /// newest `q.tokens` positions of `buffer` (1 <= q.tokens <= kDecodeRows), whose newest position
 /// is that of `blocks`. `heads` query heads share each key head in groups of heads / kv_heads;
-/// `scale` multiplies the scores. `split == false` keeps the step on the calling thread. `near`:
-/// the near field of every head (near_field.hpp), or empty for none. Returns the step's work
+/// `scale` multiplies the scores. `split == false` keeps the step on the calling thread.
+/// `estimators`: the estimator of every head (its `samples` draws and near field,
+/// near_field.hpp). Returns the step's work
 /// (keys, with kDecodeJobKeys per job) when it is worth more than one thread, else 0.
 template <class Storage>
 double decode_step(const KvBuffer<Storage>& buffer, const BlockTracker& blocks, Index heads,
                    Index samples, const HeadsView<const Storage>& q, const HeadsView<Storage>& out,
                    double scale, bool split, bool reverse, DecodeWorkspace<Storage>& workspace,
-                   const std::vector<NearField>& near = {}) {
+                   const std::vector<Estimator>& estimators) {
   using Scalar = Compute<Storage>;
   const Index rows = q.tokens;
   const Index dim = q.dim;
@@ -276,7 +277,7 @@ double decode_step(const KvBuffer<Storage>& buffer, const BlockTracker& blocks, 
   const Index group = heads / buffer.keys().heads;
   const Index first_query = buffer.end() - rows;
   const Index oldest = buffer.oldest();
-  fill_log_counts(workspace.log_count, samples);
+  workspace.log_weights.prepare(estimators[0], DistanceRange{});
 
   // The jobs, in (row, head, range) order, and the queries times the scale.
   workspace.begins.resize(static_cast<std::size_t>((rows - 1) * heads * samples));
@@ -303,10 +304,8 @@ double decode_step(const KvBuffer<Storage>& buffer, const BlockTracker& blocks, 
         std::sort(begins, begins + samples);
         first_begin = begins[0];
       }
-      if (!near.empty() && near[static_cast<std::size_t>(h)].reach >= 0) {
-        first_begin = std::max(
-            oldest, std::min(first_begin, position - near[static_cast<std::size_t>(h)].reach));
-      }
+      const Index reach = estimators[static_cast<std::size_t>(h)].reach();
+      if (reach >= 0) first_begin = std::max(oldest, std::min(first_begin, position - reach));
       workspace.first_job[static_cast<std::size_t>(r * heads + h)] =
           static_cast<Index>(workspace.jobs.size());
       for (Index begin = first_begin; begin <= position; begin += kDecodeKeyChunk) {
@@ -355,7 +354,6 @@ double decode_step(const KvBuffer<Storage>& buffer, const BlockTracker& blocks, 
     }
   }
 
-  const double log_samples = std::log(static_cast<double>(samples));
   const auto run_job = [&](Index j, DecodeThreadState<Storage>& state) {
     const DecodeJob& job = workspace.jobs[static_cast<std::size_t>(j)];
     const Index g = job.head / group;
@@ -365,18 +363,17 @@ double decode_step(const KvBuffer<Storage>& buffer, const BlockTracker& blocks, 
                               ? blocks.sorted_begins(job.head)
                               : &workspace.begins[static_cast<std::size_t>(index * samples)];
     const Index position = first_query + job.row;
-    DecodeNear job_near{position + 1, position, 0.0, log_samples};
-    if (!near.empty() && near[static_cast<std::size_t>(job.head)].reach >= 0) {
-      job_near.first = position - near[static_cast<std::size_t>(job.head)].reach;
-      job_near.slope = near[static_cast<std::size_t>(job.head)].slope;
-    }
+    const Estimator& estimator = estimators[static_cast<std::size_t>(job.head)];
+    // The keys at distance d <= w (Estimator::near) from position - w on; none without a reach.
+    const DecodeNear job_near{estimator.reach() >= 0 ? position - estimator.reach() : position + 1,
+                              position, estimator};
     decode_job<Storage>(
         ConstHeadMap<Storage>(buffer.key_row(g, job.begin), count, dim, Eigen::OuterStride<>(dim)),
         ConstHeadMap<Storage>(buffer.value_row(g, job.begin), count, value_dim,
                               Eigen::OuterStride<>(value_dim)),
         &workspace.queries[static_cast<std::size_t>(index * dim)],
         q.data + job.row * q.token_stride + job.head * q.head_stride, static_cast<Scalar>(scale),
-        job.begin, begins, samples, workspace.log_count, state,
+        job.begin, begins, samples, workspace.log_weights.data(), state,
         &workspace.partial[static_cast<std::size_t>(j * value_dim)],
         &workspace.lse[static_cast<std::size_t>(j)], job_near);
   };

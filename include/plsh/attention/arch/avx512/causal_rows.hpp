@@ -87,16 +87,18 @@ struct CausalRowsWorkspace {
 /// kCausalTileRows rows with a row wider than kCausalRowKeys keys goes to fused_rows, and so does a
 /// row that sees a non-finite value (unless `finite_values`, the value rows are scanned for them
 /// first). Key and value rows in float or, read in place, in a 16-bit type (converted in registers:
-/// the same floats as fused_span's packed copy). With a near field `near` (near_field.hpp) a row
-/// also sees the keys within its reach w, whose index is LogWeights::near_index of their distance.
+/// the same floats as fused_span's packed copy). With a near field (the head's Estimator
+/// `estimator`, near_field.hpp) a row also sees the keys within its reach w, whose index is
+/// LogWeights::near_index of their distance.
 template <class Storage, class KeyStorage>
 void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeyStorage>& k,
                        const ConstHeadMap<KeyStorage>& v, const std::vector<Grid>& grids,
                        const AttentionOptions& options, const PositionRange& range, Index row_begin,
                        Index row_end, HeadMap<Storage>& out, bool finite_values,
-                       NearField near = {}, Compute<Storage>* lse = nullptr) {
+                       const Estimator& estimator, Compute<Storage>* lse = nullptr) {
   static thread_local CausalRowsWorkspace scratch;
-  const Index samples = static_cast<Index>(grids.size());
+  const Index samples = estimator.samples();
+  const Index reach = estimator.reach();
   const Index draws = (samples + 7) / 8 * 8;
   const Index dim = q.cols();
   const Index value_dim = v.cols();
@@ -106,13 +108,12 @@ void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeySto
   // The near keys' weights for the distances between these rows and the keys: at most the reach
   // of a steep head (1/m < kCausalRowsReach), whatever the positions.
   scratch.log_weights.prepare(
-      samples, near.slope,
-      near_distances(near.reach, first_position, options.query_position + row_end - 1, key_begin,
-                     key_end - 1));
-  const LogCountLookup log_count(scratch.log_weights.data(), scratch.log_weights.max_index());
+      estimator, near_distances(reach, first_position, options.query_position + row_end - 1,
+                                key_begin, key_end - 1));
+  const LogWeightLookup log_weight(scratch.log_weights.data(), scratch.log_weights.max_index());
   // A row at p sees from its smallest start, or from p - w with a near field of reach w.
   const auto first_key_of = [&](Index smallest_start, Index p) {
-    return near.reach >= 0 ? std::min(smallest_start, p - near.reach) : smallest_start;
+    return reach >= 0 ? std::min(smallest_start, p - reach) : smallest_start;
   };
   for (auto* vector : {&scratch.pitch, &scratch.shift, &scratch.bin}) {
     vector->resize(static_cast<std::size_t>(draws));
@@ -189,7 +190,8 @@ void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeySto
                         std::min(p + 1, key_end) - std::max(first_key_of(smallest, p), key_begin));
     }
     if (widest > kCausalRowKeys) {
-      fused_rows<Storage>(q, k, v, grids, options, range, r0, r1, out, finite_values, near, lse);
+      fused_rows<Storage>(q, k, v, grids, options, range, r0, r1, out, finite_values, estimator,
+                          lse);
       continue;
     }
     // The tile's query rows first, in one loop of independent loads.
@@ -216,7 +218,7 @@ void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeySto
       }
       const auto bad = std::lower_bound(scratch.bad.begin(), scratch.bad.end(), first);
       if (bad != scratch.bad.end() && *bad < first + count) {
-        fused_rows<Storage>(q, k, v, grids, options, range, r, r + 1, out, false, near, lse);
+        fused_rows<Storage>(q, k, v, grids, options, range, r, r + 1, out, false, estimator, lse);
         continue;
       }
       // Pass 1, 16 keys at a time in registers: the logits S + log c_j, c_j = #{t : b_t <=
@@ -224,8 +226,7 @@ void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeySto
       // distance d = p - first - j <= w from the key near_from on (the keys before the smallest
       // start, if any, are near); their maximum, whether a NaN is among them. With near keys,
       // p - first < w + count: the indices are small.
-      const Index near_from =
-          near.reach >= 0 ? std::clamp<Index>(p - near.reach - first, 0, count) : count;
+      const Index near_from = reach >= 0 ? std::clamp<Index>(p - reach - first, 0, count) : count;
       const KeyStorage* keys = k.data() + (first - key_begin) * k.outerStride();
       const float* query = scratch.query.data() + (r - r0) * dim;
       __m512 best = minus_infinity;
@@ -251,7 +252,7 @@ void fused_causal_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeySto
               offset);
         }
         const __m512 logit = _mm512_add_ps(
-            avx512::score_block(keys, j, count, dim, k.outerStride(), query), log_count(counts));
+            avx512::score_block(keys, j, count, dim, k.outerStride(), query), log_weight(counts));
         nan |= _mm512_mask_cmp_ps_mask(valid, logit, logit, _CMP_UNORD_Q);
         best = _mm512_mask_max_ps(best, valid, logit, best);
         _mm512_store_ps(scratch.weights.data() + j, logit);
