@@ -123,7 +123,7 @@
   PREFIX double plsh::detail::decode_step<S>(                                                      \
       const plsh::detail::KvBuffer<S>&, const plsh::detail::BlockTracker&, plsh::Index,            \
       plsh::Index, const plsh::HeadsView<const S>&, const plsh::HeadsView<S>&, double, bool, bool, \
-      plsh::detail::DecodeWorkspace<S>&, const std::vector<plsh::detail::NearField>&);             \
+      plsh::detail::DecodeWorkspace<S>&, const std::vector<plsh::detail::Estimator>&);             \
   PREFIX void plsh::detail::attend_rows<S>(                                                        \
       const plsh::ConstHeadMap<S>&, const plsh::ConstHeadMap<S>&, const plsh::ConstHeadMap<S>&,    \
       const plsh::AttentionOptions&, const plsh::detail::LinearBias&, plsh::Index, plsh::Index,    \

@@ -35,7 +35,8 @@ TEST_CASE("BlockCounts adds log c_ij on every chunk, for narrow and wide unions"
       const Index rows = 16;
       plsh::detail::BlockCounts<double> counts;
       const plsh::Block keys =
-          counts.prepare(grids, range, first, rows, key_begin, key_end, causal);
+          counts.prepare(grids, range, first, rows, key_begin, key_end, causal,
+                         plsh::detail::Estimator(slope, samples, 0, range.last - range.first));
       INFO("slope " << slope << (causal ? " causal" : " bidirectional") << " union [" << keys.begin
                     << ", " << keys.end << ")");
       CHECK((keys.size() > plsh::detail::kFusedKeyTile) == (slope < 0.01));
@@ -45,7 +46,7 @@ TEST_CASE("BlockCounts adds log c_ij on every chunk, for narrow and wide unions"
       for (Index c0 = keys.begin - 30; c0 < keys.end + 30; c0 += 100) {
         Eigen::Map<plsh::RowMatrix<double>> scores(storage.data(), rows, 100);
         scores.setZero();
-        counts.add_log_counts(scores, c0);
+        counts.add_log_weights(scores, c0);
         for (Index r = 0; r < rows; ++r) {
           const Index i = first + r;
           for (Index c = 0; c < 100; ++c) {

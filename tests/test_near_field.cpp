@@ -95,42 +95,52 @@ inline double relative_error(const Buffer<double>& a, const Buffer<double>& b) {
 
 }  // namespace
 
-TEST_CASE("near_field_reach: the largest distance whose factor is at least near_field",
+TEST_CASE("the near field's reach: the largest distance whose factor is at least near_field",
           "[near_field]") {
-  using plsh::detail::near_field_reach;
-  CHECK(near_field_reach(0.5, 0, 1000) == -1);  // no near field
-  CHECK(near_field_reach(0.5, 1, 1000) == 0);   // only the diagonal
+  const auto reach = [](double slope, double near_field, Index largest_distance) {
+    return plsh::detail::Estimator(slope, 20, near_field, largest_distance).reach();
+  };
+  CHECK(reach(0.5, 0, 1000) == -1);  // no near field
+  CHECK(reach(0.5, 1, 1000) == 0);   // only the diagonal
   // ln(20) / (1/2) = 5.99: e^{-3} = 0.0498 < 0.05 <= e^{-2.5}.
-  CHECK(near_field_reach(0.5, 0.05, 1000) == 5);
-  CHECK(near_field_reach(1.0 / 256, 0.05, 1000) == 766);
-  CHECK(near_field_reach(1.0 / 256, 0.05, 100) == 100);  // capped by the call's positions
-  CHECK(near_field_reach(0.0, 0.05, 100) == 100);        // factor 1 everywhere
+  CHECK(reach(0.5, 0.05, 1000) == 5);
+  CHECK(reach(1.0 / 256, 0.05, 1000) == 766);
+  CHECK(reach(1.0 / 256, 0.05, 100) == 100);  // capped by the call's positions
+  CHECK(reach(0.0, 0.05, 100) == 100);        // factor 1 everywhere
   for (const double slope : {0.01, 0.3, 2.0}) {
     for (const double near_field : {0.9, 0.05, 1e-3}) {
-      const Index reach = near_field_reach(slope, near_field, 1 << 20);
-      CHECK(std::exp(-slope * static_cast<double>(reach)) >= near_field * (1 - 1e-12));
-      CHECK(std::exp(-slope * static_cast<double>(reach + 1)) < near_field);
+      const Index w = reach(slope, near_field, 1 << 20);
+      CHECK(w == plsh::detail::factor_reach(slope, near_field, 1 << 20));
+      CHECK(std::exp(-slope * static_cast<double>(w)) >= near_field * (1 - 1e-12));
+      CHECK(std::exp(-slope * static_cast<double>(w + 1)) < near_field);
     }
   }
+  // 64-bit: a reach past 2^31 positions.
+  CHECK(reach(1e-12, 0.05, plsh::kMaxPosition) == 2995732273553);
 }
 
-TEST_CASE("near_field_reach below 5.6e-309: the documented reach, from -ln f", "[near_field]") {
+TEST_CASE("factor_reach below 5.6e-309: the documented reach, from -ln f", "[near_field]") {
   // -ln(1e-310) = 713.8 and -ln(5e-324) = 744.4 (5e-324 is the smallest denormal): ln(1 / f)
-  // is infinite for both, 1 / f overflowing, which made every reach the cap.
-  using plsh::detail::near_field_reach;
+  // is infinite for both, 1 / f overflowing, which would make every reach the cap.
+  using plsh::detail::factor_reach;
   const Index cap = plsh::kMaxPosition;
-  CHECK(near_field_reach(8, 1e-310, cap) == 89);
-  CHECK(near_field_reach(4, 1e-310, cap) == 178);
-  CHECK(near_field_reach(8, 5e-324, cap) == 93);
-  CHECK(near_field_reach(4, 5e-324, cap) == 186);
-  CHECK(near_field_reach(1.0 / 256, 5e-324, cap) == 190576);
-  CHECK(near_field_reach(1e-310, 5e-324, cap) == cap);  // a slope so small that every key is near
-  // truncated_alibi_attention's band is the same function of its tolerance (0: no band).
-  for (const double threshold : {1.0, 0.05, 1e-6, 1e-310, 5e-324}) {
+  CHECK(factor_reach(8, 1e-310, cap) == 89);
+  CHECK(factor_reach(4, 1e-310, cap) == 178);
+  CHECK(factor_reach(8, 5e-324, cap) == 93);
+  CHECK(factor_reach(4, 5e-324, cap) == 186);
+  CHECK(factor_reach(1.0 / 256, 5e-324, cap) == 190576);
+  CHECK(factor_reach(1e-310, 5e-324, cap) == cap);  // a slope so small that every key is near
+  // truncated_alibi_attention's band is the same function of its tolerance (0: every key).
+  for (const double threshold : {1.0, 0.05, 1e-6, 1e-310, 5e-324, 0.0}) {
     for (const double slope : {0.0, 1.0 / 256, 0.5, 4.0, 8.0}) {
       INFO("slope " << slope << ", threshold " << threshold);
       CHECK(plsh::detail::factor_window(slope, threshold) ==
-            near_field_reach(slope, threshold, plsh::detail::kNoWindow));
+            factor_reach(slope, threshold, plsh::detail::kNoWindow));
+      // The band the reference keeps, written from the definition.
+      const Index expected = slope == 0 || threshold == 0
+                                 ? plsh::detail::kNoWindow
+                                 : static_cast<Index>(std::floor(-std::log(threshold) / slope));
+      CHECK(plsh::detail::factor_window(slope, threshold) == expected);
     }
   }
   CHECK(plsh::detail::factor_window(4, 1e-310) == 178);
@@ -287,7 +297,7 @@ TEST_CASE("the near-field estimator's mean over seeds equals exp(-slope |i - j|)
   for (const double slope : {1.0 / 16, 1.0 / 4}) {
     for (const double near_field : {0.5, 0.2}) {
       const Index samples = 5;
-      const Index reach = plsh::detail::near_field_reach(slope, near_field, n);
+      const Index reach = plsh::detail::factor_reach(slope, near_field, n);
       Eigen::MatrixXd mean = Eigen::MatrixXd::Zero(n, n);
       for (int seed = 0; seed < seeds; ++seed) {
         plsh::PlshOptions options = near_options(true, samples, 0, near_field, sampling);
@@ -528,7 +538,7 @@ TEST_CASE("KvCache with a near field equals plsh_attention over the whole sequen
         const std::vector<float> expected = plsh_test::whole_sequence(sequence, slopes, options);
         Index reach = 0;
         for (const double slope : slopes) {
-          reach = std::max(reach, plsh::detail::near_field_reach(slope, near_field, 1 << 20));
+          reach = std::max(reach, plsh::detail::factor_reach(slope, near_field, 1 << 20));
         }
         for (const std::vector<Index>& pattern :
              {std::vector<Index>{1}, std::vector<Index>{1, 7, 64, 3}}) {
@@ -549,6 +559,134 @@ TEST_CASE("KvCache with a near field equals plsh_attention over the whole sequen
           CHECK(result.max_difference <= 2e-5);
           CHECK(result.max_resident <= bound + largest_chunk - 1);
           if (list == 0) CHECK(result.final_resident < sequence.tokens);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("every path weighs a key as Estimator::log_weight, at distances around the reach",
+          "[near_field][estimator]") {
+  // One head, a zero query (every score 0) and one-hot values (value row j = e_j): row i of the
+  // output is then the row's weights normalised, o_ij = exp(l_ij) / sum_k exp(l_ik) with
+  // l_ij = Estimator::log_weight(c_ij, |p_i - p_j|), c_ij the draws in which i and j share a
+  // block (same_bin). The same draws (kernel_grids) go to BlockCounts (its indices into
+  // log_weights(), compared exactly), the fused forward (slope 1/8 causal: the AVX-512 causal
+  // rows where the tests are built for AVX-512; bidirectional and slope 1/64: the tiled
+  // fused_rows), the single-query path (KvCache::decode, token by token) and the dense reference.
+  // A key at the reach w or one past it weighed by the other rule moves its output by about
+  // 1e-3 (a count against s e^{-m d}); float rounding, by a few 1e-7.
+  const Index n = 48;
+  const Index samples = 20;
+  for (const double slope : {1.0 / 8, 1.0 / 64}) {
+    // No near field, and one of reach 10 (e^{-10.5 m}).
+    for (const double near_field : {0.0, std::exp(-10.5 * slope)}) {
+      const plsh::PlshOptions causal_options = near_options(true, samples, 17, near_field);
+      const std::vector<double> slopes{slope};
+      const auto grids = plsh::kernel_grids(slopes, causal_options);
+      const plsh::detail::PositionRange range{0, n};
+      const plsh::detail::Estimator estimator(slope, samples, near_field, n - 1);
+      INFO("slope " << slope << ", near_field " << near_field << ": reach " << estimator.reach());
+      if (near_field > 0) {
+        REQUIRE(estimator.reach() == plsh::detail::factor_reach(slope, near_field, n - 1));
+        REQUIRE(estimator.reach() == 10);
+      }
+      const auto count = [&](Index i, Index j) {
+        Index c = 0;
+        for (const plsh::Grid& grid : grids[0]) c += plsh::detail::same_bin(grid, i, j) ? 1 : 0;
+        return c;
+      };
+      // Keys past the reach with a count: the rule beyond the reach is exercised there.
+      Index counted_past_reach = 0;
+      for (Index i = 0; i + estimator.reach() + 1 < n; ++i) {
+        if (count(i, i + estimator.reach() + 1) > 0) ++counted_past_reach;
+      }
+      CHECK(counted_past_reach > 0);
+
+      // BlockCounts: every row's index, looked up, is log_weight rounded to float.
+      for (const bool causal : {true, false}) {
+        plsh::detail::BlockCounts<float> counts;
+        const Index rows = 16;
+        for (Index first = 0; first < n; first += rows) {
+          const plsh::Block keys =
+              counts.prepare(grids[0], range, first, rows, 0, n, causal, estimator);
+          counts.start_chunk(keys.begin, keys.end - keys.begin);
+          for (Index r = 0; r < rows; ++r) {
+            Index limit = 0;
+            const int* index = counts.next_row(r, limit);
+            for (Index c = 0; c < keys.end - keys.begin; ++c) {
+              const Index i = first + r;
+              const Index j = keys.begin + c;
+              const int at = c < limit ? index[c] : 0;
+              const double expected = causal && j > i
+                                          ? -std::numeric_limits<double>::infinity()
+                                          : estimator.log_weight(count(i, j), std::abs(i - j));
+              INFO("BlockCounts, row " << i << ", key " << j);
+              REQUIRE(counts.log_weights()[at] == static_cast<float>(expected));
+            }
+          }
+        }
+        // The weights' table lives in the BlockCounts: walking the same tiles again allocates
+        // nothing.
+        const long allocations = plsh_test::allocations;
+        for (Index first = 0; first < n; first += rows) {
+          const plsh::Block keys =
+              counts.prepare(grids[0], range, first, rows, 0, n, causal, estimator);
+          counts.start_chunk(keys.begin, keys.end - keys.begin);
+          for (Index r = 0; r < rows; ++r) {
+            Index limit = 0;
+            counts.next_row(r, limit);
+          }
+        }
+        CHECK(plsh_test::allocations == allocations);
+      }
+
+      for (const bool causal : {true, false}) {
+        const plsh::PlshOptions options = near_options(causal, samples, 17, near_field);
+        Buffer<float> q(n, 1, 4);
+        Buffer<float> k(n, 1, 4);
+        Buffer<float> v(n, 1, n);
+        q.fill(0.0f);
+        for (Index t = 0; t < n; ++t) {
+          for (Index e = 0; e < 4; ++e) k.at(t, 0, e) = static_cast<float>((t * 7 + e * 3) % 5);
+          for (Index e = 0; e < n; ++e) v.at(t, 0, e) = e == t ? 1.0f : 0.0f;
+        }
+        // The expected output, in double.
+        Eigen::MatrixXd expected = Eigen::MatrixXd::Zero(n, n);
+        for (Index i = 0; i < n; ++i) {
+          double total = 0;
+          for (Index j = 0; j < n && (!causal || j <= i); ++j) {
+            expected(i, j) = std::exp(estimator.log_weight(count(i, j), std::abs(i - j)));
+            total += expected(i, j);
+          }
+          expected.row(i) /= total;
+        }
+        const auto check = [&](const char* path, const auto& out, double tolerance) {
+          double error = 0;
+          for (Index i = 0; i < n; ++i) {
+            for (Index j = 0; j < n; ++j) {
+              error =
+                  std::max(error, std::abs(static_cast<double>(out.at(i, 0, j)) - expected(i, j)));
+            }
+          }
+          INFO(path << (causal ? ", causal" : ", bidirectional") << ": max error " << error);
+          CHECK(error <= tolerance);
+        };
+        Buffer<float> fused(n, 1, n);
+        plsh::plsh_attention<float>(q.in(), k.in(), v.in(), fused.view, slopes, options);
+        check("fused", fused, 2e-6);
+        Buffer<double> dense(n, 1, n);
+        plsh::reference::plsh_attention<double>(to<double>(q).in(), to<double>(k).in(),
+                                                to<double>(v).in(), dense.view, slopes, options);
+        check("reference", dense, 1e-12);
+        if (causal) {
+          plsh::KvCache<float> cache(1, 1, 4, n, slopes, options);
+          Buffer<float> decoded(n, 1, n);
+          for (Index t = 0; t < n; ++t) {
+            cache.decode(q.in().slice(t, 1), k.in().slice(t, 1), v.in().slice(t, 1),
+                         decoded.view.slice(t, 1));
+          }
+          check("decode", decoded, 2e-6);
         }
       }
     }

@@ -107,9 +107,9 @@ class KvCache {
         blocks_(checked_grids(heads, kv_heads, dim, value_dim, slopes_, options), options.samples,
                 options.key_position),
         buffer_(kv_heads, dim, value_dim, options.key_position),
-        near_(detail::head_near_fields(slopes_, options.near_field,
-                                       detail::PositionRange{0, kMaxPosition})),
-        near_reach_(detail::largest_reach(near_)) {}
+        estimators_(detail::head_estimators(slopes_, options.samples, options.near_field,
+                                            detail::PositionRange{0, kMaxPosition})),
+        near_reach_(detail::largest_reach(estimators_)) {}
 
   /// Appends the keys and values of positions `position() .. position() + k.tokens - 1`, after
   /// evicting the keys that no query at `position()` or later can reach.
@@ -179,7 +179,7 @@ class KvCache {
     // starts on the keys that the step before read last.
     const double work = detail::decode_step(buffer_, blocks_, heads_, options_.samples, q, out,
                                             detail::resolved_scale(attend_options(1), dim_),
-                                            mode.parallel, reverse_heads_, workspace_, near_);
+                                            mode.parallel, reverse_heads_, workspace_, estimators_);
     reverse_heads_ = !reverse_heads_;
     if (mode.measured) {
       mode_.record(mode, work, std::chrono::duration<double>(Clock::now() - start).count());
@@ -291,7 +291,8 @@ class KvCache {
     const PlshOptions options = attend_options(q.tokens);
     if (q.tokens <= detail::kDecodeRows) {
       detail::decode_step(buffer_, blocks_, heads_, options_.samples, q, out,
-                          detail::resolved_scale(options, dim_), true, false, workspace_, near_);
+                          detail::resolved_scale(options, dim_), true, false, workspace_,
+                          estimators_);
     } else if (options.kernel == Kernel::Passes) {
       detail::pass_attention(q, keys(), values(), out, blocks_.grids(), options,
                              RegularAttention{});
@@ -309,8 +310,8 @@ class KvCache {
   PlshOptions options_;
   detail::BlockTracker blocks_;
   detail::KvBuffer<Scalar> buffer_;
-  std::vector<detail::NearField> near_;  // per head, empty without a near field
-  Index near_reach_;                     // the largest reach of near_ (-1: none)
+  std::vector<detail::Estimator> estimators_;  // per head: its weights and near field
+  Index near_reach_;                           // the largest reach of estimators_ (-1: none)
   Index last_append_ = 0;
   bool reverse_heads_ = false;     // the next one-token decode runs its heads last to first
   detail::DecodeModeChoice mode_;  // one-token decode steps on all threads or on the caller's

@@ -106,18 +106,19 @@ mpi::ExchangeCounts run_with_halo(MPI_Comm comm, const char* function,
   return counts;
 }
 
-/// The key rows every rank's queries reach in Positional LSH: those of the kernel's own draws
-/// (kernel_grids, which follows options.sampling), and those within the reach of the near field
-/// of options.near_field (near_field.hpp) over the whole sequence.
-inline std::vector<Block> plsh_reach(const mpi::ChunkLayout& layout,
-                                     const std::vector<double>& slopes, const PlshOptions& options,
-                                     const char* function) {
+/// The key rows every rank's queries need in Positional LSH (plsh_reachable_keys): those of the
+/// kernel's own draws (kernel_grids, which follows options.sampling), and those within the reach
+/// of the near field of options.near_field (near_field.hpp) over the whole sequence.
+inline std::vector<Block> plsh_key_rows(const mpi::ChunkLayout& layout,
+                                        const std::vector<double>& slopes,
+                                        const PlshOptions& options, const char* function) {
   const auto grids = kernel_grids(slopes, options, function);
   const PositionRange range{
       std::min(options.query_position, options.key_position),
       std::max(options.query_position, options.key_position) + layout.tokens()};
-  return plsh_reachable_keys(layout, grids, options,
-                             largest_reach(head_near_fields(slopes, options.near_field, range)));
+  return plsh_reachable_keys(
+      layout, grids, options,
+      largest_reach(head_estimators(slopes, options.samples, options.near_field, range)));
 }
 
 /// mpi::windowed_alibi_attention with a halo of `window` positions beyond each rank's rows, or of
@@ -210,7 +211,7 @@ ExchangeCounts plsh_attention(MPI_Comm comm, HeadsView<const detail::NonDeduced<
         detail::require_samples(options.samples, function, "options.samples");
       },
       [&](const auto&, const ChunkLayout& layout) {
-        return detail::plsh_reach(layout, slopes, options, function);
+        return detail::plsh_key_rows(layout, slopes, options, function);
       },
       [&](const auto&, const auto&, const auto&, const auto& gathered, const PlshOptions& local) {
         plsh::plsh_attention<Scalar>(q, gathered.keys.view(), gathered.values.view(), out, slopes,
@@ -355,7 +356,7 @@ ExchangeCounts plsh_attention_backward(MPI_Comm comm, HeadsView<const detail::No
         detail::validate_slopes(function, slopes, q.heads);
       },
       [&](const auto&, const ChunkLayout& layout) {
-        return detail::plsh_reach(layout, slopes, options, function);
+        return detail::plsh_key_rows(layout, slopes, options, function);
       },
       [&](const detail::CallComm& call, const ChunkLayout& layout,
           const std::vector<Block>& reachable, const auto& gathered, const PlshOptions& local) {

@@ -411,7 +411,7 @@ TEST_CASE("plsh::mpi kernels draw their halo with the options' sampling and near
     check_rows<double>(mine.in(), whole.in(), chunk, single_call(options));
     CHECK(counts.bytes_received ==
           plsh::detail::halo_bytes(layout,
-                                   plsh::detail::plsh_reach(layout, slopes, options, "test"),
+                                   plsh::detail::plsh_key_rows(layout, slopes, options, "test"),
                                    world_rank(), row_bytes(shape, sizeof(double))));
     Buffer<double> dout = problem.output();
     dout.fill_random(plsh::detail::mix64(5));

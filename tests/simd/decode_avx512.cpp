@@ -10,7 +10,7 @@
 // products return is compared with the scores they wrote, exactly. exp_counts is compared with
 // the counts computed one key at a time times the exponential in double.
 //
-// The near field: avx512::near_log_weights against its definition DecodeNear::log_weight, each
+// The near field: avx512::near_log_weights against its definition Estimator::log_near_weight, each
 // lane equal to the scalar form rounded to float (the scalar form may be contracted into one fused
 // multiply-add or not, the vector form is one: the two differ by at most one rounding in double,
 // which changes the float only for the rare value within 2^-29 of a float's rounding boundary,
@@ -222,14 +222,15 @@ plsh::detail::DecodeNear near_field(Index first, Index position, double slope, I
   plsh::detail::DecodeNear near;
   near.first = first;
   near.position = position;
-  near.slope = slope;
-  near.log_samples = std::log(static_cast<double>(samples));
+  // The near field's threshold does not matter here: `first` says which keys are near.
+  near.estimator = plsh::detail::Estimator(slope, samples, 0.05, position);
   return near;
 }
 
 }  // namespace
 
-TEST_CASE("avx512::near_log_weights is DecodeNear::log_weight rounded to float", "[simd][near]") {
+TEST_CASE("avx512::near_log_weights is Estimator::log_near_weight rounded to float",
+          "[simd][near]") {
   // Distances from 0 to past 2000, at positions near 0 and far from it.
   for (const double slope : kNearSlopes) {
     for (const Index samples : {Index{1}, Index{20}, Index{100}, Index{7}}) {

@@ -3,7 +3,7 @@
 // PLSH_TEST_AVX512); in that build test_plsh_attention.cpp and test_nonfinite.cpp run the whole
 // kernel through these pieces.
 //
-// LogCountLookup must return the table's entries exactly through either of its branches (permute
+// LogWeightLookup must return the table's entries exactly through either of its branches (permute
 // for s < 32, gather beyond).
 // counted_weights must give a row's largest weight exactly 1 and masked keys exactly 0.
 // With AVX-512 BF16 (-mavx512bf16): pack_key_panels must put every key's pairs where bf16_scores
@@ -42,14 +42,14 @@ auto bits_of(Number x) {
 
 }  // namespace
 
-TEST_CASE("LogCountLookup returns the table's entry for every count, permuted or gathered",
+TEST_CASE("LogWeightLookup returns the table's entry for every count, permuted or gathered",
           "[plsh][avx512]") {
   for (const Index max_count :
        {Index{1}, Index{15}, Index{16}, Index{20}, Index{31}, Index{32}, Index{40}, Index{100}}) {
     std::vector<float> table(static_cast<std::size_t>(max_count + 1));
     table[0] = -std::numeric_limits<float>::infinity();
     for (Index c = 1; c <= max_count; ++c) table[static_cast<std::size_t>(c)] = std::log(c + 0.5f);
-    const plsh::detail::LogCountLookup lookup(table.data(), max_count);
+    const plsh::detail::LogWeightLookup lookup(table.data(), max_count);
     alignas(64) std::int32_t counts[16];
     alignas(64) float got[16];
     for (Index c0 = 0; c0 <= max_count; c0 += 16) {
@@ -71,7 +71,7 @@ TEST_CASE("counted_weights: the largest weight is exactly 1, masked keys weigh e
   std::vector<float> table(samples + 1);
   table[0] = -std::numeric_limits<float>::infinity();
   for (Index c = 1; c <= samples; ++c) table[static_cast<std::size_t>(c)] = std::log(float(c));
-  const plsh::detail::LogCountLookup lookup(table.data(), samples);
+  const plsh::detail::LogWeightLookup lookup(table.data(), samples);
   for (const Index cols : {Index{1}, Index{7}, Index{16}, Index{17}, Index{40}}) {
     // Key 0 alone is visible (count 13); the others are masked, with scores that would win.
     std::vector<float> row(static_cast<std::size_t>(cols), 50.0f);

@@ -81,10 +81,10 @@ void linear_bias_attention(const BatchedHeadsView<const Scalar>& q,
 }
 
 /// The keys truncated_alibi_attention keeps: \f$e^{-m r} \ge \text{tolerance} \iff r \le
-/// \lfloor -\ln(\text{tolerance})/m \rfloor\f$, the reach of a near field of that threshold
-/// (near_field_reach); kNoWindow for slope 0 or tolerance 0.
+/// \lfloor -\ln(\text{tolerance})/m \rfloor\f$, factor_reach of that threshold with no cap
+/// but kNoWindow (which slope 0 and tolerance 0 give: every key).
 inline Index factor_window(double slope, double tolerance) {
-  return tolerance == 0 ? kNoWindow : near_field_reach(slope, tolerance, kNoWindow);
+  return factor_reach(slope, tolerance, kNoWindow);
 }
 
 /// truncated_alibi_attention on a batch whose shapes validate_batch has checked: the checks of one

@@ -271,7 +271,7 @@ class PlshLogits {
                      BackwardWorkspace<Scalar>& workspace) const {
     return workspace.block_counts.prepare(grids_[static_cast<std::size_t>(h)], range_, first_query,
                                           rows, options_.key_position, key_end_, options_.causal,
-                                          near(h));
+                                          estimator(h));
   }
 
   /// Query positions that share a block with a key of `[first_key, first_key + cols)` in some
@@ -284,7 +284,7 @@ class PlshLogits {
       begin = std::min(begin, grid_block(grid, first_key, range_.first, range_.last).begin);
       end = std::max(end, grid_block(grid, first_key + cols - 1, range_.first, range_.last).end);
     }
-    const Index reach = near(h).reach;
+    const Index reach = estimator(h).reach();
     if (reach >= 0) {
       begin = std::min(begin, first_key - reach);
       end = std::max(end, first_key + cols + reach);
@@ -295,19 +295,23 @@ class PlshLogits {
     return Block{begin, std::max(begin, end)};
   }
 
-  /// Adds \f$\log c_{ij}\f$ to a tile of scores (\f$-\infty\f$ where \f$c_{ij} = 0\f$), from
-  /// the last prepare_rows (whose first row must be `first_query`).
+  /// Adds the log weights \f$\log(s \hat K_{ij})\f$ (\f$\log c_{ij}\f$ beyond the near field) to
+  /// a tile of scores (\f$-\infty\f$ where the weight is 0), from the last prepare_rows (whose
+  /// first row must be `first_query`).
   void apply(Index, BackwardWorkspace<Scalar>& workspace, Eigen::Map<RowMatrix<Scalar>>& scores,
              Index, Index first_key) const {
-    workspace.block_counts.add_log_counts(scores, first_key);
+    workspace.block_counts.add_log_weights(scores, first_key);
   }
 
   /// The lse of the true logits is that of these (no row constant).
   void shift_given_lse(Index, Index, Index, Scalar*) const {}
 
  private:
-  NearField near(Index h) const {
-    return head_near_field(slopes_[static_cast<std::size_t>(h)], near_field_, range_);
+  /// The estimator of head h (Estimator: its weights and near field).
+  Estimator estimator(Index h) const {
+    const std::size_t head = static_cast<std::size_t>(h);
+    return head_estimator(slopes_[head], static_cast<Index>(grids_[head].size()), near_field_,
+                          range_);
   }
 
   const std::vector<double>& slopes_;

@@ -120,27 +120,28 @@ inline Block tile_block_runs(const std::vector<Grid>& grids, const PositionRange
 /// start at r, minus 1 on those of the runs that end there. O(min(sum of the runs' widths in the
 /// chunk, rows * cols) + rows * cols) per chunk of `cols` keys, whatever s and the width of the
 /// union, and O(runs + rows + cols) memory. The fused forward reads the counts (weights
-/// \f$c_{ij} e^{S_{ij}}\f$), the backward adds their logarithms to its logits (add_log_counts).
+/// \f$c_{ij} e^{S_{ij}}\f$), the backward adds their logarithms to its logits (add_log_weights).
 template <class Scalar>
 class BlockCounts {
  public:
   /// Prepares the tile of `rows` query rows from `first_position`, keys `[key_begin, key_end)`,
-  /// with the head's near field `near` (none by default); returns the union of the keys they see.
+  /// for the head's estimator `estimator` (its samples those of `grids`); returns the union of the
+  /// keys they see.
   Block prepare(const std::vector<Grid>& grids, const PositionRange& range, Index first_position,
-                Index rows, Index key_begin, Index key_end, bool causal, NearField near = {}) {
-    samples_ = static_cast<Index>(grids.size());
-    slope_ = near.slope;
-    reach_ = near.reach;
+                Index rows, Index key_begin, Index key_end, bool causal,
+                const Estimator& estimator) {
+    estimator_ = estimator;
+    const Index reach = estimator.reach();
     first_position_ = first_position;
     causal_ = causal;
     runs_.clear();
     union_ = tile_block_runs(grids, range, first_position, rows, key_begin, key_end, causal, runs_);
-    if (reach_ >= 0) {
+    if (reach >= 0) {
       // The near keys of the rows: [first - w, last + w], up to the last row when causal.
-      const Index near_begin = std::max(first_position - reach_, key_begin);
+      const Index near_begin = std::max(first_position - reach, key_begin);
       const Index last_position = first_position + rows - 1;
       const Index near_end =
-          std::min(causal ? last_position + 1 : last_position + reach_ + 1, key_end);
+          std::min(causal ? last_position + 1 : last_position + reach + 1, key_end);
       if (near_begin < near_end) {
         union_ = union_.begin < union_.end
                      ? Block{std::min(union_.begin, near_begin), std::max(union_.end, near_end)}
@@ -171,7 +172,7 @@ class BlockCounts {
   }
 
   /// Starts a walk over the rows of a chunk of keys `[chunk_begin, chunk_begin + cols)`:
-  /// next_row() then gives the counts of rows 0, 1, ... in turn, log_counts() their log weights.
+  /// next_row() then gives the counts of rows 0, 1, ... in turn, log_weights() their log weights.
   /// A row's events change the counts either directly on their keys or, when the tile's events
   /// are many and short (steep slopes), as +-1 at the ends of their keys in a difference vector
   /// that each row prefix-sums: whichever touches fewer entries of the chunk, the same counts
@@ -179,8 +180,8 @@ class BlockCounts {
   void start_chunk(Index chunk_begin, Index cols) {
     const Index rows = static_cast<Index>(event_start_.size()) - 2;
     // The near keys' weights for the distances of this chunk's rows and keys only.
-    weights_.prepare(samples_, slope_,
-                     near_distances(reach_, first_position_, first_position_ + rows - 1,
+    weights_.prepare(estimator_,
+                     near_distances(estimator_.reach(), first_position_, first_position_ + rows - 1,
                                     chunk_begin, chunk_begin + cols - 1));
     chunk_begin_ = chunk_begin;
     counts_.assign(static_cast<std::size_t>(cols), 0);
@@ -201,11 +202,13 @@ class BlockCounts {
     const Index cols = static_cast<Index>(counts_.size());
     limit = causal_ ? std::clamp<Index>(first_position_ + r + 1 - chunk_begin_, 0, cols) : cols;
     const int* count = next_counts(r);
-    if (reach_ < 0) return count;
-    // The near keys' indices over a copy of the counts (the direct walk goes on from them).
+    const Index reach = estimator_.reach();
+    if (reach < 0) return count;
+    // The near keys' indices over a copy of the counts (the direct walk goes on from them): the
+    // keys at distance d <= w (Estimator::near), [p - w, p + w].
     const Index position = first_position_ + r;
-    const Index begin = std::clamp<Index>(position - reach_ - chunk_begin_, 0, cols);
-    const Index end = std::clamp<Index>(position + reach_ + 1 - chunk_begin_, 0, cols);
+    const Index begin = std::clamp<Index>(position - reach - chunk_begin_, 0, cols);
+    const Index end = std::clamp<Index>(position + reach + 1 - chunk_begin_, 0, cols);
     if (begin >= end) return count;
     shown_.assign(count, count + cols);
     for (Index c = begin; c < end; ++c) {
@@ -215,27 +218,27 @@ class BlockCounts {
     return shown_.data();
   }
 
-  /// The largest weight index of the current chunk (the last entry of log_counts()).
+  /// The largest weight index of the current chunk (the last entry of log_weights()).
   Index max_index() const { return weights_.max_index(); }
 
   /// The logarithms of the weights by index of the current chunk (LogWeights), after start_chunk.
-  const Scalar* log_counts() const { return weights_.data(); }
+  const Scalar* log_weights() const { return weights_.data(); }
 
   /// Adds the log weights \f$\log(s \hat K_{ij})\f$ (\f$\log c_{ij}\f$ beyond the near field)
   /// to a chunk of logits of the prepared rows whose keys are `[chunk_begin, chunk_begin + cols)`;
   /// entries of weight 0 become \f$-\infty\f$, whatever the score was. Chunks may come in any
   /// order.
-  void add_log_counts(Eigen::Map<RowMatrix<Scalar>>& scores, Index chunk_begin) {
+  void add_log_weights(Eigen::Map<RowMatrix<Scalar>>& scores, Index chunk_begin) {
     constexpr Scalar kMinusInfinity = -std::numeric_limits<Scalar>::infinity();
     const Index cols = scores.cols();
     start_chunk(chunk_begin, cols);
-    const Scalar* log_count = weights_.data();
+    const Scalar* log_weight = weights_.data();
     for (Index r = 0; r < scores.rows(); ++r) {
       Index limit = 0;
       const int* count = next_row(r, limit);
       Scalar* row = scores.row(r).data();
       for (Index c = 0; c < limit; ++c) {
-        row[c] = count[c] == 0 ? kMinusInfinity : row[c] + log_count[count[c]];
+        row[c] = count[c] == 0 ? kMinusInfinity : row[c] + log_weight[count[c]];
       }
       for (Index c = limit; c < cols; ++c) row[c] = kMinusInfinity;
     }
@@ -286,10 +289,8 @@ class BlockCounts {
   std::vector<Index> fill_;         // counting-sort cursors
   std::vector<int> counts_;         // c_ij of the current row over the chunk's keys
   LogWeights<Scalar> weights_;      // log weights by index of the current chunk, log(0) = -inf
-  std::vector<int> shown_;          // a row's indices with its near keys (reach_ >= 0)
-  Index samples_ = 0;
-  double slope_ = 0;
-  Index reach_ = -1;  // the near field's reach, -1: none
+  std::vector<int> shown_;          // a row's indices with its near keys (a near field)
+  Estimator estimator_;             // the head's weights: samples, slope, the near field's reach
   Index chunk_begin_ = 0;
   bool prefix_ = false;          // the chunk's counts are prefix sums of difference_
   std::vector<int> difference_;  // [cols + 1]: the rows' events so far as +-1 at their ends

@@ -69,21 +69,22 @@ struct SpanKeys {
 
 /// The keys that query rows `[row_begin, row_end)` of a head may see: from the first row's
 /// earliest block start to the last row's latest block end (to the last row itself when
-/// causal), and the keys within the reach of the near field `near`, cut to the keys
+/// causal), and the keys within the reach of the near field of `estimator`, cut to the keys
 /// `[key_begin, key_end)`. Every row's blocks lie inside, blocks being intervals in the order of
 /// the positions. O(s) calls of grid_block.
 inline Block span_keys(const std::vector<Grid>& grids, const PositionRange& range,
                        Index first_position, Index last_position, Index key_begin, Index key_end,
-                       bool causal, NearField near = {}) {
+                       bool causal, const Estimator& estimator) {
   Index begin = last_position + 1;
   Index end = causal ? last_position + 1 : first_position;
   for (const Grid& grid : grids) {
     begin = std::min(begin, grid_block(grid, first_position, range.first, range.last).begin);
     if (!causal) end = std::max(end, grid_block(grid, last_position, range.first, range.last).end);
   }
-  if (near.reach >= 0) {
-    begin = std::min(begin, first_position - near.reach);
-    if (!causal) end = std::max(end, last_position + near.reach + 1);
+  const Index reach = estimator.reach();
+  if (reach >= 0) {
+    begin = std::min(begin, first_position - reach);
+    if (!causal) end = std::max(end, last_position + reach + 1);
   }
   begin = std::max(begin, key_begin);
   end = std::min(end, key_end);
@@ -91,29 +92,31 @@ inline Block span_keys(const std::vector<Grid>& grids, const PositionRange& rang
 }
 
 /// Query rows `[row_begin, row_end)` of one head by the fused kernel, tile by tile (height from
-/// the head's slope). When the keys the rows may see (span_keys) are at most `max_packed_keys`
-/// and the head's key or value rows are strided (a token-major tensor's rows of one head lie
-/// `heads * dim` elements apart: few rows per page for the prefetchers, few sets of the L1 cache
-/// for the rows that tile after tile reads again) or stored in a 16-bit type, those key and value
-/// rows are first copied, packed and in the compute type, into per-thread scratch: each is read
-/// from the tensor and converted once, in a loop whose loads are independent, instead of missing
-/// the cache inside the products and being converted again by every tile that sees it. Same
-/// arithmetic either way. (A tile's query rows are copied anyway, scaled, and its output rows
-/// written once.) When the keys are in the compute type, the values of those keys are tested for
-/// finiteness once here, and the tiles skip their own test when they are
-/// (OnlineSoftmax::update_counted, fused_row_by_row). When `lse` (the head's, by row) is not
-/// null, the rows' log-sum-exp of \f$S_{ij} + \log c_{ij}\f$ go to `lse[row_begin..row_end)`.
+/// the slope of the head's Estimator `estimator`, which also gives its weights). When the keys the
+/// rows may see (span_keys) are at most `max_packed_keys` and the head's key or value rows are
+/// strided (a token-major tensor's rows of one head lie `heads * dim` elements apart: few rows per
+/// page for the prefetchers, few sets of the L1 cache for the rows that tile after tile reads
+/// again) or stored in a 16-bit type, those key and value rows are first copied, packed and in the
+/// compute type, into per-thread scratch: each is read from the tensor and converted once, in a
+/// loop whose loads are independent, instead of missing the cache inside the products and being
+/// converted again by every tile that sees it. Same arithmetic either way. (A tile's query rows are
+/// copied anyway, scaled, and its output rows written once.) When the keys are in the compute type,
+/// the values of those keys are tested for finiteness once here, and the tiles skip their own test
+/// when they are (OnlineSoftmax::update_counted, fused_row_by_row). When `lse` (the head's, by row)
+/// is not null, the rows' log-sum-exp of \f$S_{ij} + \log c_{ij}\f$ go to
+/// `lse[row_begin..row_end)`.
 template <class Storage>
 void fused_span(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
-                const ConstHeadMap<Storage>& v, const std::vector<Grid>& grids, double slope,
+                const ConstHeadMap<Storage>& v, const std::vector<Grid>& grids,
                 const AttentionOptions& options, const PositionRange& range, Index row_begin,
-                Index row_end, HeadMap<Storage>& out, Index max_packed_keys, NearField near = {},
-                Compute<Storage>* lse = nullptr) {
+                Index row_end, HeadMap<Storage>& out, Index max_packed_keys,
+                const Estimator& estimator, Compute<Storage>* lse = nullptr) {
   using Scalar = Compute<Storage>;
+  const double slope = estimator.slope();
   const Index height = fused_tile_rows(slope);
   const Block keys = span_keys(grids, range, options.query_position + row_begin,
                                options.query_position + row_end - 1, options.key_position,
-                               options.key_position + k.rows(), options.causal, near);
+                               options.key_position + k.rows(), options.causal, estimator);
   const Index key_count = keys.end - keys.begin;
   const auto tiles = [&](const auto& key_rows, const auto& value_rows, const AttentionOptions& at) {
     // Every tile's keys lie among the span's: their values are tested for finiteness once here
@@ -128,14 +131,14 @@ void fused_span(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
     if constexpr (kCausalRows<Scalar>) {
       if (at.causal && slope * kCausalRowsReach > 1) {
         fused_causal_rows<Storage>(q, key_rows, value_rows, grids, at, range, row_begin, row_end,
-                                   out, finite_values, near, lse);
+                                   out, finite_values, estimator, lse);
         return;
       }
     }
 #endif
     for (Index r0 = row_begin; r0 < row_end; r0 += height) {
       fused_rows<Storage>(q, key_rows, value_rows, grids, at, range, r0,
-                          std::min(row_end, r0 + height), out, finite_values, near, lse);
+                          std::min(row_end, r0 + height), out, finite_values, estimator, lse);
     }
   };
   const bool strided = k.outerStride() != k.cols() || v.outerStride() != v.cols();
@@ -181,11 +184,12 @@ void fused_attention(const BatchedHeadsView<const Storage>& q,
     const Index h = job % q.heads;
     const Index row_begin = job % element_jobs / q.heads * span_rows;
     HeadMap<Storage> out_head = out[b].head(h);
-    const double slope = slopes[static_cast<std::size_t>(h)];
-    fused_span<Storage>(q[b].head(h), k[b].head(h / group), v[b].head(h / group),
-                        grids[static_cast<std::size_t>(h)], slope, resolved, range, row_begin,
-                        std::min(q.tokens, row_begin + span_rows), out_head, max_packed_keys,
-                        head_near_field(slope, near_field, range),
+    const std::vector<Grid>& head_grids = grids[static_cast<std::size_t>(h)];
+    fused_span<Storage>(q[b].head(h), k[b].head(h / group), v[b].head(h / group), head_grids,
+                        resolved, range, row_begin, std::min(q.tokens, row_begin + span_rows),
+                        out_head, max_packed_keys,
+                        head_estimator(slopes[static_cast<std::size_t>(h)],
+                                       static_cast<Index>(head_grids.size()), near_field, range),
                         lse.empty() ? nullptr : lse.row(b, h));
   });
 }

@@ -129,9 +129,9 @@ void fused_row_by_row(FusedWorkspace<Storage>& workspace, const RowMatrix<Comput
     workspace.logits.noalias() = key_rows.middleRows(first, n) * query.row(r).transpose();
     Scalar* logit = workspace.logits.data();
     const int* row_count = count + first;
-    const Scalar* log_count = workspace.counts.log_counts();
+    const Scalar* log_weight = workspace.counts.log_weights();
     for (Index c = 0; c < n; ++c) {
-      logit[c] = row_count[c] == 0 ? kMinusInfinity : logit[c] + log_count[row_count[c]];
+      logit[c] = row_count[c] == 0 ? kMinusInfinity : logit[c] + log_weight[row_count[c]];
     }
     const Scalar high = workspace.logits.maxCoeff();
     if (!(high > kMinusInfinity)) {
@@ -172,7 +172,7 @@ void fused_row_by_row(FusedWorkspace<Storage>& workspace, const RowMatrix<Comput
 
 /// Fused kernel for query rows `[row_begin, row_end)` of one head: weights \f$c_{ij}
 /// e^{S_{ij}}\f$ over the union of the rows' blocks (BlockCounts; \f$s e^{-m d} e^{S_{ij}}\f$ for
-/// the keys within reach of the near field `near`, near_field.hpp), row by row
+/// the keys within the near field's reach, the head's Estimator `estimator`), row by row
 /// (fused_row_by_row) for a union of at most kRowByRowKeys keys (see kVectorWalk), else one
 /// online softmax in chunks of kFusedKeyTile keys (OnlineSoftmax::update_counted). The key and
 /// value rows are stored as `Storage` or already in the compute type (fused_span's packed
@@ -183,15 +183,15 @@ template <class Storage, class KeyStorage>
 void fused_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeyStorage>& k,
                 const ConstHeadMap<KeyStorage>& v, const std::vector<Grid>& grids,
                 const AttentionOptions& options, const PositionRange& range, Index row_begin,
-                Index row_end, HeadMap<Storage>& out, bool finite_values = false,
-                NearField near = {}, Compute<Storage>* lse = nullptr) {
+                Index row_end, HeadMap<Storage>& out, bool finite_values,
+                const Estimator& estimator, Compute<Storage>* lse = nullptr) {
   using Scalar = Compute<Storage>;
   const ScratchLease<FusedWorkspace<Storage>> workspace_lease;
   FusedWorkspace<Storage>& workspace = *workspace_lease;
   const Index rows = row_end - row_begin;
   const Block keys = workspace.counts.prepare(
       grids, range, options.query_position + row_begin, rows, options.key_position,
-      options.key_position + k.rows(), options.causal, near);
+      options.key_position + k.rows(), options.causal, estimator);
   if (!kVectorWalk<Scalar> && keys.begin < keys.end && keys.end - keys.begin <= kRowByRowKeys) {
     workspace.query.noalias() = compute_rows(map_rows(q, row_begin, rows), workspace.query_rows) *
                                 static_cast<Scalar>(options.scale);
@@ -237,7 +237,7 @@ void fused_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<KeyStorage>& 
       workspace.softmax.update_counted(
           scores, compute_rows(map_rows(v, first_key, cols), workspace.value_rows),
           [&](Index r, Index& limit) { return workspace.counts.next_row(r, limit); },
-          workspace.counts.log_counts(), workspace.counts.max_index(), finite_values);
+          workspace.counts.log_weights(), workspace.counts.max_index(), finite_values);
     }
   }
   workspace.softmax.finish(workspace.output.bind(map_rows(out, row_begin, rows)),

@@ -92,18 +92,6 @@ void masked_exp(Row&& row, Scalar shift, Eigen::Array<Scalar, 1, Eigen::Dynamic>
   }
 }
 
-/// `table` = \f$\log c\f$ for c = 0 .. `samples` (\f$\log 0 = -\infty\f$), the logits' count
-/// term of the fused estimator; filled only when its size changes.
-template <class Scalar>
-void fill_log_counts(std::vector<Scalar>& table, Index samples) {
-  if (static_cast<Index>(table.size()) == samples + 1) return;
-  table.resize(static_cast<std::size_t>(samples + 1));
-  table[0] = -std::numeric_limits<Scalar>::infinity();
-  for (Index c = 1; c <= samples; ++c) {
-    table[static_cast<std::size_t>(c)] = std::log(static_cast<Scalar>(c));
-  }
-}
-
 /// Whether every entry of `operand` is finite, by one vectorised sum: \f$x - x\f$ is 0 for a
 /// finite x and NaN otherwise, and a sum with a NaN term is NaN. (Eigen's allFinite compares
 /// two such differences coefficient by coefficient and does not vectorise.)
@@ -248,21 +236,22 @@ inline __mmask16 lanes_below(Index count) {
                      : static_cast<__mmask16>((1u << static_cast<unsigned>(count)) - 1u);
 }
 
-/// \f$\log c\f$ for 16 counts at once, from the table `log_count[0 .. max_count]`: one permute
-/// across two registers when the table has at most 32 entries (s < 32), a gather otherwise.
-class LogCountLookup {
+/// The log weights of 16 weight indices at once (a count c, or a near key's index: LogWeights),
+/// from the table `log_weight[0 .. max_index]`: one permute across two registers when the table
+/// has at most 32 entries, a gather otherwise.
+class LogWeightLookup {
  public:
-  LogCountLookup(const float* log_count, Index max_count)
-      : table_(log_count), in_registers_(max_count < 32) {
+  LogWeightLookup(const float* log_weight, Index max_index)
+      : table_(log_weight), in_registers_(max_index < 32) {
     if (in_registers_) {
-      low_ = _mm512_maskz_loadu_ps(lanes_below(max_count + 1), log_count);
-      high_ = _mm512_maskz_loadu_ps(lanes_below(std::max<Index>(max_count + 1 - 16, 0)),
-                                    log_count + 16);
+      low_ = _mm512_maskz_loadu_ps(lanes_below(max_index + 1), log_weight);
+      high_ = _mm512_maskz_loadu_ps(lanes_below(std::max<Index>(max_index + 1 - 16, 0)),
+                                    log_weight + 16);
     }
   }
-  __m512 operator()(__m512i count) const {
-    return in_registers_ ? _mm512_permutex2var_ps(low_, count, high_)
-                         : _mm512_i32gather_ps(count, table_, 4);
+  __m512 operator()(__m512i index) const {
+    return in_registers_ ? _mm512_permutex2var_ps(low_, index, high_)
+                         : _mm512_i32gather_ps(index, table_, 4);
   }
 
  private:
@@ -280,7 +269,7 @@ class LogCountLookup {
 /// returns the factor by which its accumulator is rescaled (1 when the row sees no key here).
 /// Same non-finite behaviour as the portable walk (OnlineSoftmax::exponentiate_row).
 inline float counted_weights(float* row, const int* count, Index limit, Index cols,
-                             const LogCountLookup& log_count, float& max, float& sum) {
+                             const LogWeightLookup& log_weight, float& max, float& sum) {
   constexpr float kMinusInfinity = -std::numeric_limits<float>::infinity();
   const __m512 minus_infinity = _mm512_set1_ps(kMinusInfinity);
   __m512 high = minus_infinity;
@@ -290,7 +279,7 @@ inline float counted_weights(float* row, const int* count, Index limit, Index co
     const __m512i n = _mm512_maskz_loadu_epi32(lanes, count + c);
     const __mmask16 visible = _mm512_mask_cmpneq_epi32_mask(lanes, n, _mm512_setzero_si512());
     const __m512 logit =
-        _mm512_add_ps(_mm512_mask_loadu_ps(minus_infinity, visible, row + c), log_count(n));
+        _mm512_add_ps(_mm512_mask_loadu_ps(minus_infinity, visible, row + c), log_weight(n));
     _mm512_mask_storeu_ps(row + c, lanes, logit);
     nan = static_cast<__mmask16>(nan | _mm512_cmp_ps_mask(logit, logit, _CMP_UNORD_Q));
     high = _mm512_max_ps(high, logit);
@@ -414,18 +403,18 @@ class OnlineSoftmax {
     for (Index r = 0; r < scores.rows(); ++r) exponentiate_row(r, scores.row(r));
   }
 
-  /// update for the logits \f$l_{ij} = S_{ij} + \log c_{ij}\f$ with integer weights
-  /// \f$0 \le c_{ij} \le\f$ `max_count`: `scores` holds \f$S\f$, `log_count[c]` is \f$\log c\f$
-  /// (\f$-\infty\f$ for 0) and `counts(r, limit)` returns row r's weights (called for r = 0, 1,
-  /// ... in turn), setting `limit`: weights at columns `>= limit` are 0. A key with \f$c_{ij} =
-  /// 0\f$ is masked (weighs exactly 0 and adds nothing, whatever its score and value). Each row
-  /// in one walk (mask, logits, maximum, exponentials), which is the fused kernel's inner loop;
-  /// a row's largest weight is \f$e^0 = 1\f$, so a row that sees one key gets its value
-  /// exactly. `finite_values`: the caller has checked that every entry of `values` is finite
-  /// (their test is then skipped).
+  /// update for the logits \f$l_{ij} = S_{ij} + \log w(c_{ij})\f$ with integer weight indices
+  /// \f$0 \le c_{ij} \le\f$ `max_index`: `scores` holds \f$S\f$, `log_weight[c]` is the log
+  /// weight of index c (LogWeights: \f$\log c\f$ for a count, \f$-\infty\f$ for 0) and
+  /// `counts(r, limit)` returns row r's indices (called for r = 0, 1, ... in turn), setting
+  /// `limit`: indices at columns `>= limit` are 0. A key with \f$c_{ij} = 0\f$ is masked (weighs
+  /// exactly 0 and adds nothing, whatever its score and value). Each row in one walk (mask, logits,
+  /// maximum, exponentials), which is the fused kernel's inner loop; a row's largest weight is
+  /// \f$e^0 = 1\f$, so a row that sees one key gets its value exactly. `finite_values`: the caller
+  /// has checked that every entry of `values` is finite (their test is then skipped).
   template <class Counts>
   void update_counted(Eigen::Ref<Matrix> scores, const Eigen::Ref<const Matrix>& values,
-                      Counts&& counts, const Scalar* log_count, Index max_count,
+                      Counts&& counts, const Scalar* log_weight, Index max_index,
                       bool finite_values = false) {
     if (finite_values) {
       bad_.clear();
@@ -437,10 +426,10 @@ class OnlineSoftmax {
     visible_.resize(bad_.size() * static_cast<std::size_t>(rows));
     limits_.resize(static_cast<std::size_t>(rows));
 #if defined(PLSH_FUSED_AVX512)
-    std::optional<detail::LogCountLookup> lookup;
-    if constexpr (detail::kVectorWalk<Scalar>) lookup.emplace(log_count, max_count);
+    std::optional<detail::LogWeightLookup> lookup;
+    if constexpr (detail::kVectorWalk<Scalar>) lookup.emplace(log_weight, max_index);
 #else
-    static_cast<void>(max_count);
+    static_cast<void>(max_index);
 #endif
     for (Index r = 0; r < rows; ++r) {
       Index limit = 0;
@@ -462,7 +451,7 @@ class OnlineSoftmax {
       }
 #endif
       for (Index c = 0; c < limit; ++c) {
-        row[c] = count[c] == 0 ? -kInfinity : row[c] + log_count[count[c]];
+        row[c] = count[c] == 0 ? -kInfinity : row[c] + log_weight[count[c]];
       }
       for (Index c = limit; c < cols; ++c) row[c] = -kInfinity;
       exponentiate_row(r, scores.row(r));

@@ -20,8 +20,10 @@
 #include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../detail/check.hpp"
@@ -186,19 +188,37 @@ void truncated_alibi_attention(const HeadsView<const Scalar>& q, const HeadsView
                    truncated_log_factor(slopes, factor_tolerance, options, k.tokens));
 }
 
-/// The log-factor \f$\log \hat K_{ij} = \log(c_{ij}/s)\f$ as a function `(h, p_i, p_j)`, with
-/// \f$c_{ij}\f$ the number of grids of `grids[h]` in which the positions share a block: their bins
+/// The number of grids of `grids` in which the positions `i` and `j` share a block: their bins
 /// \f$\lfloor (p - \text{shift})/\text{pitch} \rfloor\f$ are equal (detail::same_bin).
-/// \f$-\infty\f$ when \f$c_{ij} = 0\f$. `grids` must outlive the returned function.
-inline auto mean_mask_log_factor(const std::vector<std::vector<Grid>>& grids) {
-  return [&grids](Index h, Index i, Index j) {
-    const std::vector<Grid>& head_grids = grids[static_cast<std::size_t>(h)];
-    double shared = 0;
-    for (const Grid& grid : head_grids) {
-      if (detail::same_bin(grid, i, j)) shared += 1;
-    }
-    return shared > 0 ? std::log(shared / static_cast<double>(head_grids.size())) : detail::kMasked;
+inline Index shared_blocks(const std::vector<Grid>& grids, Index i, Index j) {
+  Index shared = 0;
+  for (const Grid& grid : grids) {
+    if (detail::same_bin(grid, i, j)) ++shared;
+  }
+  return shared;
+}
+
+/// The log-factor \f$\log \hat K_{ij}\f$ of the Positional LSH estimator as a function
+/// `(h, p_i, p_j)`: head h's detail::Estimator `estimators[h]` asked for the count
+/// \f$c_{ij}\f$ (shared_blocks of `grids[h]`) at the distance \f$|p_i - p_j|\f$ -- without a near
+/// field \f$\log(c_{ij}/s)\f$, \f$-\infty\f$ when \f$c_{ij} = 0\f$. `grids` must outlive the
+/// returned function.
+inline auto estimator_log_factor(const std::vector<std::vector<Grid>>& grids,
+                                 std::vector<detail::Estimator> estimators) {
+  return [&grids, estimators = std::move(estimators)](Index h, Index i, Index j) {
+    const std::size_t head = static_cast<std::size_t>(h);
+    return estimators[head].log_factor(shared_blocks(grids[head], i, j), std::abs(i - j));
   };
+}
+
+/// The log-factor \f$\log \hat K_{ij} = \log(c_{ij}/s)\f$ of the mean block mask of `grids[h]`
+/// (estimator_log_factor without a near field). `grids` must outlive the returned function.
+inline auto mean_mask_log_factor(const std::vector<std::vector<Grid>>& grids) {
+  std::vector<detail::Estimator> estimators;
+  for (const std::vector<Grid>& head_grids : grids) {
+    estimators.emplace_back(0.0, static_cast<Index>(head_grids.size()), 0.0, 0);
+  }
+  return estimator_log_factor(grids, std::move(estimators));
 }
 
 /// \f$F = \hat K\f$, the mean block mask of `grids[h]` (mean_mask_log_factor).
@@ -217,22 +237,17 @@ void mask_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scal
 
 /// The log-factor of the near-field estimator (near_field.hpp) as a function `(h, p_i, p_j)`:
 /// \f$-m_h|p_i - p_j|\f$ within the reach of head h's near field for `near_field` (in a call over
-/// the positions `range`), mean_mask_log_factor beyond. `grids` and `slopes` must outlive the
-/// returned function.
+/// the positions `range`), \f$\log(c_{ij}/s)\f$ beyond (estimator_log_factor). `grids` must
+/// outlive the returned function.
 inline auto near_field_log_factor(const std::vector<std::vector<Grid>>& grids,
                                   const std::vector<double>& slopes, double near_field,
                                   const detail::PositionRange& range) {
-  std::vector<Index> reach;
-  for (const double slope : slopes) {
-    reach.push_back(detail::head_near_field(slope, near_field, range).reach);
+  std::vector<detail::Estimator> estimators;
+  for (std::size_t h = 0; h < slopes.size(); ++h) {
+    estimators.push_back(
+        detail::head_estimator(slopes[h], static_cast<Index>(grids[h].size()), near_field, range));
   }
-  return [&slopes, reach, blocks = mean_mask_log_factor(grids)](Index h, Index i, Index j) {
-    const Index distance = std::abs(i - j);
-    if (distance <= reach[static_cast<std::size_t>(h)]) {
-      return -slopes[static_cast<std::size_t>(h)] * static_cast<double>(distance);
-    }
-    return blocks(h, i, j);
-  };
+  return estimator_log_factor(grids, std::move(estimators));
 }
 
 /// Positional LSH with the grids plsh_attention draws for `options.seed`, and the near field of

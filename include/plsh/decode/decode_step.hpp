@@ -116,28 +116,28 @@ struct DecodeThreadState {
 template <class Storage>
 struct DecodeWorkspace {
   using Scalar = Compute<Storage>;
-  std::vector<Index> begins;      // [row][head][draw]: sorted block starts of the older rows
-  std::vector<Index> first_job;   // [row * heads + head]: its first job; one more at the end
-  std::vector<DecodeJob> jobs;    // in (row, head, range) order
-  std::vector<Index> part_first;  // [part]: the first job of each thread's part; one more
-  AlignedVector<Scalar> queries;  // [row][head][dim]: the queries times the scale
-  AlignedVector<Scalar> partial;  // [job][value_dim]: normalised output of the job's keys
-  AlignedVector<Scalar> lse;      // [job]: log-sum-exp of the job's logits
-  std::vector<Scalar> log_count;  // log(c) for c = 0..s, log(0) = -inf
+  std::vector<Index> begins;       // [row][head][draw]: sorted block starts of the older rows
+  std::vector<Index> first_job;    // [row * heads + head]: its first job; one more at the end
+  std::vector<DecodeJob> jobs;     // in (row, head, range) order
+  std::vector<Index> part_first;   // [part]: the first job of each thread's part; one more
+  AlignedVector<Scalar> queries;   // [row][head][dim]: the queries times the scale
+  AlignedVector<Scalar> partial;   // [job][value_dim]: normalised output of the job's keys
+  AlignedVector<Scalar> lse;       // [job]: log-sum-exp of the job's logits
+  LogWeights<Scalar> log_weights;  // log c for c = 0..s (Estimator), log(0) = -inf
   std::vector<DecodeThreadState<Storage>> threads;
 };
 
 /// Adds \f$\log c_j\f$ to the logits of keys `first_position .. first_position + count - 1`:
 /// \f$c_j = \#\{t : b_t \le j\}\f$, `begins` the s block starts of the row's draws, sorted, in
-/// segments of constant count.
+/// segments of constant count; `log_count[c]` is \f$\log c\f$ (LogWeights' counts).
 template <class Scalar>
 void add_log_counts(Scalar* scores, Index count, Index first_position, const Index* begins,
-                    Index samples, const std::vector<Scalar>& log_count) {
+                    Index samples, const Scalar* log_count) {
   Index draws = std::upper_bound(begins, begins + samples, first_position) - begins;
   for (Index position = first_position; position < first_position + count;) {
     const Index next =
         draws < samples ? std::min(begins[draws], first_position + count) : first_position + count;
-    const Scalar log_c = log_count[static_cast<std::size_t>(draws)];
+    const Scalar log_c = log_count[draws];
     for (Index j = position - first_position; j < next - first_position; ++j) scores[j] += log_c;
     position = next;
     while (draws < samples && begins[draws] <= position) ++draws;
@@ -145,13 +145,13 @@ void add_log_counts(Scalar* scores, Index count, Index first_position, const Ind
 }
 
 /// The logits of one job, \f$q \cdot k_j + \log c_j\f$ over its keys (q already scaled), or
-/// \f$q \cdot k_j + \log s - m(p - j)\f$ for its near keys, into an online softmax of one row;
-/// writes the job's normalised output and log-sum-exp. The general path: any input, with the
-/// non-finite contract of OnlineSoftmax.
+/// \f$q \cdot k_j + \log s - m(p - j)\f$ (Estimator::log_near_weight) for its near keys, into an
+/// online softmax of one row; writes the job's normalised output and log-sum-exp. The general
+/// path: any input, with the non-finite contract of OnlineSoftmax.
 template <class Storage>
 void decode_job_general(const ConstHeadMap<Storage>& keys, const ConstHeadMap<Storage>& values,
                         const Compute<Storage>* query, Index first_position, const Index* begins,
-                        Index samples, const std::vector<Compute<Storage>>& log_count,
+                        Index samples, const Compute<Storage>* log_count,
                         DecodeThreadState<Storage>& state, Compute<Storage>* out,
                         Compute<Storage>* lse, const DecodeNear& near) {
   using Scalar = Compute<Storage>;
@@ -184,7 +184,7 @@ template <class Storage>
 void decode_job(const ConstHeadMap<Storage>& keys, const ConstHeadMap<Storage>& values,
                 const Compute<Storage>* query, const Storage* raw_query, Compute<Storage> scale,
                 Index first_position, const Index* begins, Index samples,
-                const std::vector<Compute<Storage>>& log_count, DecodeThreadState<Storage>& state,
+                const Compute<Storage>* log_count, DecodeThreadState<Storage>& state,
                 Compute<Storage>* out, Compute<Storage>* lse, const DecodeNear& near) {
   using Scalar = Compute<Storage>;
   const Index count = keys.rows();
@@ -258,188 +258,264 @@ inline int decode_threads_available() {
 #endif
 }
 
-/// One step of the single-query path (file comment): the outputs `out` of the queries `q` at the
-/// newest `q.tokens` positions of `buffer` (1 <= q.tokens <= kDecodeRows), whose newest position
-/// is that of `blocks`. `heads` query heads share each key head in groups of heads / kv_heads;
-/// `scale` multiplies the scores. `split == false` keeps the step on the calling thread. `near`:
-/// the near field of every head (near_field.hpp), or empty for none. Returns the step's work
-/// (keys, with kDecodeJobKeys per job) when it is worth more than one thread, else 0.
+/// One step of the single-query path (file comment), in named steps: plan_jobs (the jobs and the
+/// scaled queries), cut_parts (one contiguous part of the jobs per thread), run_part (a part's
+/// jobs, run_job, and the merges of the (row, head)s it holds whole, merge), and
+/// merge_split_heads (the (row, head)s that a cut splits). Holds references to the step's
+/// arguments (decode_step's) for the length of the step.
 template <class Storage>
-double decode_step(const KvBuffer<Storage>& buffer, const BlockTracker& blocks, Index heads,
-                   Index samples, const HeadsView<const Storage>& q, const HeadsView<Storage>& out,
-                   double scale, bool split, bool reverse, DecodeWorkspace<Storage>& workspace,
-                   const std::vector<NearField>& near = {}) {
+class DecodeStep {
+ public:
   using Scalar = Compute<Storage>;
-  const Index rows = q.tokens;
-  const Index dim = q.dim;
-  const Index value_dim = out.dim;
-  const Index group = heads / buffer.keys().heads;
-  const Index first_query = buffer.end() - rows;
-  const Index oldest = buffer.oldest();
-  fill_log_counts(workspace.log_count, samples);
 
-  // The jobs, in (row, head, range) order, and the queries times the scale.
-  workspace.begins.resize(static_cast<std::size_t>((rows - 1) * heads * samples));
-  workspace.first_job.resize(static_cast<std::size_t>(rows * heads + 1));
-  workspace.queries.resize(static_cast<std::size_t>(rows * heads * dim));
-  // Room for the most jobs the buffer can need, so that the steps between two growths of the
-  // buffer allocate nothing.
-  const Index most_jobs = rows * heads * (buffer.capacity() / kDecodeKeyChunk + 1);
-  workspace.jobs.reserve(static_cast<std::size_t>(most_jobs));
-  workspace.jobs.clear();
-  Index union_keys = 0;
-  for (Index r = 0; r < rows; ++r) {
-    const Index position = first_query + r;
-    for (Index h = 0; h < heads; ++h) {
-      Index first_begin = 0;
-      if (r == rows - 1) {
-        first_begin = std::max(oldest, blocks.sorted_begins(h)[0]);
-      } else {
-        // Rows before the newest: chunks that crossed a block boundary.
-        Index* begins = &workspace.begins[static_cast<std::size_t>((r * heads + h) * samples)];
-        for (Index t = 0; t < samples; ++t) {
-          begins[t] = std::max(oldest, blocks.block_begin(h, t, position));
+  DecodeStep(const KvBuffer<Storage>& buffer, const BlockTracker& blocks, Index heads,
+             Index samples, const HeadsView<const Storage>& q, const HeadsView<Storage>& out,
+             double scale, DecodeWorkspace<Storage>& workspace,
+             const std::vector<Estimator>& estimators)
+      : buffer_(buffer),
+        blocks_(blocks),
+        heads_(heads),
+        samples_(samples),
+        q_(q),
+        out_(out),
+        scale_(scale),
+        workspace_(workspace),
+        estimators_(estimators),
+        rows_(q.tokens),
+        dim_(q.dim),
+        value_dim_(out.dim),
+        group_(heads / buffer.keys().heads),
+        first_query_(buffer.end() - q.tokens) {}
+
+  /// The jobs, in (row, head, range) order, and the queries times the scale; the counts' log
+  /// weights. Room for the most jobs the buffer can need, so that the steps between two growths
+  /// of the buffer allocate nothing. Returns the keys of the union of every (row, head).
+  Index plan_jobs() {
+    const Index oldest = buffer_.oldest();
+    workspace_.log_weights.prepare(estimators_[0], DistanceRange{});
+    workspace_.begins.resize(static_cast<std::size_t>((rows_ - 1) * heads_ * samples_));
+    workspace_.first_job.resize(static_cast<std::size_t>(rows_ * heads_ + 1));
+    workspace_.queries.resize(static_cast<std::size_t>(rows_ * heads_ * dim_));
+    const Index most_jobs = rows_ * heads_ * (buffer_.capacity() / kDecodeKeyChunk + 1);
+    workspace_.jobs.reserve(static_cast<std::size_t>(most_jobs));
+    workspace_.jobs.clear();
+    Index union_keys = 0;
+    for (Index r = 0; r < rows_; ++r) {
+      const Index position = first_query_ + r;
+      for (Index h = 0; h < heads_; ++h) {
+        Index first_begin = 0;
+        if (r == rows_ - 1) {
+          first_begin = std::max(oldest, blocks_.sorted_begins(h)[0]);
+        } else {
+          // Rows before the newest: chunks that crossed a block boundary.
+          Index* begins = &workspace_.begins[static_cast<std::size_t>((r * heads_ + h) * samples_)];
+          for (Index t = 0; t < samples_; ++t) {
+            begins[t] = std::max(oldest, blocks_.block_begin(h, t, position));
+          }
+          std::sort(begins, begins + samples_);
+          first_begin = begins[0];
         }
-        std::sort(begins, begins + samples);
-        first_begin = begins[0];
+        const Index reach = estimators_[static_cast<std::size_t>(h)].reach();
+        if (reach >= 0) first_begin = std::max(oldest, std::min(first_begin, position - reach));
+        workspace_.first_job[static_cast<std::size_t>(r * heads_ + h)] =
+            static_cast<Index>(workspace_.jobs.size());
+        for (Index begin = first_begin; begin <= position; begin += kDecodeKeyChunk) {
+          workspace_.jobs.push_back(
+              DecodeJob{r, h, begin, std::min(begin + kDecodeKeyChunk, position + 1)});
+        }
+        union_keys += position + 1 - first_begin;
+        Scalar* query = &workspace_.queries[static_cast<std::size_t>((r * heads_ + h) * dim_)];
+        convert_to_compute(q_.data + r * q_.token_stride + h * q_.head_stride, dim_, query);
+        Eigen::Map<Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>(query, dim_) *=
+            static_cast<Scalar>(scale_);
       }
-      if (!near.empty() && near[static_cast<std::size_t>(h)].reach >= 0) {
-        first_begin = std::max(
-            oldest, std::min(first_begin, position - near[static_cast<std::size_t>(h)].reach));
-      }
-      workspace.first_job[static_cast<std::size_t>(r * heads + h)] =
-          static_cast<Index>(workspace.jobs.size());
-      for (Index begin = first_begin; begin <= position; begin += kDecodeKeyChunk) {
-        workspace.jobs.push_back(
-            DecodeJob{r, h, begin, std::min(begin + kDecodeKeyChunk, position + 1)});
-      }
-      union_keys += position + 1 - first_begin;
-      Scalar* query = &workspace.queries[static_cast<std::size_t>((r * heads + h) * dim)];
-      convert_to_compute(q.data + r * q.token_stride + h * q.head_stride, dim, query);
-      Eigen::Map<Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>(query, dim) *=
-          static_cast<Scalar>(scale);
     }
-  }
-  const Index jobs = static_cast<Index>(workspace.jobs.size());
-  workspace.first_job.back() = jobs;
-  if (static_cast<Index>(workspace.lse.size()) < most_jobs) {
-    workspace.partial.resize(static_cast<std::size_t>(most_jobs * value_dim));
-    workspace.lse.resize(static_cast<std::size_t>(most_jobs));
+    jobs_ = static_cast<Index>(workspace_.jobs.size());
+    workspace_.first_job.back() = jobs_;
+    if (static_cast<Index>(workspace_.lse.size()) < most_jobs) {
+      workspace_.partial.resize(static_cast<std::size_t>(most_jobs * value_dim_));
+      workspace_.lse.resize(static_cast<std::size_t>(most_jobs));
+    }
+    return union_keys;
   }
 
-  // Contiguous parts of about equal work, one per thread.
-  const double work = static_cast<double>(union_keys) * static_cast<double>(dim + value_dim);
-  const int available = decode_threads_available();
-  const bool worth_splitting = available > 1 && jobs > 1 && work >= kDecodeParallelWork;
-  const Index threads = worth_splitting && split ? available : 1;
-  const double step_work =
-      worth_splitting ? static_cast<double>(union_keys + kDecodeJobKeys * jobs) : 0.0;
-  if (static_cast<Index>(workspace.threads.size()) < threads) {
-    workspace.threads.resize(static_cast<std::size_t>(threads));
-  }
-  workspace.part_first.assign(static_cast<std::size_t>(threads + 1), jobs);
-  workspace.part_first[0] = 0;
-  if (threads > 1) {
-    const double total = static_cast<double>(union_keys + kDecodeJobKeys * jobs);
+  /// The number of jobs plan_jobs made.
+  Index jobs() const { return jobs_; }
+
+  /// Cuts the jobs into `threads` contiguous parts of about equal work (keys plus kDecodeJobKeys
+  /// per job; `union_keys` from plan_jobs), and gives each thread its scratch.
+  void cut_parts(Index threads, Index union_keys) {
+    if (static_cast<Index>(workspace_.threads.size()) < threads) {
+      workspace_.threads.resize(static_cast<std::size_t>(threads));
+    }
+    workspace_.part_first.assign(static_cast<std::size_t>(threads + 1), jobs_);
+    workspace_.part_first[0] = 0;
+    if (threads <= 1) return;
+    const double total = static_cast<double>(union_keys + kDecodeJobKeys * jobs_);
     Index part = 1;
     double keys_before = 0;
-    for (Index j = 0; j < jobs && part < threads; ++j) {
-      const DecodeJob& job = workspace.jobs[static_cast<std::size_t>(j)];
+    for (Index j = 0; j < jobs_ && part < threads; ++j) {
+      const DecodeJob& job = workspace_.jobs[static_cast<std::size_t>(j)];
       const double job_keys = static_cast<double>(kDecodeJobKeys + job.end - job.begin);
       // Job j starts the next part when its middle lies past this part's share.
       while (part < threads && (keys_before + 0.5 * job_keys) * static_cast<double>(threads) >=
                                    static_cast<double>(part) * total) {
-        workspace.part_first[static_cast<std::size_t>(part++)] = j;
+        workspace_.part_first[static_cast<std::size_t>(part++)] = j;
       }
       keys_before += job_keys;
     }
   }
 
-  const double log_samples = std::log(static_cast<double>(samples));
-  const auto run_job = [&](Index j, DecodeThreadState<Storage>& state) {
-    const DecodeJob& job = workspace.jobs[static_cast<std::size_t>(j)];
-    const Index g = job.head / group;
+  /// Job j (decode_job) on the scratch `state`: its partial output and log-sum-exp.
+  void run_job(Index j, DecodeThreadState<Storage>& state) const {
+    const DecodeJob& job = workspace_.jobs[static_cast<std::size_t>(j)];
+    const Index g = job.head / group_;
     const Index count = job.end - job.begin;
-    const Index index = job.row * heads + job.head;
-    const Index* begins = job.row == rows - 1
-                              ? blocks.sorted_begins(job.head)
-                              : &workspace.begins[static_cast<std::size_t>(index * samples)];
-    const Index position = first_query + job.row;
-    DecodeNear job_near{position + 1, position, 0.0, log_samples};
-    if (!near.empty() && near[static_cast<std::size_t>(job.head)].reach >= 0) {
-      job_near.first = position - near[static_cast<std::size_t>(job.head)].reach;
-      job_near.slope = near[static_cast<std::size_t>(job.head)].slope;
-    }
-    decode_job<Storage>(
-        ConstHeadMap<Storage>(buffer.key_row(g, job.begin), count, dim, Eigen::OuterStride<>(dim)),
-        ConstHeadMap<Storage>(buffer.value_row(g, job.begin), count, value_dim,
-                              Eigen::OuterStride<>(value_dim)),
-        &workspace.queries[static_cast<std::size_t>(index * dim)],
-        q.data + job.row * q.token_stride + job.head * q.head_stride, static_cast<Scalar>(scale),
-        job.begin, begins, samples, workspace.log_count, state,
-        &workspace.partial[static_cast<std::size_t>(j * value_dim)],
-        &workspace.lse[static_cast<std::size_t>(j)], job_near);
-  };
-  // The log-sum-exp merge of the jobs of (row r, head h), in job order, into its output row.
-  const auto merge = [&](Index r, Index h, OutputRows<Storage>& output) {
+    const Index index = job.row * heads_ + job.head;
+    const Index* begins = job.row == rows_ - 1
+                              ? blocks_.sorted_begins(job.head)
+                              : &workspace_.begins[static_cast<std::size_t>(index * samples_)];
+    const Index position = first_query_ + job.row;
+    const Estimator& estimator = estimators_[static_cast<std::size_t>(job.head)];
+    // The keys at distance d <= w (Estimator::near) from position - w on; none without a reach.
+    const DecodeNear near{estimator.reach() >= 0 ? position - estimator.reach() : position + 1,
+                          position, estimator};
+    decode_job<Storage>(ConstHeadMap<Storage>(buffer_.key_row(g, job.begin), count, dim_,
+                                              Eigen::OuterStride<>(dim_)),
+                        ConstHeadMap<Storage>(buffer_.value_row(g, job.begin), count, value_dim_,
+                                              Eigen::OuterStride<>(value_dim_)),
+                        &workspace_.queries[static_cast<std::size_t>(index * dim_)],
+                        q_.data + job.row * q_.token_stride + job.head * q_.head_stride,
+                        static_cast<Scalar>(scale_), job.begin, begins, samples_,
+                        workspace_.log_weights.data(), state,
+                        &workspace_.partial[static_cast<std::size_t>(j * value_dim_)],
+                        &workspace_.lse[static_cast<std::size_t>(j)], near);
+  }
+
+  /// The log-sum-exp merge of the jobs of (row r, head h), in job order, into its output row.
+  void merge(Index r, Index h, OutputRows<Storage>& output) const {
     HeadMap<Scalar> row =
-        output.bind(HeadMap<Storage>(out.data + r * out.token_stride + h * out.head_stride, 1,
-                                     value_dim, Eigen::OuterStride<>(value_dim)));
+        output.bind(HeadMap<Storage>(out_.data + r * out_.token_stride + h * out_.head_stride, 1,
+                                     value_dim_, Eigen::OuterStride<>(value_dim_)));
     row.setZero();
     Scalar lse = -std::numeric_limits<Scalar>::infinity();
-    const Index first = workspace.first_job[static_cast<std::size_t>(r * heads + h)];
-    const Index last = workspace.first_job[static_cast<std::size_t>(r * heads + h + 1)];
+    const Index first = workspace_.first_job[static_cast<std::size_t>(r * heads_ + h)];
+    const Index last = workspace_.first_job[static_cast<std::size_t>(r * heads_ + h + 1)];
     for (Index j = first; j < last; ++j) {
       online_softmax_merge(
           row, Eigen::Map<Eigen::Matrix<Scalar, 1, 1>>(&lse),
           Eigen::Map<const RowMatrix<Scalar>>(
-              &workspace.partial[static_cast<std::size_t>(j * value_dim)], 1, value_dim),
+              &workspace_.partial[static_cast<std::size_t>(j * value_dim_)], 1, value_dim_),
           Eigen::Map<const Eigen::Matrix<Scalar, 1, 1>>(
-              &workspace.lse[static_cast<std::size_t>(j)]));
+              &workspace_.lse[static_cast<std::size_t>(j)]));
     }
     output.store();
-  };
-  // The end of the jobs from `first` (before `last`) of a (row, head) that begins before `first`:
-  // those that a part starting at `first` shares with the part before; `first` when there are none.
-  const auto shared_end = [&](Index first, Index last) {
-    if (first == 0 || first >= last) return first;
-    const DecodeJob& job = workspace.jobs[static_cast<std::size_t>(first)];
-    const std::size_t index = static_cast<std::size_t>(job.row * heads + job.head);
-    return workspace.first_job[index] < first ? std::min(last, workspace.first_job[index + 1])
-                                              : first;
-  };
-  const auto run_part = [&](Index part, int thread) {
-    DecodeThreadState<Storage>& state = workspace.threads[static_cast<std::size_t>(thread)];
-    const Index first = workspace.part_first[static_cast<std::size_t>(part)];
-    const Index last = workspace.part_first[static_cast<std::size_t>(part + 1)];
-    // Jobs begin..end-1 in order, each (row, head) merged after its last job when all of its
-    // jobs are in this part.
-    const auto run_jobs = [&](Index begin, Index end) {
-      for (Index j = begin; j < end; ++j) {
-        run_job(j, state);
-        const DecodeJob& job = workspace.jobs[static_cast<std::size_t>(j)];
-        const std::size_t index = static_cast<std::size_t>(job.row * heads + job.head);
-        if (workspace.first_job[index] >= first && workspace.first_job[index + 1] == j + 1) {
-          merge(job.row, job.head, state.output);
-        }
-      }
-    };
+  }
+
+  /// Part `part` of the jobs on thread `thread`'s scratch: its jobs in order, or with `reverse`
+  /// the jobs it shares with the part before, then its (row, head)s from the last to the first
+  /// (each one's jobs in order).
+  void run_part(Index part, int thread, bool reverse) const {
+    DecodeThreadState<Storage>& state = workspace_.threads[static_cast<std::size_t>(thread)];
+    const Index first = workspace_.part_first[static_cast<std::size_t>(part)];
+    const Index last = workspace_.part_first[static_cast<std::size_t>(part + 1)];
     if (!reverse) {
-      run_jobs(first, last);
+      run_jobs(first, last, first, state);
       return;
     }
-    // The jobs shared with the part before first, then the (row, head)s from the last to the
-    // first, each one's jobs in order.
     const Index rest = shared_end(first, last);
-    run_jobs(first, rest);
+    run_jobs(first, rest, first, state);
     for (Index end = last; end > rest;) {
-      const DecodeJob& job = workspace.jobs[static_cast<std::size_t>(end - 1)];
-      const Index begin =
-          std::max(rest, workspace.first_job[static_cast<std::size_t>(job.row * heads + job.head)]);
-      run_jobs(begin, end);
+      const DecodeJob& job = workspace_.jobs[static_cast<std::size_t>(end - 1)];
+      const Index begin = std::max(
+          rest, workspace_.first_job[static_cast<std::size_t>(job.row * heads_ + job.head)]);
+      run_jobs(begin, end, first, state);
       end = begin;
     }
-  };
+  }
+
+  /// The (row, head)s that a cut between the `threads` parts splits, each merged once on the
+  /// calling thread (consecutive cuts may split the same one).
+  void merge_split_heads(Index threads) const {
+    Index merged = -1;
+    for (Index part = 1; part < threads; ++part) {
+      const Index cut = workspace_.part_first[static_cast<std::size_t>(part)];
+      if (cut == 0 || cut == jobs_) continue;
+      const DecodeJob& before = workspace_.jobs[static_cast<std::size_t>(cut - 1)];
+      const DecodeJob& after = workspace_.jobs[static_cast<std::size_t>(cut)];
+      const Index index = after.row * heads_ + after.head;
+      if (before.row != after.row || before.head != after.head || index == merged) continue;
+      merge(after.row, after.head, workspace_.threads[0].output);
+      merged = index;
+    }
+  }
+
+ private:
+  /// Jobs `[begin, end)` of the part that starts at job `part_first`, in order, each (row, head)
+  /// merged after its last job when all of its jobs are in this part.
+  void run_jobs(Index begin, Index end, Index part_first, DecodeThreadState<Storage>& state) const {
+    for (Index j = begin; j < end; ++j) {
+      run_job(j, state);
+      const DecodeJob& job = workspace_.jobs[static_cast<std::size_t>(j)];
+      const std::size_t index = static_cast<std::size_t>(job.row * heads_ + job.head);
+      if (workspace_.first_job[index] >= part_first && workspace_.first_job[index + 1] == j + 1) {
+        merge(job.row, job.head, state.output);
+      }
+    }
+  }
+
+  /// The end of the jobs from `first` (before `last`) of a (row, head) that begins before
+  /// `first`: those that a part starting at `first` shares with the part before; `first` when
+  /// there are none.
+  Index shared_end(Index first, Index last) const {
+    if (first == 0 || first >= last) return first;
+    const DecodeJob& job = workspace_.jobs[static_cast<std::size_t>(first)];
+    const std::size_t index = static_cast<std::size_t>(job.row * heads_ + job.head);
+    return workspace_.first_job[index] < first ? std::min(last, workspace_.first_job[index + 1])
+                                               : first;
+  }
+
+  const KvBuffer<Storage>& buffer_;
+  const BlockTracker& blocks_;
+  Index heads_;
+  Index samples_;
+  const HeadsView<const Storage>& q_;
+  const HeadsView<Storage>& out_;
+  double scale_;
+  DecodeWorkspace<Storage>& workspace_;
+  const std::vector<Estimator>& estimators_;
+  Index rows_;
+  Index dim_;
+  Index value_dim_;
+  Index group_;        // query heads per key head
+  Index first_query_;  // the position of query row 0
+  Index jobs_ = 0;
+};
+
+/// One step of the single-query path (file comment): the outputs `out` of the queries `q` at the
+/// newest `q.tokens` positions of `buffer` (1 <= q.tokens <= kDecodeRows), whose newest position
+/// is that of `blocks`. `heads` query heads share each key head in groups of heads / kv_heads;
+/// `scale` multiplies the scores. `split == false` keeps the step on the calling thread.
+/// `estimators`: the estimator of every head (its `samples` draws and near field,
+/// near_field.hpp). Returns the step's work (keys, with kDecodeJobKeys per job) when it is worth
+/// more than one thread, else 0.
+template <class Storage>
+double decode_step(const KvBuffer<Storage>& buffer, const BlockTracker& blocks, Index heads,
+                   Index samples, const HeadsView<const Storage>& q, const HeadsView<Storage>& out,
+                   double scale, bool split, bool reverse, DecodeWorkspace<Storage>& workspace,
+                   const std::vector<Estimator>& estimators) {
+  DecodeStep<Storage> step(buffer, blocks, heads, samples, q, out, scale, workspace, estimators);
+  const Index union_keys = step.plan_jobs();
+  const Index jobs = step.jobs();
+
+  // Contiguous parts of about equal work, one per thread.
+  const double work = static_cast<double>(union_keys) * static_cast<double>(q.dim + out.dim);
+  const int available = decode_threads_available();
+  const bool worth_splitting = available > 1 && jobs > 1 && work >= kDecodeParallelWork;
+  const Index threads = worth_splitting && split ? available : 1;
+  const double step_work =
+      worth_splitting ? static_cast<double>(union_keys + kDecodeJobKeys * jobs) : 0.0;
+  step.cut_parts(threads, union_keys);
 
   // Parts on the team's helpers, else in an OpenMP region (also from inside one, where the
   // helpers would compete with its threads).
@@ -448,26 +524,17 @@ double decode_step(const KvBuffer<Storage>& buffer, const BlockTracker& blocks, 
   in_parallel = omp_in_parallel() != 0;
 #endif
   if (threads == 1) {
-    run_part(0, 0);
+    step.run_part(0, 0, reverse);
     return step_work;
   }
-  if (in_parallel || !ThreadTeam::shared().run(static_cast<int>(threads),
-                                               [&](int part) { run_part(part, part); })) {
+  if (in_parallel || !ThreadTeam::shared().run(static_cast<int>(threads), [&](int part) {
+        step.run_part(part, part, reverse);
+      })) {
     parallel_for_threads(
-        threads, true, [&](Index part, int thread) { run_part(part, thread); }, Schedule::Static);
+        threads, true, [&](Index part, int thread) { step.run_part(part, thread, reverse); },
+        Schedule::Static);
   }
-  // The (row, head)s that a cut splits, each once (consecutive cuts may split the same one).
-  Index merged = -1;
-  for (Index part = 1; part < threads; ++part) {
-    const Index cut = workspace.part_first[static_cast<std::size_t>(part)];
-    if (cut == 0 || cut == jobs) continue;
-    const DecodeJob& before = workspace.jobs[static_cast<std::size_t>(cut - 1)];
-    const DecodeJob& after = workspace.jobs[static_cast<std::size_t>(cut)];
-    const Index index = after.row * heads + after.head;
-    if (before.row != after.row || before.head != after.head || index == merged) continue;
-    merge(after.row, after.head, workspace.threads[0].output);
-    merged = index;
-  }
+  step.merge_split_heads(threads);
   return step_work;
 }
 

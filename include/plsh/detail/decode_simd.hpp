@@ -13,8 +13,8 @@
 ///   shuffles (45 operations per 16 keys instead of a horizontal sum per key). Keys in float, or
 ///   in bfloat16 or half converted in registers (no copy of the key rows). The near keys of a
 ///   near field (DecodeNear) get their log weight \f$\log s - m d\f$ added there
-///   (`avx512::near_log_weights`, the vector form of DecodeNear::log_weight). Returns the largest
-///   logit as well, so that no other pass looks for it.
+///   (`avx512::near_log_weights`, the vector form of Estimator::log_near_weight). Returns the
+///   largest logit as well, so that no other pass looks for it.
 /// - With AVX-512 BF16 as well (`-mavx512bf16`), bfloat16 keys and the bfloat16 query go to
 ///   `vdpbf16ps`: products of two bfloat16 numbers are exact in float, and pairs of them are
 ///   summed into float accumulators, so the scores differ from the converted path by the order
@@ -32,7 +32,7 @@
 /// Rows are `stride` entries apart; every size is allowed (tails by masked loads, which do not
 /// touch memory past the last row). Tested in tests/simd/decode_avx512.cpp (test_simd)
 /// against sums and exponentials in double, for every size from 1 to past two vectors, and the
-/// near log weights against DecodeNear::log_weight, where the build machine has these
+/// near log weights against Estimator::log_near_weight, where the build machine has these
 /// instructions.
 
 #include <Eigen/Core>
@@ -40,6 +40,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "../attention/near_field.hpp"
 #include "../tensor.hpp"
 
 #include "simd.hpp"
@@ -49,20 +50,16 @@ namespace detail {
 
 /// The near field of one job of the single-query path (decode/decode_step.hpp; near_field.hpp):
 /// its keys from position `first` on lie within the reach of the query at `position`, and weigh
-/// \f$s e^{-m(p - j)}\f$ (`log_samples` = \f$\log s\f$) in place of their count; `first` past
-/// the job's keys: none.
+/// \f$s e^{-m(p - j)}\f$ (the head's `estimator`) in place of their count; `first` past the
+/// job's keys: none.
 struct DecodeNear {
   Index first = std::numeric_limits<Index>::max();
   Index position = 0;
-  double slope = 0;
-  double log_samples = 0;
+  Estimator estimator;
 
   /// The log weight \f$\log s - m d\f$ of the near key at position `key`, at distance
-  /// \f$d = p - j\f$, in double: the definition that avx512::near_log_weights vectorises.
-  double log_weight(Index key) const {
-    const double distance = static_cast<double>(position - key);
-    return log_samples - slope * distance;
-  }
+  /// \f$d = p - j\f$ (Estimator::log_near_weight), which avx512::near_log_weights vectorises.
+  double log_weight(Index key) const { return estimator.log_near_weight(position - key); }
 };
 
 }  // namespace detail
@@ -161,7 +158,8 @@ inline __m512 raise_max(__m512 best, __mmask16 mask, __m512 sums) {
   return _mm512_mask_max_ps(best, mask, sums, best);
 }
 
-/// DecodeNear::log_weight of the 16 keys at positions `key` .. `key + 15`, each rounded to float:
+/// DecodeNear::log_weight (Estimator::log_near_weight) of the 16 keys at positions `key` ..
+/// `key + 15`, each rounded to float:
 /// the distances \f$d = p - j\f$ are exact in double (integers below \f$2^{53}\f$), and
 /// \f$\log s - m d\f$ is one fused multiply-add in double, which is what the scalar form
 /// compiles to where the compiler contracts it (GCC's default, Clang's within an expression);
@@ -171,8 +169,8 @@ inline __m512 near_log_weights(const DecodeNear& near, Index key) {
   const __m512d low_lanes = _mm512_setr_pd(0, 1, 2, 3, 4, 5, 6, 7);
   const __m512d high_lanes = _mm512_setr_pd(8, 9, 10, 11, 12, 13, 14, 15);
   const __m512d distance = _mm512_set1_pd(static_cast<double>(near.position - key));
-  const __m512d slope = _mm512_set1_pd(near.slope);
-  const __m512d log_samples = _mm512_set1_pd(near.log_samples);
+  const __m512d slope = _mm512_set1_pd(near.estimator.slope());
+  const __m512d log_samples = _mm512_set1_pd(near.estimator.log_samples());
   const __m256 low =
       _mm512_cvtpd_ps(_mm512_fnmadd_pd(slope, _mm512_sub_pd(distance, low_lanes), log_samples));
   const __m256 high =
