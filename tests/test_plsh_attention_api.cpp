@@ -74,6 +74,27 @@ TEST_CASE("plsh_attention is a pure function of the seed", "[plsh]") {
 // The user-kernel overload.
 // ---------------------------------------------------------------------------------------------
 
+TEST_CASE("PlshOptions{} and PlshOptions::paper() are the documented presets", "[plsh]") {
+  const plsh::PlshOptions defaults;
+  CHECK(defaults.samples == 100);
+  CHECK(defaults.sampling == plsh::Sampling::LatinHypercube);
+  CHECK(defaults.near_field == 0.05);
+  CHECK(defaults.kernel == plsh::Kernel::Fused);
+  CHECK(defaults.seed == 0);
+  CHECK(defaults.causal);
+  const plsh::PlshOptions paper = plsh::PlshOptions::paper();
+  CHECK(paper.samples == 20);
+  CHECK(paper.sampling == plsh::Sampling::Independent);
+  CHECK(paper.near_field == 0);
+  INFO("the other fields keep their defaults");
+  CHECK(paper.kernel == plsh::Kernel::Fused);
+  CHECK(paper.seed == 0);
+  CHECK(paper.causal);
+  CHECK(paper.scale == 0);
+  CHECK(paper.query_position == 0);
+  CHECK(paper.key_position == 0);
+}
+
 TEST_CASE("a user kernel plugs into the pass kernel", "[plsh][kernel]") {
   Problem<double> problem(Shape{130, 129, 4, 2, 8, 6}, 80);
   const std::vector<double> slopes = plsh::alibi_slopes(4);
