@@ -22,10 +22,10 @@
 #include <plsh/attention/backward.hpp>
 #include <plsh/attention/near_field.hpp>
 #include <plsh/attention/plsh_attention.hpp>
-#include <plsh/attention/reference.hpp>
 #include <plsh/batch.hpp>
 #include <plsh/kv_cache.hpp>
 #include <plsh/partition.hpp>
+#include <plsh/reference.hpp>
 #include <plsh/sampler.hpp>
 
 #include "allocation_counter.hpp"
@@ -282,7 +282,6 @@ TEST_CASE("the near-field estimator's mean over seeds equals exp(-slope |i - j|)
       GENERATE(plsh::Sampling::Independent, plsh::Sampling::LatinHypercube);
   const Index n = 40;
   const int seeds = 2000;
-  const plsh::detail::PositionRange range{0, n};
   std::uint64_t head = 0;
   for (const double slope : {1.0 / 16, 1.0 / 4}) {
     for (const double near_field : {0.5, 0.2}) {
@@ -295,7 +294,7 @@ TEST_CASE("the near-field estimator's mean over seeds equals exp(-slope |i - j|)
         const auto grids = plsh::kernel_grids({slope}, options);
         const std::vector<double> slopes{slope};
         const auto log_factor =
-            plsh::reference::near_field_log_factor(grids, slopes, near_field, range);
+            plsh::reference::near_field_log_factor(grids, slopes, near_field, 0, n);
         for (Index i = 0; i < n; ++i) {
           for (Index j = 0; j < n; ++j) mean(i, j) += std::exp(log_factor(0, i, j));
         }
@@ -341,12 +340,11 @@ TEST_CASE("the near-field estimator has no variance within the reach and less be
   const Index n = 30;
   const double slope = 0.25;
   const double near_field = 0.3;  // reach floor(ln(1/0.3) * 4) = 4
-  const plsh::detail::PositionRange range{0, n};
   const std::vector<double> slopes{slope};
   for (std::uint64_t seed = 0; seed < 50; ++seed) {
     const plsh::PlshOptions options = near_options(true, 7, seed, near_field);
     const auto grids = plsh::kernel_grids(slopes, options);
-    const auto near = plsh::reference::near_field_log_factor(grids, slopes, near_field, range);
+    const auto near = plsh::reference::near_field_log_factor(grids, slopes, near_field, 0, n);
     const auto blocks = plsh::reference::mean_mask_log_factor(grids);
     for (Index i = 0; i < n; ++i) {
       for (Index j = 0; j < n; ++j) {

@@ -57,6 +57,7 @@
 #include <vector>
 
 #include <plsh/plsh.hpp>
+#include <plsh/reference.hpp>
 
 #include "../attention_fixture.hpp"
 
@@ -843,9 +844,9 @@ void run(const Config& c, FuzzedDataProvider& data) {
       if (!fused_ok) return;
       const auto grids = plsh::kernel_grids(c.slopes, c.options);
       const auto log_mask = plsh::reference::mean_mask_log_factor(grids);
+      const auto [first, last] = plsh::reference::call_positions(in.q.in(), in.k.in(), c.options);
       const auto log_near = plsh::reference::near_field_log_factor(
-          grids, c.slopes, c.options.near_field,
-          plsh::detail::position_range(in.q.in(), in.k.in(), c.options));
+          grids, c.slopes, c.options.near_field, first, last);
       const Expectation<Scalar> x = expect(c, in.q, in.k, in.v, [&](Index h, Index i, Index j) {
         const double log_factor = near ? log_near(h, i, j) : log_mask(h, i, j);
         return Factor{log_factor > -kInf, log_factor};

@@ -61,6 +61,7 @@
 #include "../detail/check.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validate.hpp"
+#include "../options.hpp"
 #include "../partition.hpp"
 #include "../row_lse.hpp"
 #include "../sampler.hpp"
@@ -69,7 +70,6 @@
 #include "block_counts.hpp"
 #include "kept_keys.hpp"
 #include "near_field.hpp"
-#include "options.hpp"
 #include "regular.hpp"
 
 namespace plsh {

@@ -38,13 +38,13 @@
 #include "../detail/parallel.hpp"
 #include "../detail/storage.hpp"
 #include "../detail/validate.hpp"
+#include "../options.hpp"
 #include "../partition.hpp"
 #include "../row_lse.hpp"
 #include "../sampler.hpp"
 #include "../tensor.hpp"
 #include "near_field.hpp"
 #include "online_softmax.hpp"
-#include "options.hpp"
 #include "regular.hpp"
 
 namespace plsh {

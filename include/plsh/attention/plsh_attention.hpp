@@ -34,12 +34,12 @@
 #include "../detail/check.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validate.hpp"
+#include "../options.hpp"
 #include "../row_lse.hpp"
 #include "../sampler.hpp"
 #include "../tensor.hpp"
 #include "fused_kernel.hpp"
 #include "near_field.hpp"
-#include "options.hpp"
 #include "pass_kernel.hpp"
 #include "regular.hpp"
 

@@ -38,9 +38,9 @@
 #include "../detail/check.hpp"
 #include "../detail/storage.hpp"
 #include "../detail/validate.hpp"
+#include "../options.hpp"
 #include "../tensor.hpp"
 #include "online_softmax.hpp"
-#include "options.hpp"
 
 namespace plsh {
 
