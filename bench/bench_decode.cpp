@@ -65,7 +65,6 @@ using plsh::Index;
 
 constexpr Index kDecodeHeads = 8;
 constexpr Index kDecodeDim = 64;
-constexpr Index kDecodeSamples = 20;
 /// Tokens of distinct q, k, v rows cycled through while decoding; the values do not change the
 /// work, only the pool keeps memory small.
 constexpr Index kPoolTokens = 1024;
@@ -99,13 +98,7 @@ const TokenPool<Scalar>& token_pool() {
 }
 
 /// The paper's estimator: s = 20 independent draws, no near field.
-plsh::PlshOptions paper_options() {
-  plsh::PlshOptions options;
-  options.samples = kDecodeSamples;
-  options.sampling = plsh::Sampling::Independent;
-  options.near_field = 0;
-  return options;
-}
+plsh::PlshOptions paper_options() { return plsh::PlshOptions::paper(); }
 
 /// One-token decode steps of a KvCache<Scalar> with `options`, prefilled with `context` tokens,
 /// on `threads` threads.

@@ -11,7 +11,7 @@
 #include <utility>
 #include <vector>
 
-#include <plsh/error_norms.hpp>
+#include <plsh/analysis.hpp>
 #include <plsh/sampler.hpp>
 
 namespace {

@@ -116,10 +116,7 @@ struct TrainKernel {
 
 std::vector<TrainKernel> train_kernels() {
   const std::vector<double> slopes = plsh::alibi_slopes(kTrainHeads);
-  plsh::PlshOptions paper;
-  paper.samples = 20;
-  paper.sampling = plsh::Sampling::Independent;
-  paper.near_field = 0;
+  const plsh::PlshOptions paper = plsh::PlshOptions::paper();
   const auto plsh_kernel = [slopes](const std::string& name, const plsh::PlshOptions& options) {
     return TrainKernel{name, kTrainLengths.back(),
                        [=](TrainProblem& p, bool saved) {

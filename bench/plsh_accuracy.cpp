@@ -40,6 +40,7 @@
 #include <string>
 #include <vector>
 
+#include <plsh/analysis.hpp>
 #include <plsh/plsh.hpp>
 
 #include "../tests/fill.hpp"

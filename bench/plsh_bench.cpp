@@ -278,10 +278,8 @@ void set_counters(benchmark::State& state, Index n, Index heads, double entries)
 // ---------------------------------------------------------------------------------------------
 
 plsh::PlshOptions plsh_options(Index samples, plsh::Kernel kernel) {
-  plsh::PlshOptions options;
+  plsh::PlshOptions options = plsh::PlshOptions::paper();  // the paper's estimator, at s samples
   options.samples = samples;
-  options.sampling = plsh::Sampling::Independent;  // the paper's estimator
-  options.near_field = 0;
   options.kernel = kernel;
   return options;
 }

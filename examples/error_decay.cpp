@@ -30,6 +30,7 @@
 // and compile with optimisation (-O2 or -O3): it runs in a few seconds (`error_decay --quick`: the
 // first setting only, with two seeds).
 
+#include <plsh/analysis.hpp>
 #include <plsh/plsh.hpp>
 
 #include <Eigen/Core>

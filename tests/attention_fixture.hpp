@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
-#include <plsh/attention/options.hpp>
 #include <plsh/detail/random.hpp>
+#include <plsh/options.hpp>
 #include <plsh/tensor.hpp>
 
 #include "brute_force.hpp"

@@ -108,18 +108,20 @@
   PREFIX void plsh::detail::pass_attention<S, plsh::RegularAttention>(                             \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,              \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,                    \
-      const std::vector<std::vector<plsh::Grid>>&, const plsh::AttentionOptions&,                  \
-      plsh::RegularAttention&&, const plsh::RowLse<plsh::detail::Compute<S>>&);                    \
+      const std::vector<std::vector<plsh::Grid>>&, const std::vector<plsh::detail::Estimator>&,    \
+      const plsh::AttentionOptions&, plsh::RegularAttention&&,                                     \
+      const plsh::RowLse<plsh::detail::Compute<S>>&);                                              \
   PREFIX void plsh::detail::pass_attention<S, plsh::RegularAttention&>(                            \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,              \
       const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,                    \
-      const std::vector<std::vector<plsh::Grid>>&, const plsh::AttentionOptions&,                  \
-      plsh::RegularAttention&, const plsh::RowLse<plsh::detail::Compute<S>>&);                     \
+      const std::vector<std::vector<plsh::Grid>>&, const std::vector<plsh::detail::Estimator>&,    \
+      const plsh::AttentionOptions&, plsh::RegularAttention&,                                      \
+      const plsh::RowLse<plsh::detail::Compute<S>>&);                                              \
   PREFIX void plsh::detail::pass_attention<S, plsh::RegularAttention>(                             \
       const plsh::HeadsView<const S>&, const plsh::HeadsView<const S>&,                            \
       const plsh::HeadsView<const S>&, const plsh::HeadsView<S>&,                                  \
-      const std::vector<std::vector<plsh::Grid>>&, const plsh::AttentionOptions&,                  \
-      plsh::RegularAttention&&);                                                                   \
+      const std::vector<std::vector<plsh::Grid>>&, const std::vector<plsh::detail::Estimator>&,    \
+      const plsh::AttentionOptions&, plsh::RegularAttention&&);                                    \
   PREFIX double plsh::detail::decode_step<S>(                                                      \
       const plsh::detail::KvBuffer<S>&, const plsh::detail::BlockTracker&, plsh::Index,            \
       plsh::Index, const plsh::HeadsView<const S>&, const plsh::HeadsView<S>&, double, bool, bool, \

@@ -15,14 +15,12 @@
 namespace plsh_test {
 
 /// PlshOptions from attention options and the three Positional LSH settings, with independent
-/// draws and no near field (the paper's estimator; test_stratified.cpp and test_near_field.cpp
-/// test the others).
+/// draws and no near field (PlshOptions::paper(), the paper's estimator; test_stratified.cpp and
+/// test_near_field.cpp test the others).
 inline plsh::PlshOptions plsh_options(const plsh::AttentionOptions& base, Index samples,
                                       std::uint64_t seed, plsh::Kernel kernel) {
-  plsh::PlshOptions options;
+  plsh::PlshOptions options = plsh::PlshOptions::paper();
   static_cast<plsh::AttentionOptions&>(options) = base;
-  options.sampling = plsh::Sampling::Independent;
-  options.near_field = 0;
   options.samples = samples;
   options.seed = seed;
   options.kernel = kernel;

@@ -20,7 +20,7 @@
 #include <plsh/alibi.hpp>
 #include <plsh/attention/alibi_attention.hpp>
 #include <plsh/attention/plsh_attention.hpp>
-#include <plsh/attention/reference.hpp>
+#include <plsh/reference.hpp>
 
 #include "attention_fixture.hpp"
 #include "kernel_instances.hpp"

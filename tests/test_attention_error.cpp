@@ -11,8 +11,8 @@
 #include <stdexcept>
 #include <vector>
 
-#include <plsh/attention/reference.hpp>
-#include <plsh/attention_error.hpp>
+#include <plsh/analysis.hpp>
+#include <plsh/reference.hpp>
 #include <plsh/sampler.hpp>
 
 #include "attention_fixture.hpp"

@@ -13,13 +13,13 @@
 #include <vector>
 
 #include <plsh/alibi.hpp>
+#include <plsh/analysis.hpp>
 #include <plsh/attention/alibi_attention.hpp>
 #include <plsh/attention/backward.hpp>
 #include <plsh/attention/plsh_attention.hpp>
 #include <plsh/detail/validate.hpp>
 #include <plsh/kv_cache.hpp>
 #include <plsh/limits.hpp>
-#include <plsh/metrics.hpp>
 #include <plsh/partition.hpp>
 #include <plsh/sampler.hpp>
 

@@ -14,8 +14,7 @@
 #include <vector>
 
 #include <plsh/alibi.hpp>
-#include <plsh/error_norms.hpp>
-#include <plsh/metrics.hpp>
+#include <plsh/analysis.hpp>
 #include <plsh/partition.hpp>
 #include <plsh/sampler.hpp>
 

@@ -14,9 +14,9 @@
 #include <vector>
 
 #include <plsh/alibi.hpp>
-#include <plsh/attention/reference.hpp>
 #include <plsh/detail/thread_team.hpp>
 #include <plsh/kv_cache.hpp>
+#include <plsh/reference.hpp>
 
 #include "allocation_counter.hpp"
 #include "test_kv_cache_common.hpp"

@@ -21,9 +21,9 @@
 #include <plsh/attention/backward.hpp>
 #include <plsh/attention/kept_keys.hpp>
 #include <plsh/attention/plsh_attention.hpp>
-#include <plsh/attention/reference.hpp>
 #include <plsh/batch.hpp>
 #include <plsh/detail/random.hpp>
+#include <plsh/reference.hpp>
 #include <plsh/row_lse.hpp>
 
 #include "attention_fixture.hpp"
@@ -203,9 +203,10 @@ std::vector<double> reference_lse(const Kernel& kernel, const Problem<Scalar>& p
     case Kind::Passes: {
       const auto grids = plsh::detail::kernel_grids(slopes, kernel.options, "test");
       const double log_samples = std::log(static_cast<double>(kernel.options.samples));
+      const auto [first, last] =
+          plsh::reference::call_positions(p.q.in(), p.k.in(), kernel.options);
       const auto near = plsh::reference::near_field_log_factor(
-          grids, slopes, kernel.options.near_field,
-          plsh::detail::position_range(p.q.in(), p.k.in(), kernel.options));
+          grids, slopes, kernel.options.near_field, first, last);
       return dense_lse(p, kernel.options,
                        [&](Index h, Index i, Index j) { return near(h, i, j) + log_samples; });
     }

@@ -10,7 +10,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include <plsh/metrics.hpp>
+#include <plsh/analysis.hpp>
 #include <plsh/sampler.hpp>
 
 namespace {

@@ -22,10 +22,10 @@
 #include <plsh/attention/backward.hpp>
 #include <plsh/attention/near_field.hpp>
 #include <plsh/attention/plsh_attention.hpp>
-#include <plsh/attention/reference.hpp>
 #include <plsh/batch.hpp>
 #include <plsh/kv_cache.hpp>
 #include <plsh/partition.hpp>
+#include <plsh/reference.hpp>
 #include <plsh/sampler.hpp>
 
 #include "allocation_counter.hpp"
@@ -292,7 +292,6 @@ TEST_CASE("the near-field estimator's mean over seeds equals exp(-slope |i - j|)
       GENERATE(plsh::Sampling::Independent, plsh::Sampling::LatinHypercube);
   const Index n = 40;
   const int seeds = 2000;
-  const plsh::detail::PositionRange range{0, n};
   std::uint64_t head = 0;
   for (const double slope : {1.0 / 16, 1.0 / 4}) {
     for (const double near_field : {0.5, 0.2}) {
@@ -305,7 +304,7 @@ TEST_CASE("the near-field estimator's mean over seeds equals exp(-slope |i - j|)
         const auto grids = plsh::kernel_grids({slope}, options);
         const std::vector<double> slopes{slope};
         const auto log_factor =
-            plsh::reference::near_field_log_factor(grids, slopes, near_field, range);
+            plsh::reference::near_field_log_factor(grids, slopes, near_field, 0, n);
         for (Index i = 0; i < n; ++i) {
           for (Index j = 0; j < n; ++j) mean(i, j) += std::exp(log_factor(0, i, j));
         }
@@ -351,12 +350,11 @@ TEST_CASE("the near-field estimator has no variance within the reach and less be
   const Index n = 30;
   const double slope = 0.25;
   const double near_field = 0.3;  // reach floor(ln(1/0.3) * 4) = 4
-  const plsh::detail::PositionRange range{0, n};
   const std::vector<double> slopes{slope};
   for (std::uint64_t seed = 0; seed < 50; ++seed) {
     const plsh::PlshOptions options = near_options(true, 7, seed, near_field);
     const auto grids = plsh::kernel_grids(slopes, options);
-    const auto near = plsh::reference::near_field_log_factor(grids, slopes, near_field, range);
+    const auto near = plsh::reference::near_field_log_factor(grids, slopes, near_field, 0, n);
     const auto blocks = plsh::reference::mean_mask_log_factor(grids);
     for (Index i = 0; i < n; ++i) {
       for (Index j = 0; j < n; ++j) {
@@ -704,65 +702,74 @@ TEST_CASE("near_field arguments are checked", "[near_field][validation]") {
         plsh::plsh_attention<float>(p.q.in(), p.k.in(), p.v.in(), p.out.view, slopes, options),
         std::invalid_argument);
   }
-  plsh::PlshOptions passes;
-  passes.near_field = 0.05;
-  passes.kernel = plsh::Kernel::Passes;
-  CHECK_THROWS_WITH(
-      plsh::plsh_attention<float>(p.q.in(), p.k.in(), p.v.in(), p.out.view, slopes, passes),
-      Catch::Contains("near_field must be 0"));
-  CHECK_THROWS_WITH(plsh::KvCache<float>(2, 2, 4, 4, slopes, passes),
-                    Catch::Contains("near_field must be 0"));
 }
 
-TEST_CASE("the backward refuses a near field with Kernel::Passes, as the forward does",
-          "[near_field][validation][backward]") {
-  // The pass kernel evaluates block masks only: a backward that accepted these options would
-  // return the gradients of the near-field estimator, a function its forward never computes.
-  const Shape shape{16, 16, 2, 2, 4, 4};
-  Problem<float> p(shape, 3);
-  const std::vector<double> slopes = plsh::alibi_slopes(2);
-  Buffer<float> dq(16, 2, 4), dk(16, 2, 4), dv(16, 2, 4);
-  plsh::PlshOptions passes;
-  passes.near_field = 0.05;
-  passes.kernel = plsh::Kernel::Passes;
-  const auto message = [](auto&& call) {
-    try {
-      call();
-    } catch (const std::invalid_argument& error) {
-      return std::string(error.what());
-    }
-    return std::string("no exception");
-  };
-  const std::string forward = message([&] {
-    plsh::plsh_attention<float>(p.q.in(), p.k.in(), p.v.in(), p.out.view, slopes, passes);
-  });
-  const std::string prefix = "plsh_attention: ";
-  REQUIRE(forward.rfind(prefix, 0) == 0);
-  const std::string expected = "plsh_attention_backward: " + forward.substr(prefix.size());
-  const auto backward = [&](const plsh::PlshOptions& options) {
-    plsh::plsh_attention_backward<float>(p.q.in(), p.k.in(), p.v.in(), p.out.in(), p.out.in(),
-                                         dq.view, dk.view, dv.view, slopes, options);
-  };
-  const auto batched_backward = [&](const plsh::PlshOptions& options) {
-    const auto one = [](const auto& view) {
-      using Element = std::remove_pointer_t<decltype(view.data)>;
-      return BatchedHeadsView<Element>(1, view);
+TEST_CASE("the backward of Passes with a near field is the gradient of its forward",
+          "[near_field][backward]") {
+  // The backward does not depend on the forward's kernel: with Kernel::Passes and a near field it
+  // is the gradient of the near-field estimator, which the pass kernel's forward computes (to
+  // rounding, the fused kernel's output). Unbatched and batched entry points alike.
+  const Shape shape{70, 70, 4, 2, 8, 5};
+  Problem<double> p(shape, 3);
+  const std::vector<double> slopes = {0.3, 0.05, 0.0, 1.0 / 64};
+  Buffer<double> dout = p.output();
+  dout.fill_random(9);
+  for (const bool causal : {true, false}) {
+    plsh::PlshOptions passes = near_options(causal, 20, 5, 0.05);
+    passes.kernel = plsh::Kernel::Passes;
+    plsh::PlshOptions fused = passes;
+    fused.kernel = plsh::Kernel::Fused;
+    Buffer<double> out_fused = p.output();
+    plsh::plsh_attention<double>(p.q.in(), p.k.in(), p.v.in(), out_fused.view, slopes, fused);
+    plsh::plsh_attention<double>(p.q.in(), p.k.in(), p.v.in(), p.out.view, slopes, passes);
+    INFO((causal ? "causal" : "bidirectional"));
+    CHECK(plsh_test::max_abs_difference(p.out.in(), out_fused.in()) <= 1e-12);
+    const auto backward = [&](const plsh::PlshOptions& options, bool batched) {
+      Buffer<double> dq(70, 4, 8), dk(70, 2, 8), dv(70, 2, 5);
+      if (batched) {
+        const auto one = [](const auto& view) {
+          using Element = std::remove_pointer_t<decltype(view.data)>;
+          return BatchedHeadsView<Element>(1, view);
+        };
+        plsh::plsh_attention_backward<double>(one(p.q.in()), one(p.k.in()), one(p.v.in()),
+                                              one(p.out.in()), one(dout.in()), one(dq.view),
+                                              one(dk.view), one(dv.view), slopes, options);
+      } else {
+        plsh::plsh_attention_backward<double>(p.q.in(), p.k.in(), p.v.in(), p.out.in(), dout.in(),
+                                              dq.view, dk.view, dv.view, slopes, options);
+      }
+      return std::vector<Buffer<double>>{dq, dk, dv};
     };
-    plsh::plsh_attention_backward<float>(one(p.q.in()), one(p.k.in()), one(p.v.in()),
-                                         one(p.out.in()), one(p.out.in()), one(dq.view),
-                                         one(dk.view), one(dv.view), slopes, options);
-  };
-  REQUIRE_THROWS_AS(backward(passes), std::invalid_argument);
-  CHECK(message([&] { backward(passes); }) == expected);
-  REQUIRE_THROWS_AS(batched_backward(passes), std::invalid_argument);
-  CHECK(message([&] { batched_backward(passes); }) == expected);
-  INFO("block masks only, or the fused kernel, are accepted");
-  plsh::PlshOptions blocks = passes;
-  blocks.near_field = 0;
-  CHECK_NOTHROW(backward(blocks));
-  CHECK_NOTHROW(batched_backward(blocks));
-  plsh::PlshOptions fused = passes;
-  fused.kernel = plsh::Kernel::Fused;
-  CHECK_NOTHROW(backward(fused));
-  CHECK_NOTHROW(batched_backward(fused));
+    Buffer<double> rq(70, 4, 8), rk(70, 2, 8), rv(70, 2, 5);
+    plsh::reference::plsh_attention_backward(p.q.in(), p.k.in(), p.v.in(), dout.in(), rq.view,
+                                             rk.view, rv.view, slopes, passes);
+    const std::vector<Buffer<double>> reference{rq, rk, rv};
+    for (const bool batched : {false, true}) {
+      std::vector<Buffer<double>> from_passes;
+      REQUIRE_NOTHROW(from_passes = backward(passes, batched));
+      const std::vector<Buffer<double>> from_fused = backward(fused, batched);
+      for (std::size_t i = 0; i < 3; ++i) {
+        INFO((batched ? "batched" : "unbatched") << ", gradient "
+                                                 << "qkv"[i]);
+        CHECK(from_passes[i].storage == from_fused[i].storage);
+        CHECK(relative_error(from_passes[i], reference[i]) <= 1e-11);
+      }
+    }
+  }
+}
+
+TEST_CASE("KvCache with Kernel::Passes and a near field equals plsh_attention",
+          "[near_field][kv_cache]") {
+  // Chunks longer than the single-query path go to the pass kernel over the resident keys.
+  const plsh_test::Sequence<float> sequence(300, 8, 2, 16, 8, 19);
+  const std::vector<double> slopes = plsh::alibi_slopes(8);
+  plsh::PlshOptions options = near_options(true, 20, 3, 0.05);
+  options.key_position = 1000;
+  const std::vector<float> expected = plsh_test::whole_sequence(sequence, slopes, options);
+  options.kernel = plsh::Kernel::Passes;
+  const plsh_test::DecodeResult result =
+      plsh_test::decode(sequence, slopes, options,
+                        plsh_test::chunk_schedule(sequence.tokens, {1, 7, 64, 3}), expected);
+  INFO("max |cache - whole| = " << result.max_difference);
+  CHECK(result.max_difference <= 2e-5);
 }

@@ -16,7 +16,7 @@
 #include <plsh/attention/alibi_attention.hpp>
 #include <plsh/attention/backward.hpp>
 #include <plsh/attention/plsh_attention.hpp>
-#include <plsh/attention/reference.hpp>
+#include <plsh/reference.hpp>
 
 #include "attention_fixture.hpp"
 #include "kernel_instances.hpp"

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <limits>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 #if defined(_OPENMP)
@@ -22,8 +23,8 @@
 #include <plsh/alibi.hpp>
 #include <plsh/attention/alibi_attention.hpp>
 #include <plsh/attention/plsh_attention.hpp>
-#include <plsh/attention/reference.hpp>
 #include <plsh/attention/regular.hpp>
+#include <plsh/reference.hpp>
 #include <plsh/sampler.hpp>
 
 #include "attention_fixture.hpp"
@@ -76,6 +77,83 @@ void check_plsh_kernels(const Shape& shape, const plsh::AttentionOptions& base,
   }
 }
 
+/// The smallest distance between a query and a key of a call of a regular kernel: 0 when the
+/// position ranges overlap.
+Index nearest_pair(Index query_position, Index queries, Index key_position, Index keys) {
+  return std::max<Index>({0, key_position - (query_position + queries - 1),
+                          query_position - (key_position + keys - 1)});
+}
+
+/// Passes, Fused and the pass kernel with a regular kernel of the test's (a lambda calling
+/// regular_attention that records the nearest pair it is given) against reference::plsh_attention
+/// with the near field `near_field`, for s = 1, 3, 20. The lambda must see only pairs beyond the
+/// smallest reach of the heads.
+template <class Scalar>
+void check_near_field_kernels(const Shape& shape, const plsh::AttentionOptions& base,
+                              const std::vector<double>& slopes, double near_field,
+                              std::uint64_t seed, Layout layout = Layout::Packed) {
+  const double tolerance = plsh_test::reference_tolerance<Scalar>();
+  Problem<Scalar> problem(shape, seed, layout);
+  const plsh::detail::PositionRange range{
+      std::min(base.query_position, base.key_position),
+      std::max(base.query_position + shape.n_q, base.key_position + shape.n_k)};
+  Index smallest_reach = std::numeric_limits<Index>::max();
+  for (const double slope : slopes) {
+    smallest_reach =
+        std::min(smallest_reach, plsh::detail::head_estimator(slope, 1, near_field, range).reach());
+  }
+  for (const Index samples : {1, 3, 20}) {
+    plsh::PlshOptions options = plsh_options(base, samples, seed, plsh::Kernel::Passes);
+    options.near_field = near_field;
+    INFO(shape << ", " << plsh_test::describe(base) << ", " << type_name<Scalar>() << ", " << layout
+               << " layout, seed " << seed << ", s = " << samples << ", near_field " << near_field
+               << ", smallest reach " << smallest_reach);
+    Buffer<Scalar> expected = problem.output();
+    plsh::reference::plsh_attention(problem.q.in(), problem.k.in(), problem.v.in(), expected.view,
+                                    slopes, options);
+
+    problem.out.fill(Scalar(7));
+    run_plsh(problem, problem.out, slopes, options);
+    const Buffer<Scalar> passes = problem.out;
+    const double passes_error = plsh_test::max_abs_difference(passes.in(), expected.in());
+    INFO("passes_error = " << plsh_test::scientific(passes_error));
+    CHECK(passes_error <= tolerance);
+    CHECK(problem.out.touched_padding() == 0);
+
+    options.kernel = plsh::Kernel::Fused;
+    problem.out.fill(Scalar(7));
+    run_plsh(problem, problem.out, slopes, options);
+    const double fused_error = plsh_test::max_abs_difference(problem.out.in(), expected.in());
+    const double between = plsh_test::max_abs_difference(problem.out.in(), passes.in());
+    INFO("fused_error = " << plsh_test::scientific(fused_error)
+                          << ", |fused - passes| = " << plsh_test::scientific(between));
+    CHECK(fused_error <= tolerance);
+    CHECK(between <= 2 * tolerance);
+
+    Index nearest = std::numeric_limits<Index>::max();
+    const auto kernel = [&](const auto& q, const auto& k, const auto& v,
+                            const plsh::AttentionOptions& block_options, auto out, auto lse) {
+      using Compute = typename std::decay_t<decltype(q)>::Scalar;
+      const Index distance = nearest_pair(block_options.query_position, q.rows(),
+                                          block_options.key_position, k.rows());
+#if defined(_OPENMP)
+#pragma omp critical(near_field_kernel)
+#endif
+      nearest = std::min(nearest, distance);
+      plsh::regular_attention<Compute>(q, k, v, block_options, out, lse);
+    };
+    problem.out.fill(Scalar(7));
+    plsh::plsh_attention<Scalar>(problem.q.in(), problem.k.in(), problem.v.in(), problem.out.view,
+                                 slopes, options, kernel);
+    const double custom_error = plsh_test::max_abs_difference(problem.out.in(), expected.in());
+    INFO("custom kernel: error = " << plsh_test::scientific(custom_error) << ", nearest pair "
+                                   << nearest);
+    CHECK(custom_error <= tolerance);
+    CHECK(problem.out.touched_padding() == 0);
+    if (nearest != std::numeric_limits<Index>::max()) CHECK(nearest > smallest_reach);
+  }
+}
+
 template <class Scalar>
 void sweep_edge_shapes() {
   // 8 query heads on 2 key/value heads: the standard slopes of 4 heads, then a moderate slope, a
@@ -103,6 +181,73 @@ void sweep_edge_shapes() {
 TEST_CASE("Passes and Fused match the dense reference on edge shapes", "[plsh]") {
   SECTION("double") { sweep_edge_shapes<double>(); }
   SECTION("float") { sweep_edge_shapes<float>(); }
+}
+
+TEST_CASE("Passes with a near field matches Fused and the dense reference on edge shapes",
+          "[plsh][near_field]") {
+  // 8 query heads on 2 key/value heads: the standard slopes of 4 heads, then a moderate slope, a
+  // steep one (reach 0: the diagonal only), slope 0 (every key near: exact ALiBi) and a gentle one
+  // (near_field 1e-3: a reach of 442, past every key).
+  std::vector<double> slopes = plsh::alibi_slopes(4);
+  slopes.insert(slopes.end(), {0.5, 50.0, 0.0, 1.0 / 64});
+  std::uint64_t seed = 900;
+  for (const bool causal : {true, false}) {
+    plsh::AttentionOptions options;
+    options.causal = causal;
+    for (const double near_field : {0.05, 0.5, 1e-3}) {
+      for (const Index n : {1, 2, 63, 65, 257}) {
+        check_near_field_kernels<double>(Shape{n, n, 8, 2, 16, 12}, options, slopes, near_field,
+                                         ++seed);
+        check_near_field_kernels<float>(Shape{n, n, 8, 2, 16, 12}, options, slopes, near_field,
+                                        ++seed);
+      }
+    }
+    // Reaches of several query tiles (slope 1/256, near_field 0.5: 177), strided and padded rows.
+    check_near_field_kernels<float>(Shape{300, 300, 4, 2, 16, 12}, options, plsh::alibi_slopes(4),
+                                    0.5, ++seed, Layout::HeadMajor);
+    check_near_field_kernels<double>(Shape{65, 130, 4, 4, 5, 9}, options, plsh::alibi_slopes(4),
+                                     0.05, ++seed, Layout::PaddedRows);
+    // One slope for every head: the regular kernel must see only pairs beyond its reach.
+    check_near_field_kernels<double>(Shape{257, 257, 4, 2, 8, 8}, options,
+                                     std::vector<double>(4, 1.0 / 16), 0.5, ++seed);
+  }
+}
+
+TEST_CASE("Passes with a near field, query and key positions apart", "[plsh][near_field]") {
+  std::uint64_t seed = 950;
+  plsh_test::for_each_offset_case(
+      plsh_test::offset_cases(),
+      [&](const plsh_test::OffsetCase& c, const plsh::AttentionOptions& options) {
+        const Shape shape{c.n_q, c.n_k, 4, 2, 8, 6};
+        for (const double near_field : {0.05, 0.5, 1e-3}) {
+          check_near_field_kernels<double>(shape, options, plsh::alibi_slopes(4), near_field,
+                                           ++seed);
+          check_near_field_kernels<float>(shape, options, plsh::alibi_slopes(4), near_field,
+                                          ++seed);
+        }
+      });
+}
+
+TEST_CASE("Kernel::Passes runs with the default options: Fused's result", "[plsh][near_field]") {
+  // PlshOptions{}: s = 100 Latin hypercube draws, near_field 0.05.
+  for (const bool causal : {true, false}) {
+    Problem<float> problem(Shape{300, 300, 8, 2, 16, 12}, causal ? 61 : 62);
+    const std::vector<double> slopes = plsh::alibi_slopes(8);
+    plsh::PlshOptions options;
+    options.causal = causal;
+    Buffer<float> fused = problem.output();
+    run_plsh(problem, fused, slopes, options);
+    options.kernel = plsh::Kernel::Passes;
+    REQUIRE_NOTHROW(run_plsh(problem, problem.out, slopes, options));
+    Buffer<float> expected = problem.output();
+    plsh::reference::plsh_attention(problem.q.in(), problem.k.in(), problem.v.in(), expected.view,
+                                    slopes, options);
+    INFO((causal ? "causal" : "bidirectional"));
+    CHECK(plsh_test::max_abs_difference(problem.out.in(), expected.in()) <=
+          plsh_test::reference_tolerance<float>());
+    CHECK(plsh_test::max_abs_difference(problem.out.in(), fused.in()) <=
+          2 * plsh_test::reference_tolerance<float>());
+  }
 }
 
 TEST_CASE("Passes and Fused with query and key positions apart", "[plsh]") {
@@ -348,7 +493,7 @@ TEST_CASE("Fused causal rows of steep heads, whatever the blocks: the passes ker
     Problem<float> problem(shape, 77, layout);
     Buffer<float> passes = problem.output();
     plsh::detail::pass_attention<float>(problem.q.in(), problem.k.in(), problem.v.in(), passes.view,
-                                        grids, options, plsh::RegularAttention{});
+                                        grids, {}, options, plsh::RegularAttention{});
     plsh::detail::fused_attention<float>(problem.q.in(), problem.k.in(), problem.v.in(),
                                          problem.out.view, grids, slopes, options);
     const double error = plsh_test::max_abs_difference(problem.out.in(), passes.in());

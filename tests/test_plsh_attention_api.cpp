@@ -20,8 +20,8 @@
 #include <plsh/alibi.hpp>
 #include <plsh/attention/alibi_attention.hpp>
 #include <plsh/attention/plsh_attention.hpp>
-#include <plsh/attention/reference.hpp>
 #include <plsh/attention/regular.hpp>
+#include <plsh/reference.hpp>
 #include <plsh/sampler.hpp>
 
 #include "attention_fixture.hpp"
@@ -73,6 +73,27 @@ TEST_CASE("plsh_attention is a pure function of the seed", "[plsh]") {
 // ---------------------------------------------------------------------------------------------
 // The user-kernel overload.
 // ---------------------------------------------------------------------------------------------
+
+TEST_CASE("PlshOptions{} and PlshOptions::paper() are the documented presets", "[plsh]") {
+  const plsh::PlshOptions defaults;
+  CHECK(defaults.samples == 100);
+  CHECK(defaults.sampling == plsh::Sampling::LatinHypercube);
+  CHECK(defaults.near_field == 0.05);
+  CHECK(defaults.kernel == plsh::Kernel::Fused);
+  CHECK(defaults.seed == 0);
+  CHECK(defaults.causal);
+  const plsh::PlshOptions paper = plsh::PlshOptions::paper();
+  CHECK(paper.samples == 20);
+  CHECK(paper.sampling == plsh::Sampling::Independent);
+  CHECK(paper.near_field == 0);
+  INFO("the other fields keep their defaults");
+  CHECK(paper.kernel == plsh::Kernel::Fused);
+  CHECK(paper.seed == 0);
+  CHECK(paper.causal);
+  CHECK(paper.scale == 0);
+  CHECK(paper.query_position == 0);
+  CHECK(paper.key_position == 0);
+}
 
 TEST_CASE("a user kernel plugs into the pass kernel", "[plsh][kernel]") {
   Problem<double> problem(Shape{130, 129, 4, 2, 8, 6}, 80);

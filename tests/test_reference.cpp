@@ -10,7 +10,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include <plsh/attention/reference.hpp>
+#include <plsh/reference.hpp>
 
 #include "attention_fixture.hpp"
 

@@ -9,8 +9,8 @@
 #include <stdexcept>
 #include <vector>
 
-#include <plsh/attention/reference.hpp>
 #include <plsh/attention/regular.hpp>
+#include <plsh/reference.hpp>
 
 #include "attention_fixture.hpp"
 #include "kernel_instances.hpp"

@@ -20,9 +20,9 @@
 #include <plsh/alibi.hpp>
 #include <plsh/attention/backward.hpp>
 #include <plsh/attention/plsh_attention.hpp>
-#include <plsh/attention/reference.hpp>
 #include <plsh/batch.hpp>
 #include <plsh/kv_cache.hpp>
+#include <plsh/reference.hpp>
 #include <plsh/sampler.hpp>
 
 #include "attention_fixture.hpp"

@@ -1,8 +1,8 @@
-// Tests of windowed_alibi_attention (attention/windowed.hpp, alibi_attention.hpp): the certificate
-// (the exact-ALiBi weight of the keys a row drops, from dense double weights, is at most the
-// tolerance), the output against the dense reference over the keys the kernel kept, and the
-// guarantee against exact ALiBi, on edge shapes, grouped heads, offsets, slopes 0 and steep, and
-// an attention sink that a window from the ALiBi factor alone would drop.
+// Tests of windowed_alibi_attention (attention/detail/windowed.hpp, alibi_attention.hpp): the
+// certificate (the exact-ALiBi weight of the keys a row drops, from dense double weights, is at
+// most the tolerance), the output against the dense reference over the keys the kernel kept, and
+// the guarantee against exact ALiBi, on edge shapes, grouped heads, offsets, slopes 0 and steep,
+// and an attention sink that a window from the ALiBi factor alone would drop.
 
 #include <catch2/catch.hpp>
 
@@ -14,8 +14,8 @@
 
 #include <plsh/alibi.hpp>
 #include <plsh/attention/alibi_attention.hpp>
-#include <plsh/attention/reference.hpp>
 #include <plsh/batch.hpp>
+#include <plsh/reference.hpp>
 
 #include "attention_fixture.hpp"
 #include "kernel_instances.hpp"

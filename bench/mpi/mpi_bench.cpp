@@ -82,10 +82,8 @@ int bytes(int first, int last, MPI_Comm comm) {
   MPI_Comm_rank(comm, &rank);
   MPI_Comm_size(comm, &ranks);
   const std::vector<double> slopes = plsh::alibi_slopes(kHeads);
-  plsh::PlshOptions options;  // causal, seed 0; the paper's estimator, s = 20:
-  options.samples = 20;
-  options.sampling = plsh::Sampling::Independent;
-  options.near_field = 0;
+  // Causal, seed 0; the paper's estimator, s = 20.
+  const plsh::PlshOptions options = plsh::PlshOptions::paper();
   const auto grids = plsh::draw_head_grids(slopes, options.samples, options.seed);
   // The certified window for entries of q and k in [-1, 1]: norms at most sqrt(d), scale 1/sqrt(d).
   const double norm = std::sqrt(static_cast<double>(kDim));

@@ -21,12 +21,12 @@
 /// \f$\ell\f$ over the keys it keeps reports
 /// \f[ B = \sum_b e^{a K_b - m(p - e_b + 1)} \sum_{t < L_b} e^{-mt} \big/ e^{\ell} \f]
 /// over the blocks of dropped positions (\f$L_b\f$ positions ending at \f$e_b\f$, key norms at
-/// most \f$K_b\f$): the certified window's bound (attention/windowed.hpp, dropped_weight_bound) on
-/// the keys the cache no longer holds. By Cauchy-Schwarz B is at least the exact-ALiBi weight that
-/// the dropped keys have in the row over the whole prefix, whatever the inputs; so each output
-/// entry is within \f$2B\max_j|v_j|\f$ of exact ALiBi. When the declaration holds (below) every
-/// B is at most the tolerance; when a query breaks it, B says so (DroppedWeight, or
-/// CertificateError in strict mode).
+/// most \f$K_b\f$): the certified window's bound (attention/detail/windowed.hpp,
+/// dropped_weight_bound) on the keys the cache no longer holds. By Cauchy-Schwarz B is at least the
+/// exact-ALiBi weight that the dropped keys have in the row over the whole prefix, whatever the
+/// inputs; so each output entry is within \f$2B\max_j|v_j|\f$ of exact ALiBi. When the declaration
+/// holds (below) every B is at most the tolerance; when a query breaks it, B says so
+/// (DroppedWeight, or CertificateError in strict mode).
 ///
 /// Cost per decoded token and head: \f$(d + d_v)\f$ multiply-adds per resident key (the tiled core
 /// of attention/regular.hpp, attend_keys) plus one exponential per block; per appended token and
@@ -47,9 +47,8 @@
 #include <utility>
 #include <vector>
 
-#include "attention/options.hpp"
+#include "attention/detail/windowed.hpp"
 #include "attention/regular.hpp"
-#include "attention/windowed.hpp"
 #include "decode/evicted_keys.hpp"
 #include "decode/kv_buffer.hpp"
 #include "decode/pinned_keys.hpp"

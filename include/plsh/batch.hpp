@@ -29,11 +29,11 @@
 
 #include "attention/alibi_attention.hpp"
 #include "attention/backward.hpp"
-#include "attention/options.hpp"
 #include "attention/plsh_attention.hpp"
 #include "batched_heads_view.hpp"
 #include "detail/check.hpp"
 #include "detail/validate.hpp"
+#include "options.hpp"
 #include "row_lse.hpp"
 #include "tensor.hpp"
 

@@ -93,9 +93,9 @@ class KvCache {
   /// absolute position of the first appended token, `query_position` is ignored (queries are at
   /// the newest positions); samples, seed and kernel as plsh_attention.
   /// \throws std::invalid_argument for non-positive sizes, H not a multiple of kv_heads, a bad
-  /// slope, `samples` outside [1, kMaxSamples], `causal == false`, `near_field` outside [0, 1]
-  /// or non-zero with Kernel::Passes, a key_position outside [0, kMaxPosition], or a scale that
-  /// is not finite and non-zero in the compute type.
+  /// slope, `samples` outside [1, kMaxSamples], `causal == false`, `near_field` outside [0, 1],
+  /// a key_position outside [0, kMaxPosition], or a scale that is not finite and non-zero in the
+  /// compute type.
   KvCache(Index heads, Index kv_heads, Index dim, Index value_dim, std::vector<double> slopes,
           PlshOptions options = {})
       : heads_(heads),
@@ -234,9 +234,7 @@ class KvCache {
     detail::require(options.key_position >= 0 && options.key_position <= kMaxPosition, function,
                     "options.key_position must lie in [0, kMaxPosition = 2^53]");
     detail::validate_scale<detail::Compute<Scalar>>(function, options, dim);
-    auto grids = detail::kernel_grids(slopes, options, function);
-    detail::require_near_field_kernel(options, options.kernel == Kernel::Passes, function);
-    return grids;
+    return detail::kernel_grids(slopes, options, function);
   }
 
   /// append's checks of k and v.
@@ -294,8 +292,10 @@ class KvCache {
                           detail::resolved_scale(options, dim_), true, false, workspace_,
                           estimators_);
     } else if (options.kernel == Kernel::Passes) {
-      detail::pass_attention(q, keys(), values(), out, blocks_.grids(), options,
-                             RegularAttention{});
+      detail::pass_attention(q, keys(), values(), out, blocks_.grids(),
+                             detail::head_estimators(slopes_, options.samples, options.near_field,
+                                                     detail::position_range(q, keys(), options)),
+                             options, RegularAttention{});
     } else {
       detail::fused_attention(q, keys(), values(), out, blocks_.grids(), slopes_, options,
                               options.near_field);

@@ -87,13 +87,13 @@ namespace detail {
 /// gather this rank's from their owners, then run `kernel(call, layout, reachable, gathered,
 /// local)` with the options of this rank's queries and gathered keys. Returns the exchange's
 /// counts plus those `kernel` returns (the backward's scatter of gradients).
-template <class Scalar, class Options, class Check, class Reach, class Kernel>
+template <class Scalar, class Options, class Check, class Reach, class RankKernel>
 mpi::ExchangeCounts run_with_halo(MPI_Comm comm, const char* function,
                                   const HeadsView<const Scalar>& q,
                                   const HeadsView<const Scalar>& k,
                                   const HeadsView<const Scalar>& v, const Signature& signature,
                                   const Options& options, Check&& check, Reach&& reach,
-                                  Kernel&& kernel) {
+                                  RankKernel&& kernel) {
   const CallComm call(comm);
   const mpi::ChunkLayout layout = agree_on_layout(call, function, q.tokens, signature, check);
   check_sequence(function, layout, options);

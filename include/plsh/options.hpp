@@ -44,10 +44,10 @@ enum class Sampling {
 
 /// Options of plsh_attention.
 ///
-/// The defaults (s = 100 Latin hypercube draws, exact factors down to 0.05) are the configuration
+/// The defaults, `PlshOptions{}`: causal, s = 100 draws as a Latin hypercube, the exact factor
+/// where it is at least 0.05 (near_field), seed 0, Kernel::Fused. They are the configuration
 /// whose trained models came closest to ALiBi's in docs/training/study.md, at about 1.5 times the
-/// training step time of s = 20 independent draws without a near field (the paper's setting:
-/// samples = 20, sampling = Independent, near_field = 0).
+/// training step time of paper(). Both kernels accept every option and compute the same function.
 struct PlshOptions : AttentionOptions {
   Index samples = 100;     ///< number of random partitions s, 1 to kMaxSamples
   std::uint64_t seed = 0;  ///< head h draws with head_seed(seed, h)
@@ -56,9 +56,19 @@ struct PlshOptions : AttentionOptions {
   /// The near-field estimator (attention/near_field.hpp): head h takes the exact factor
   /// \f$e^{-m_h|p_i - p_j|}\f$ where it is at least `near_field`, the mean of its block masks
   /// beyond; same mean, no variance near the diagonal. In [0, 1]; 0: the block masks everywhere.
-  /// The fused kernel, its backward, the references, KvCache and the MPI kernels honour it;
-  /// Kernel::Passes needs near_field = 0.
+  /// Every kernel honours it: Fused and Passes (a regular kernel of the caller's included), the
+  /// backward, the references, KvCache and the MPI kernels.
   double near_field = 0.05;
+
+  /// The paper's estimator: s = 20 independent draws, block masks everywhere (samples = 20,
+  /// sampling = Sampling::Independent, near_field = 0); the other fields at their defaults.
+  static PlshOptions paper() {
+    PlshOptions options;
+    options.samples = 20;
+    options.sampling = Sampling::Independent;
+    options.near_field = 0;
+    return options;
+  }
 };
 
 }  // namespace plsh

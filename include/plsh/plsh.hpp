@@ -2,14 +2,17 @@
 #define PLSH_PLSH_HPP
 
 /// \file plsh.hpp
-/// Umbrella header of plsh: attention with linear biases (ALiBi) through Positional LSH.
-/// error_norms.hpp and attention_error.hpp include Spectra's Lanczos solver only when its headers
-/// are found (and PLSH_NO_SPECTRA is not defined): plsh builds without Spectra.
+/// plsh, the module to compute attention with linear biases (ALiBi), exactly or through
+/// Positional LSH: options, views, slopes, draws, partitions, the kernels and their backwards,
+/// batches, the row log-sum-exp, KV caches. Two more modules, each self-contained:
+/// - plsh/analysis.hpp: how far Positional LSH is from ALiBi (mask metrics, matrix-free error
+///   norms, attention error);
+/// - plsh/reference.hpp: the dense double references the kernels are tested against.
+/// plsh/mpi.hpp (target plsh::mpi) adds the sequence-parallel kernels.
 ///
 /// The headers come in layer order; each includes only headers of its own layer or below:
-/// limits, options, views -> slopes, draws -> partitions, mask metrics -> scratch -> attention
-/// kernels -> batches -> KV caches -> attention error. (detail/ holds the internals of every
-/// layer.)
+/// limits, options, views -> slopes, draws -> partitions -> scratch -> attention kernels ->
+/// batches -> KV caches. (detail/ and attention/detail/ hold the internals: not part of the API.)
 
 // The order is the map of the layers, not the alphabet.
 // clang-format off
@@ -24,26 +27,20 @@
 #include "alibi.hpp"
 #include "sampler.hpp"
 
-// Block partitions and the error of their mean mask.
+// Block partitions.
 #include "partition.hpp"
-#include "metrics.hpp"
-#include "error_norms.hpp"
 
 // The kernels' per-thread scratch: what it keeps, and release_scratch.
 #include "scratch.hpp"
 
-// Attention kernels: online softmax, regular, the certified window, exact, windowed and truncated
-// ALiBi, Positional LSH (passes and fused), backward, and the dense references they are tested
-// against.
-#include "attention/options.hpp"
+// Attention kernels: online softmax, regular, exact, windowed and truncated ALiBi, Positional LSH
+// (passes and fused), backward.
 #include "attention/online_softmax.hpp"
 #include "attention/regular.hpp"
-#include "attention/windowed.hpp"
 #include "attention/kept_keys.hpp"
 #include "attention/alibi_attention.hpp"
 #include "attention/plsh_attention.hpp"
 #include "attention/backward.hpp"
-#include "attention/reference.hpp"
 
 // Batched entry points.
 #include "batch.hpp"
@@ -51,9 +48,6 @@
 // Incremental decoding: Positional LSH, and exact ALiBi with bounded memory.
 #include "kv_cache.hpp"
 #include "alibi_kv_cache.hpp"
-
-// Error of Positional LSH attention against exact ALiBi.
-#include "attention_error.hpp"
 // clang-format on
 
 #endif  // PLSH_PLSH_HPP

@@ -396,8 +396,9 @@ void bind_attention(py::module_& m) {
                    "head_seed(seed, h))) or \"latin_hypercube\" (the draws of a head stratified "
                    "jointly; lower error at equal samples); near_field f in [0, 1]: the exact "
                    "factor exp(-m_h |i - j|) where it is at least f, the block masks beyond (same "
-                   "mean, no variance near the diagonal; fused kernel only; 0: none); kernel "
-                   "\"fused\" or \"passes\". Every batch element uses the same draws."));
+                   "mean, no variance near the diagonal; 0: none); kernel \"fused\" or "
+                   "\"passes\", which compute the same function. Every batch element uses the "
+                   "same draws."));
   def_function(m, "fixed_block_attention", &fixed_block_attention, Inputs::arguments(),
                "block_size"_a, py::kw_only(), AttentionArguments::arguments(),
                OutputArguments::arguments(), "return_lse"_a = false, ArrayArguments::arguments(),

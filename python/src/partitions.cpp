@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include <plsh/analysis.hpp>
 #include <plsh/plsh.hpp>
 
 #include "arguments.hpp"

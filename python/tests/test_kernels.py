@@ -340,9 +340,14 @@ def test_a_near_field_outside_zero_one_is_rejected(near_field):
         plsh.KvCache(2, 2, 4, 4, near_field=near_field)
 
 
-def test_the_pass_kernel_needs_no_near_field():
-    q, k, v = random_inputs((8, 2, 4), kv_heads=2, value_dim=4, seed=15)
-    with pytest.raises(ValueError, match="near_field must be 0"):
-        plsh.plsh_attention(q, k, v, kernel="passes")
-    plsh.plsh_attention(q, k, v, kernel="passes", near_field=0)
+@pytest.mark.parametrize("near_field", [0.05, 0.5, 1e-3])
+def test_the_pass_kernel_computes_the_near_field_estimator(near_field):
+    # The defaults (near_field 0.05) and other near fields: the pass kernel gives the fused
+    # kernel's output to rounding.
+    q, k, v = random_inputs((40, 4, 8), kv_heads=2, value_dim=6, seed=15)
+    fused = plsh.plsh_attention(q, k, v, near_field=near_field)
+    passes = plsh.plsh_attention(q, k, v, near_field=near_field, kernel="passes")
+    np.testing.assert_allclose(passes, fused, rtol=0, atol=1e-10)
+    np.testing.assert_allclose(plsh.plsh_attention(q, k, v, kernel="passes"),
+                               plsh.plsh_attention(q, k, v), rtol=0, atol=1e-10)
 

@@ -16,7 +16,7 @@
 // exact_alibi_attention and its backward; windowed_alibi_attention and its backward, against
 // the references over the keys it kept; fixed_block_attention and its backward):
 // - nothing crashes or hangs, the only exception is std::invalid_argument (then the kernel is
-//   skipped), Fused and Passes accept the same inputs (Passes rejects a near field), and no
+//   skipped), Fused and Passes accept the same inputs, and no
 //   accepted input has a position or an end position outside [0, kMaxPosition];
 // - the input contract, with "visible" meaning factor > 0 and allowed by causality, and logits
 //   S = scale q.k computed here in double: a row with no visible key is zeros; a row with a NaN or
@@ -27,8 +27,8 @@
 //   64 eps (1 + E) max|v|, E the largest |S| + |log F| among the keys that carry the row;
 //   rows that see no non-finite entry equal the reference computed with every non-finite entry
 //   replaced by 0 (a key a query cannot see changes nothing);
-// - Fused equals Passes within twice that tolerance, with the same NaN pattern (without a near
-//   field);
+// - Fused equals Passes within twice that tolerance, with the same NaN pattern (with and without
+//   a near field);
 // - the backward kernels equal the dense reference backward when every input is finite; with
 //   non-finite inputs, dq of rows that see no non-finite entry and dk, dv of keys seen only by such
 //   rows equal the reference on the zeroed inputs; dk and dv of keys no query sees are exactly 0;
@@ -57,6 +57,7 @@
 #include <vector>
 
 #include <plsh/plsh.hpp>
+#include <plsh/reference.hpp>
 
 #include "../attention_fixture.hpp"
 
@@ -838,25 +839,21 @@ void run(const Config& c, FuzzedDataProvider& data) {
         plsh::plsh_attention<Scalar>(in.q.in(), in.k.in(), in.v.in(), passes.view, c.slopes,
                                      passes_options);
       });
-      // The pass kernel has no near field: it rejects one.
       const bool near = c.options.near_field != 0;
-      if (near && passes_ok) fail("Passes accepts a near field");
-      if (!near && fused_ok != passes_ok) fail("Fused and Passes disagree on accepting the input");
+      if (fused_ok != passes_ok) fail("Fused and Passes disagree on accepting the input");
       if (!fused_ok) return;
       const auto grids = plsh::kernel_grids(c.slopes, c.options);
       const auto log_mask = plsh::reference::mean_mask_log_factor(grids);
+      const auto [first, last] = plsh::reference::call_positions(in.q.in(), in.k.in(), c.options);
       const auto log_near = plsh::reference::near_field_log_factor(
-          grids, c.slopes, c.options.near_field,
-          plsh::detail::position_range(in.q.in(), in.k.in(), c.options));
+          grids, c.slopes, c.options.near_field, first, last);
       const Expectation<Scalar> x = expect(c, in.q, in.k, in.v, [&](Index h, Index i, Index j) {
         const double log_factor = near ? log_near(h, i, j) : log_mask(h, i, j);
         return Factor{log_factor > -kInf, log_factor};
       });
       check_output("plsh_attention (Fused)", fused, reference, zeroed_reference, x);
-      if (!near) {
-        check_output("plsh_attention (Passes)", passes, reference, zeroed_reference, x);
-        check_same(fused, passes, x);
-      }
+      check_output("plsh_attention (Passes)", passes, reference, zeroed_reference, x);
+      check_same(fused, passes, x);
       run_backward(
           "plsh_attention_backward", c, in, clean, fused, x, all_finite,
           [&](auto q, auto k, auto v, auto out, auto dout, auto dq, auto dk, auto dv) {

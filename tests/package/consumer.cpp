@@ -1,8 +1,12 @@
-// A user's program: it compiles against the public header, links nothing but plsh::plsh, and
-// calls every public kernel on a tiny problem, checking each result against attention computed
-// here from its definition, so that a broken header cannot install and pass.
+// A user's program: it compiles against the three module headers, links nothing but plsh::plsh,
+// and calls every public kernel (and a reference and a metric) on a tiny problem, checking each
+// result against attention computed here from its definition, so that a broken header cannot
+// install and pass.
+#include <plsh/analysis.hpp>
 #include <plsh/plsh.hpp>
+#include <plsh/reference.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -97,9 +101,13 @@ int main() {
   check("exact_alibi_attention", max_difference(out, alibi));
   plsh::windowed_alibi_attention<double>(q_view, k_view, v_view, out_view, slopes, 0.0);
   check("windowed_alibi_attention, tolerance 0", max_difference(out, alibi));
-  plsh::PlshOptions options;
+  plsh::reference::alibi_attention<double>(q_view, k_view, v_view, out_view, slopes);
+  check("reference::alibi_attention", max_difference(out, alibi));
+  // One block holding everything (infinite pitch): the mean mask is the factor of slope 0.
+  const plsh::MaskError mask = plsh::mask_error(kTokens, 0.0, {plsh::fixed_grid(1e300)});
+  check("mask_error, slope 0, one block", std::max(mask.max, mask.spectral));
+  plsh::PlshOptions options;  // near_field 0.05: at slope 0 every key is near (exact)
   options.samples = 3;
-  options.near_field = 0;  // the pass kernel computes block masks only
   for (const plsh::Kernel kernel : {plsh::Kernel::Fused, plsh::Kernel::Passes}) {
     options.kernel = kernel;
     plsh::plsh_attention<double>(q_view, k_view, v_view, out_view, flat, options);

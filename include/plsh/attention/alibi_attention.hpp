@@ -3,14 +3,14 @@
 
 /// \file alibi_attention.hpp
 /// Exact ALiBi attention; windowed ALiBi: the keys whose weight a bound certifies to be below a
-/// tolerance are dropped (windowed.hpp); truncated ALiBi: the keys whose factor is below a
+/// tolerance are dropped (detail/windowed.hpp); truncated ALiBi: the keys whose factor is below a
 /// tolerance are dropped, without a bound. Their gradients are in backward.hpp.
 ///
 /// \f$o_i = \sum_j e^{\text{scale}\,q_i\cdot k_j - m_h|p_i - p_j|} v_j / \sum_j e^{\ldots}\f$.
 /// Cost: tiled online softmax (regular.hpp), \f$2(d + d_v)\f$ flops per computed score; causal
 /// key tiles above the diagonal are skipped, and the truncated kernel's outside its band; the
 /// windowed kernel visits key tiles nearest first
-/// and stops at its certificate (windowed.hpp).
+/// and stops at its certificate (detail/windowed.hpp).
 /// Memory: O(tile) per thread, nothing n x n. Parallel over (batch element, head, query tile)
 /// with OpenMP, in one parallel region (batch.hpp: the batched overloads). Views of float,
 /// double, Eigen::bfloat16 or Eigen::half; the 16-bit types computed in float a tile at a time
@@ -31,13 +31,13 @@
 #include "../batched_heads_view.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validate.hpp"
+#include "../options.hpp"
 #include "../row_lse.hpp"
 #include "../tensor.hpp"
+#include "detail/windowed.hpp"
 #include "kept_keys.hpp"
 #include "near_field.hpp"
-#include "options.hpp"
 #include "regular.hpp"
-#include "windowed.hpp"
 
 namespace plsh {
 namespace detail {
@@ -244,11 +244,11 @@ void exact_alibi_attention(HeadsView<const detail::NonDeduced<Scalar>> q,
 /// query row, the exact-ALiBi attention weight of all the keys it drops is at most `tolerance`,
 /// so each output entry is within \f$2\,\text{tolerance}\max_j |v_j|\f$ of exact ALiBi, up
 /// to floating-point rounding. Each tile of 64 query rows visits its keys nearest first, 128 per
-/// step and side, until the bound of windowed.hpp (from \f$|\text{scale}|\,\|q_i\|\,\|k_j\|\f$,
-/// the distance and the row's log-sum-exp so far) certifies the rest. The window therefore
-/// depends on the data: keys with large scores far back (attention sinks, copied spans) are
-/// visited, and where they are absent the window is a few multiples of \f$1/m_h\f$.
-/// `tolerance = 0` is exact ALiBi.
+/// step and side, until the bound of detail/windowed.hpp (from
+/// \f$|\text{scale}|\,\|q_i\|\,\|k_j\|\f$, the distance and the row's log-sum-exp so far) certifies
+/// the rest. The window therefore depends on the data: keys with large scores far back (attention
+/// sinks, copied spans) are visited, and where they are absent the window is a few multiples of
+/// \f$1/m_h\f$. `tolerance = 0` is exact ALiBi.
 ///
 /// Arguments as exact_alibi_attention (`lse` over the kept keys); \param tolerance in [0, 1];
 /// \param kept when not null, receives the key rows each query tile kept, for

@@ -64,6 +64,7 @@
 #include "../detail/parallel.hpp"
 #include "../detail/scratch.hpp"
 #include "../detail/validate.hpp"
+#include "../options.hpp"
 #include "../partition.hpp"
 #include "../row_lse.hpp"
 #include "../sampler.hpp"
@@ -72,7 +73,6 @@
 #include "block_counts.hpp"
 #include "kept_keys.hpp"
 #include "near_field.hpp"
-#include "options.hpp"
 #include "regular.hpp"
 
 namespace plsh {
@@ -687,9 +687,8 @@ void batched_plsh_attention_backward(
                     memory_of(q));
   validate_slopes(function, slopes, q.heads);
   require_row_lse(function, "lse", lse, q.batch, q.heads, q.tokens);
+  // Both forward kernels compute the same function: its gradients do not depend on the kernel.
   const auto grids = kernel_grids(slopes, options, function);
-  // The forward's check: these options never evaluate the near-field estimator.
-  require_near_field_kernel(options, options.kernel == Kernel::Passes, function);
   block_counts_backward(q, k, v, out, dout, dq, dk, dv, slopes, grids, options, options.near_field,
                         lse);
 }

@@ -30,6 +30,7 @@
 #include "../detail/simd.hpp"
 #include "../detail/storage.hpp"
 #include "../detail/validate.hpp"
+#include "../options.hpp"
 #include "../partition.hpp"
 #include "../row_lse.hpp"
 #include "../sampler.hpp"
@@ -38,7 +39,6 @@
 #include "block_counts.hpp"
 #include "fused_rows.hpp"
 #include "near_field.hpp"
-#include "options.hpp"
 
 namespace plsh {
 namespace detail {

@@ -39,11 +39,11 @@
 #include "../detail/arch/avx512/bf16_scores.hpp"
 #include "../detail/simd.hpp"
 #include "../detail/storage.hpp"
+#include "../options.hpp"
 #include "../sampler.hpp"
 #include "../tensor.hpp"
 #include "block_counts.hpp"
 #include "online_softmax.hpp"
-#include "options.hpp"
 
 namespace plsh {
 namespace detail {

@@ -37,8 +37,8 @@
 #include <vector>
 
 #include "../limits.hpp"
+#include "../options.hpp"
 #include "../partition.hpp"
-#include "options.hpp"
 
 namespace plsh {
 namespace detail {

@@ -10,19 +10,22 @@
 /// Head h, draw t partitions the absolute positions with
 /// `RandomBinning(slopes[h], head_seed(seed, h))(t)` (kernel_grids, sampler.hpp); the draws are
 /// made once per call and shared by the batch elements (batch.hpp; an unbatched call is a batch
-/// of one).
+/// of one). With PlshOptions::near_field f > 0, \f$\hat K_{ij}\f$ is the factor itself within
+/// each head's reach (near_field.hpp).
 ///
-/// Two evaluations of the same estimator, which agree to rounding:
-/// - Kernel::Fused (fused_kernel.hpp): each score once, weighted by the counts \f$c_{ij} = s
-///   \hat K_{ij}\f$; about \f$(\ln(s)/m + \text{tile})(d + d_v)\f$ per query and head.
+/// Two evaluations of the same estimator, which agree to rounding for every option:
+/// - Kernel::Fused (fused_kernel.hpp): each score once, weighted by \f$s \hat K_{ij}\f$ (the
+///   counts \f$c_{ij}\f$ beyond the near field); about \f$(\ln(s)/m + \text{tile})(d + d_v)\f$
+///   per query and head.
 /// - Kernel::Passes (pass_kernel.hpp): regular attention per draw and block, merged by
-///   log-sum-exp; \f$\sum_t \sum_{\text{blocks}} b^2 (d + d_v)\f$ per head. The inner kernel
-///   is pluggable.
+///   log-sum-exp, and the near field's band once per head; \f$\sum_t \sum_{\text{blocks}} b^2
+///   (d + d_v)\f$ per head. The inner kernel is pluggable.
 /// fixed_block_attention, the paper's fixed-blocks baseline, is one pass of the pass kernel.
 ///
 /// Tested against plsh::reference::mask_attention and plsh::reference::plsh_attention (dense
-/// \f$D^{-1}(e^S\circ\hat K)V\f$ in double, same grids) in tests/test_plsh_attention.cpp; the
-/// 16-bit types against the float kernels in tests/test_fused_half.cpp.
+/// \f$D^{-1}(e^S\circ\hat K)V\f$ in double, same grids) in tests/test_plsh_attention.cpp and,
+/// with a near field, tests/test_near_field.cpp; the 16-bit types against the float kernels in
+/// tests/test_fused_half.cpp.
 
 #include <type_traits>
 #include <vector>
@@ -31,16 +34,28 @@
 #include "../detail/check.hpp"
 #include "../detail/parallel.hpp"
 #include "../detail/validate.hpp"
+#include "../options.hpp"
 #include "../row_lse.hpp"
 #include "../sampler.hpp"
 #include "../tensor.hpp"
 #include "fused_kernel.hpp"
-#include "options.hpp"
+#include "near_field.hpp"
 #include "pass_kernel.hpp"
 #include "regular.hpp"
 
 namespace plsh {
 namespace detail {
+
+/// The near fields of the pass kernel for a call of plsh_attention (none for near_field 0): those
+/// the fused kernel takes, over the call's positions.
+template <class Scalar>
+std::vector<Estimator> pass_near_fields(const BatchedHeadsView<const Scalar>& q,
+                                        const BatchedHeadsView<const Scalar>& k,
+                                        const std::vector<double>& slopes,
+                                        const PlshOptions& options) {
+  return head_estimators(slopes, options.samples, options.near_field,
+                         position_range(q, k, options));
+}
 
 /// plsh_attention on a batch whose shapes validate_batch has checked: the checks of one element,
 /// the draws (once, shared by the elements), then the fused or pass kernel, or the pass kernel
@@ -56,12 +71,12 @@ void plsh_attention_writing_lse(const BatchedHeadsView<const Scalar>& q,
   validate_plsh("plsh_attention", q[0], k[0], v[0], out[0], slopes, options, memory_of(q));
   require_row_lse("plsh_attention", "lse", lse, q.batch, q.heads, q.tokens);
   const auto grids = kernel_grids(slopes, options, "plsh_attention");
-  const bool passes = sizeof...(RegularKernel) == 1 || options.kernel == Kernel::Passes;
-  require_near_field_kernel(options, passes, "plsh_attention");
   if constexpr (sizeof...(RegularKernel) == 1) {
-    pass_attention(q, k, v, out, grids, options, kernel..., lse);
-  } else if (passes) {
-    pass_attention(q, k, v, out, grids, options, RegularAttention{}, lse);
+    pass_attention(q, k, v, out, grids, pass_near_fields(q, k, slopes, options), options, kernel...,
+                   lse);
+  } else if (options.kernel == Kernel::Passes) {
+    pass_attention(q, k, v, out, grids, pass_near_fields(q, k, slopes, options), options,
+                   RegularAttention{}, lse);
   } else {
     fused_attention(q, k, v, out, grids, slopes, options, options.near_field, kFusedSpanKeys, lse);
   }
@@ -93,7 +108,7 @@ void batched_fixed_block_attention(const BatchedHeadsView<const Scalar>& q,
   const std::vector<std::vector<Grid>> grids(
       static_cast<std::size_t>(q.heads),
       std::vector<Grid>{fixed_grid(static_cast<double>(block_size))});
-  pass_attention(q, k, v, out, grids, options, RegularAttention{}, lse);
+  pass_attention(q, k, v, out, grids, {}, options, RegularAttention{}, lse);
 }
 
 }  // namespace detail
@@ -120,7 +135,8 @@ void batched_fixed_block_attention(const BatchedHeadsView<const Scalar>& q,
 /// \param options causal, scale, absolute positions of the first query and key rows, samples s,
 /// seed, and which kernel evaluates the estimator (Kernel::Fused and Kernel::Passes agree to
 /// rounding). The result is identical for any number of threads.
-/// \param lse when not empty, receives each row's log-sum-exp of \f$S_{ij} + \log c_{ij}\f$,
+/// \param lse when not empty, receives each row's log-sum-exp of \f$S_{ij} + \log(s \hat
+/// K_{ij})\f$,
 /// `[1][H][n_q]` (row_lse.hpp), for plsh_attention_backward.
 /// \throws std::invalid_argument on shapes that disagree, a bad slope, `samples < 1`, `out`
 /// overlapping an input, a scale that is not finite and non-zero in the compute type, or an
@@ -146,7 +162,10 @@ void plsh_attention(HeadsView<const detail::NonDeduced<Scalar>> q,
 /// and key rows, `HeadMap<C>` out (`rows x d_v`) and `LseMap<C>` lse (`rows`). The
 /// kernel must write normalised rows and their log-sum-exp (\f$-\infty\f$ and zeros for a row
 /// with no visible key), like RegularAttention. With OpenMP it is called from several threads
-/// at once (one job per head and batch element).
+/// at once (one job per head and batch element). With a near field (`options.near_field` > 0)
+/// the kernel gets only queries and keys every pair of which lies beyond the reach: the keys
+/// within the reach, and a strip of keys in part within it, are computed by the library, so the
+/// result is plsh_attention's whatever the kernel.
 template <class Scalar, class RegularKernel,
           class = std::enable_if_t<
               !std::is_convertible<RegularKernel, RowLse<detail::Compute<Scalar>>>::value>>

@@ -28,11 +28,11 @@
 
 #include "../detail/check.hpp"
 #include "../detail/validate.hpp"
+#include "../options.hpp"
 #include "../partition.hpp"
 #include "../sampler.hpp"
 #include "../tensor.hpp"
 #include "near_field.hpp"
-#include "options.hpp"
 
 namespace plsh {
 namespace detail {
@@ -237,17 +237,27 @@ void mask_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scal
 
 /// The log-factor of the near-field estimator (near_field.hpp) as a function `(h, p_i, p_j)`:
 /// \f$-m_h|p_i - p_j|\f$ within the reach of head h's near field for `near_field` (in a call over
-/// the positions `range`), \f$\log(c_{ij}/s)\f$ beyond (estimator_log_factor). `grids` must
-/// outlive the returned function.
+/// the positions `[first, last)`, those of its queries and keys), \f$\log(c_{ij}/s)\f$ beyond
+/// (estimator_log_factor). `grids` must outlive the returned function.
 inline auto near_field_log_factor(const std::vector<std::vector<Grid>>& grids,
-                                  const std::vector<double>& slopes, double near_field,
-                                  const detail::PositionRange& range) {
+                                  const std::vector<double>& slopes, double near_field, Index first,
+                                  Index last) {
   std::vector<detail::Estimator> estimators;
   for (std::size_t h = 0; h < slopes.size(); ++h) {
-    estimators.push_back(
-        detail::head_estimator(slopes[h], static_cast<Index>(grids[h].size()), near_field, range));
+    estimators.push_back(detail::head_estimator(slopes[h], static_cast<Index>(grids[h].size()),
+                                                near_field, detail::PositionRange{first, last}));
   }
   return estimator_log_factor(grids, std::move(estimators));
+}
+
+/// The positions `[first, last)` of a call of queries `q` and keys `k` with `options`, the
+/// interval near_field_log_factor takes.
+template <class Scalar>
+std::pair<Index, Index> call_positions(const HeadsView<const Scalar>& q,
+                                       const HeadsView<const Scalar>& k,
+                                       const AttentionOptions& options) {
+  const detail::PositionRange range = detail::position_range(q, k, options);
+  return {range.first, range.last};
 }
 
 /// Positional LSH with the grids plsh_attention draws for `options.seed`, and the near field of
@@ -262,9 +272,9 @@ void plsh_attention(const HeadsView<const Scalar>& q, const HeadsView<const Scal
     mask_attention(q, k, v, out, grids, options);
     return;
   }
+  const auto [first, last] = call_positions(q, k, options);
   factor_attention(q, k, v, out, options,
-                   near_field_log_factor(grids, slopes, options.near_field,
-                                         detail::position_range(q, k, options)));
+                   near_field_log_factor(grids, slopes, options.near_field, first, last));
 }
 
 /// The log-factor of fixed blocks of `block_size` as a function `(h, p_i, p_j)`: 0 when
@@ -390,9 +400,9 @@ void plsh_attention_backward(const HeadsView<const Scalar>& q, const HeadsView<c
                              const PlshOptions& options = {}) {
   detail::validate_slopes("reference::plsh_attention_backward", slopes, q.heads);
   const auto grids = detail::kernel_grids(slopes, options, "reference::plsh_attention_backward");
+  const auto [first, last] = call_positions(q, k, options);
   factor_attention_backward(q, k, v, dout, dq, dk, dv, options,
-                            near_field_log_factor(grids, slopes, options.near_field,
-                                                  detail::position_range(q, k, options)));
+                            near_field_log_factor(grids, slopes, options.near_field, first, last));
 }
 
 /// Backward of fixed blocks of `block_size` (fixed_block_log_factor).

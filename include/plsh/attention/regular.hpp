@@ -40,9 +40,9 @@
 #include "../detail/scratch.hpp"
 #include "../detail/storage.hpp"
 #include "../detail/validate.hpp"
+#include "../options.hpp"
 #include "../tensor.hpp"
 #include "online_softmax.hpp"
-#include "options.hpp"
 
 namespace plsh {
 

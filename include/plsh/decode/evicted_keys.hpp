@@ -9,7 +9,8 @@
 /// most
 /// \f[ \sum_b e^{a K_b - m (p - e_b + 1)} \sum_{t=0}^{L_b - 1} e^{-m t} \big/ e^{\ell}, \f]
 /// block b holding the \f$L_b\f$ positions \f$[s_b, e_b)\f$ with key norms at most \f$K_b\f$:
-/// the bound of the certified window (windowed.hpp, dropped_weight_bound) over the blocks.
+/// the bound of the certified window (attention/detail/windowed.hpp, dropped_weight_bound) over the
+/// blocks.
 ///
 /// Blocks (an exponential histogram): positions arrive oldest first as blocks of one; whenever
 /// three blocks have the same length, the two oldest of them merge. Lengths are powers of two,
@@ -29,7 +30,7 @@
 #include <cstddef>
 #include <vector>
 
-#include "../attention/windowed.hpp"
+#include "../attention/detail/windowed.hpp"
 #include "../tensor.hpp"
 
 namespace plsh {

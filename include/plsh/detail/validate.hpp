@@ -363,15 +363,6 @@ void validate_plsh(const char* function, const HeadsView<const Scalar>& q,
   require_samples(options.samples, function, "options.samples");
 }
 
-/// A non-zero options.near_field needs the fused kernel: `block_masks_only` when the call
-/// evaluates block masks only (Kernel::Passes, a regular kernel of the caller's).
-inline void require_near_field_kernel(const PlshOptions& options, bool block_masks_only,
-                                      const char* function) {
-  require(!block_masks_only || options.near_field == 0, function,
-          "options.near_field must be 0 with Kernel::Passes or a regular kernel, which evaluate "
-          "block masks only (PlshOptions defaults to 0.05)");
-}
-
 /// `view` has the shape of `like`: dout like out, dq like q, dk like k, dv like v.
 template <class A, class B>
 void require_same_shape(const char* function, const HeadsView<A>& view, const char* name,

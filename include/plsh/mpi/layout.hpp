@@ -159,16 +159,15 @@ inline std::vector<Block> windowed_reachable_keys(const ChunkLayout& layout, Ind
   });
 }
 
-/// The reach of windowed_alibi_attention's certificate (attention/windowed.hpp) from bounds all
-/// ranks share: with \f$a_h = |\text{scale}|\max_i\|q_i\|\f$ over head h's queries and
-/// \f$K_h = \max_j\|k_j\|\f$ over its key head, a row has seen its nearest key (logit
-/// \f$\ge -a_h K_h - m_h r_i\f$), and the keys farther than \f$r_i + W\f$ on both sides weigh
-/// at most \f$2e^{a_h K_h - m_h(r_i + W + 1)}/(1 - e^{-m_h})\f$; their share is at most
-/// `tolerance` once \f$m_h(W + 1) \ge 2a_h K_h + \ln 2 - \ln(1 - e^{-m_h}) -
-/// \ln\text{tolerance}\f$. The kernel's own certificate, tighter, then holds within W plus the
-/// steps of its tiles: the result adds two key tiles and a query tile. kNoWindow for slope 0,
-/// tolerance 0 or an infinite norm. `query_norms[h]` is \f$a_h\f$, `key_norms[h / group]` is
-/// \f$K_h\f$.
+/// The reach of windowed_alibi_attention's certificate (attention/detail/windowed.hpp) from bounds
+/// all ranks share: with \f$a_h = |\text{scale}|\max_i\|q_i\|\f$ over head h's queries and \f$K_h =
+/// \max_j\|k_j\|\f$ over its key head, a row has seen its nearest key (logit \f$\ge -a_h K_h - m_h
+/// r_i\f$), and the keys farther than \f$r_i + W\f$ on both sides weigh at most \f$2e^{a_h K_h -
+/// m_h(r_i + W + 1)}/(1 - e^{-m_h})\f$; their share is at most `tolerance` once \f$m_h(W + 1) \ge
+/// 2a_h K_h + \ln 2 - \ln(1 - e^{-m_h}) - \ln\text{tolerance}\f$. The kernel's own certificate,
+/// tighter, then holds within W plus the steps of its tiles: the result adds two key tiles and a
+/// query tile. kNoWindow for slope 0, tolerance 0 or an infinite norm. `query_norms[h]` is
+/// \f$a_h\f$, `key_norms[h / group]` is \f$K_h\f$.
 inline Index certified_window(const std::vector<double>& slopes,
                               const std::vector<double>& query_norms,
                               const std::vector<double>& key_norms, double tolerance) {

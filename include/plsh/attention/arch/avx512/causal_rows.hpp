@@ -29,13 +29,13 @@
 #include "../../../detail/decode_simd.hpp"
 #include "../../../detail/simd.hpp"
 #include "../../../detail/storage.hpp"
+#include "../../../options.hpp"
 #include "../../../partition.hpp"
 #include "../../../sampler.hpp"
 #include "../../../tensor.hpp"
 #include "../../fused_rows.hpp"
 #include "../../near_field.hpp"
 #include "../../online_softmax.hpp"
-#include "../../options.hpp"
 
 namespace plsh {
 namespace detail {

@@ -1,10 +1,11 @@
-#ifndef PLSH_ATTENTION_WINDOWED_HPP
-#define PLSH_ATTENTION_WINDOWED_HPP
+#ifndef PLSH_ATTENTION_DETAIL_WINDOWED_HPP
+#define PLSH_ATTENTION_DETAIL_WINDOWED_HPP
 
 /// \file windowed.hpp
-/// The core of windowed_alibi_attention: each query tile visits its keys nearest first and stops
-/// once the exact-ALiBi weight of every key it has not visited is certified to be at most the
-/// tolerance.
+/// Internal (namespace detail): the core of windowed_alibi_attention
+/// (attention/alibi_attention.hpp, the public entry point), shared by AlibiKvCache and the MPI
+/// layer: each query tile visits its keys nearest first and stops once the exact-ALiBi weight of
+/// every key it has not visited is certified to be at most the tolerance.
 ///
 /// The certificate. For query row i at position \f$p_i\f$ with \f$a_i = |\text{scale}|\,\|q_i\|\f$,
 /// a key j has the logit \f$l_{ij} = \text{scale}\,q_i\cdot k_j - m|p_i - p_j| \le a_i\|k_j\| -
@@ -46,11 +47,11 @@
 #include <limits>
 #include <vector>
 
-#include "../detail/storage.hpp"
-#include "../partition.hpp"
-#include "../tensor.hpp"
-#include "options.hpp"
-#include "regular.hpp"
+#include "../../detail/storage.hpp"
+#include "../../options.hpp"
+#include "../../partition.hpp"
+#include "../../tensor.hpp"
+#include "../regular.hpp"
 
 namespace plsh {
 namespace detail {
@@ -304,4 +305,4 @@ bool windowed_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& 
 }  // namespace detail
 }  // namespace plsh
 
-#endif  // PLSH_ATTENTION_WINDOWED_HPP
+#endif  // PLSH_ATTENTION_DETAIL_WINDOWED_HPP
