@@ -49,6 +49,7 @@
 
 #include "attention/detail/windowed.hpp"
 #include "attention/regular.hpp"
+#include "decode/cache_shape.hpp"
 #include "decode/evicted_keys.hpp"
 #include "decode/kv_buffer.hpp"
 #include "decode/pinned_keys.hpp"
@@ -193,24 +194,12 @@ class AlibiKvCache {
   /// finite and non-zero in the compute type, or a bad tolerance or declaration.
   AlibiKvCache(Index heads, Index kv_heads, Index dim, Index value_dim, std::vector<double> slopes,
                AlibiCacheOptions options = {})
-      : heads_(heads),
-        kv_heads_(kv_heads),
-        dim_(dim),
-        value_dim_(value_dim),
+      : shape_(detail::CacheShape::checked("AlibiKvCache", heads, kv_heads, dim, value_dim, slopes,
+                                           options.causal, options.key_position)),
         slopes_(std::move(slopes)),
         options_(options),
         position_(options.key_position) {
     const char* function = "AlibiKvCache";
-    detail::require(heads >= 1, function, "heads must be at least 1");
-    detail::require(kv_heads >= 1, function, "kv_heads must be at least 1");
-    detail::require(heads % kv_heads == 0, function, "heads must be a multiple of kv_heads");
-    detail::require(dim >= 1, function, "dim must be at least 1");
-    detail::require(value_dim >= 1, function, "value_dim must be at least 1");
-    detail::validate_slopes(function, slopes_, heads, "heads");
-    detail::require(options.causal, function,
-                    "options.causal must be true (a cache serves causal decoding)");
-    detail::require(options.key_position >= 0 && options.key_position <= kMaxPosition, function,
-                    "options.key_position must lie in [0, kMaxPosition = 2^53]");
     detail::validate_scale<Scalar>(function, options, dim);
     detail::validate_alibi_cache_options(function, options);
     scale_ = detail::resolved_scale(options, dim);
@@ -236,7 +225,7 @@ class AlibiKvCache {
   /// \throws std::invalid_argument when the shapes disagree with the cache, or when the positions
   /// would pass kMaxPosition.
   void append(HeadsView<const Scalar> k, HeadsView<const Scalar> v) {
-    check_append("AlibiKvCache::append", k, v);
+    shape_.check_append("AlibiKvCache::append", k, v, position());
     append_checked(k, v);
   }
 
@@ -248,7 +237,7 @@ class AlibiKvCache {
   /// the last append, or when `out` overlaps q or the cache; CertificateError in strict mode.
   DroppedWeight attend(HeadsView<const Scalar> q, HeadsView<Scalar> out) const {
     const char* function = "AlibiKvCache::attend";
-    check_query(function, q, out);
+    shape_.check_query(function, q, out);
     detail::require(q.tokens <= last_append_, function, [&] {
       return "q.tokens (" + std::to_string(q.tokens) +
              ") must not exceed the tokens of the last append (" + std::to_string(last_append_) +
@@ -265,8 +254,8 @@ class AlibiKvCache {
   DroppedWeight decode(HeadsView<const Scalar> q, HeadsView<const Scalar> k,
                        HeadsView<const Scalar> v, HeadsView<Scalar> out) {
     const char* function = "AlibiKvCache::decode";
-    check_append(function, k, v);
-    check_query(function, q, out);
+    shape_.check_append(function, k, v, position());
+    shape_.check_query(function, q, out);
     detail::require(q.tokens == k.tokens, function, "q.tokens must equal k.tokens");
     check_separate(function, q, k, v, out, true);
     append_checked(k, v);
@@ -292,7 +281,7 @@ class AlibiKvCache {
   /// The largest resident(kv_head) over the key/value heads.
   Index resident() const {
     Index most = 0;
-    for (Index g = 0; g < kv_heads_; ++g) most = std::max(most, resident(g));
+    for (Index g = 0; g < shape_.kv_heads; ++g) most = std::max(most, resident(g));
     return most;
   }
 
@@ -320,44 +309,18 @@ class AlibiKvCache {
     return total;
   }
 
-  Index heads() const { return heads_; }
-  Index kv_heads() const { return kv_heads_; }
-  Index dim() const { return dim_; }
-  Index value_dim() const { return value_dim_; }
+  Index heads() const { return shape_.heads; }
+  Index kv_heads() const { return shape_.kv_heads; }
+  Index dim() const { return shape_.dim; }
+  Index value_dim() const { return shape_.value_dim; }
   const std::vector<double>& slopes() const { return slopes_; }
   const AlibiCacheOptions& options() const { return options_; }
 
  private:
   std::size_t checked(Index kv_head) const {
-    detail::require(kv_head >= 0 && kv_head < kv_heads_, "AlibiKvCache",
+    detail::require(kv_head >= 0 && kv_head < shape_.kv_heads, "AlibiKvCache",
                     "kv_head must lie in [0, kv_heads)");
     return static_cast<std::size_t>(kv_head);
-  }
-
-  /// append's checks of k and v.
-  void check_append(const char* function, const HeadsView<const Scalar>& k,
-                    const HeadsView<const Scalar>& v) const {
-    detail::require_view(k, function, "k");
-    detail::require_view(v, function, "v");
-    detail::require(k.heads == kv_heads_, function, "k.heads must equal the cache's kv_heads");
-    detail::require(k.dim == dim_, function, "k.dim must equal the cache's dim");
-    detail::require(v.heads == kv_heads_, function, "v.heads must equal the cache's kv_heads");
-    detail::require(v.dim == value_dim_, function, "v.dim must equal the cache's value_dim");
-    detail::require(v.tokens == k.tokens, function, "v.tokens must equal k.tokens");
-    detail::require(k.tokens <= kMaxPosition - position(), function,
-                    "position() + k.tokens must not exceed kMaxPosition = 2^53");
-  }
-
-  /// The shapes of q and out against the cache.
-  void check_query(const char* function, const HeadsView<const Scalar>& q,
-                   const HeadsView<Scalar>& out) const {
-    detail::require_view(q, function, "q");
-    detail::require_view(out, function, "out");
-    detail::require(q.heads == heads_, function, "q.heads must equal the cache's heads");
-    detail::require(q.dim == dim_, function, "q.dim must equal the cache's dim");
-    detail::require(out.tokens == q.tokens, function, "out.tokens must equal q.tokens");
-    detail::require(out.heads == heads_, function, "out.heads must equal the cache's heads");
-    detail::require(out.dim == value_dim_, function, "out.dim must equal the cache's value_dim");
   }
 
   /// `out` writes each element once and overlaps neither q (nor k and v: `with_appended`) nor the
@@ -390,14 +353,14 @@ class AlibiKvCache {
   /// \f$W_g - 1\f$, then stores the rows.
   void append_checked(const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v) {
     if (k.tokens == 0) return;
-    for (Index g = 0; g < kv_heads_; ++g) {
+    for (Index g = 0; g < shape_.kv_heads; ++g) {
       const Index window = windows_[static_cast<std::size_t>(g)];
       if (window != kKeepEveryKey) evict_before(g, position_ - window + 1);
       detail::KvBuffer<Scalar>& buffer = buffers_[static_cast<std::size_t>(g)];
-      buffer.append(HeadsView<const Scalar>{k.data + g * k.head_stride, k.tokens, 1, dim_,
+      buffer.append(HeadsView<const Scalar>{k.data + g * k.head_stride, k.tokens, 1, shape_.dim,
                                             k.token_stride, k.head_stride},
-                    HeadsView<const Scalar>{v.data + g * v.head_stride, v.tokens, 1, value_dim_,
-                                            v.token_stride, v.head_stride});
+                    HeadsView<const Scalar>{v.data + g * v.head_stride, v.tokens, 1,
+                                            shape_.value_dim, v.token_stride, v.head_stride});
     }
     position_ += k.tokens;
     last_append_ = k.tokens;
@@ -423,7 +386,7 @@ class AlibiKvCache {
 
   /// key_norm_bound of a stored key row, in the compute type.
   double key_norm(const Scalar* row) {
-    const ConstHeadMap<Scalar> map(row, 1, dim_, Eigen::OuterStride<>(dim_));
+    const ConstHeadMap<Scalar> map(row, 1, shape_.dim, Eigen::OuterStride<>(shape_.dim));
     return detail::key_norm_bound(detail::compute_rows(map, norm_scratch_).row(0));
   }
 
@@ -431,16 +394,16 @@ class AlibiKvCache {
   DroppedWeight attend_checked(const char* function, const HeadsView<const Scalar>& q,
                                const HeadsView<Scalar>& out) const {
     const Index rows = q.tokens;
-    bounds_.resize(static_cast<std::size_t>(rows * heads_));
+    bounds_.resize(static_cast<std::size_t>(rows * shape_.heads));
     if (rows == 0) return DroppedWeight{};
     const Index tiles = (rows + detail::kQueryTile - 1) / detail::kQueryTile;
-    const Index group = heads_ / kv_heads_;
+    const Index group = shape_.heads / shape_.kv_heads;
     double work = 0;
-    for (Index h = 0; h < heads_; ++h) {
+    for (Index h = 0; h < shape_.heads; ++h) {
       work += static_cast<double>(resident(h / group)) * static_cast<double>(rows) *
-              static_cast<double>(dim_ + value_dim_);
+              static_cast<double>(shape_.dim + shape_.value_dim);
     }
-    detail::parallel_for(heads_ * tiles, work, [&](Index job) {
+    detail::parallel_for(shape_.heads * tiles, work, [&](Index job) {
       const Index h = job / tiles;
       const Index tile = job % tiles;
       attend_rows(q, out, h, tile * detail::kQueryTile,
@@ -459,8 +422,8 @@ class AlibiKvCache {
     if (options_.strict && !dropped.certified) {
       throw CertificateError(
           std::string(function) + ": the row at position " +
-              std::to_string(position() - rows + worst / heads_) + " of head " +
-              std::to_string(worst % heads_) + " may have dropped an exact-ALiBi weight of " +
+              std::to_string(position() - rows + worst / shape_.heads) + " of head " +
+              std::to_string(worst % shape_.heads) + " may have dropped an exact-ALiBi weight of " +
               std::to_string(dropped.bound) + " > tolerance " + std::to_string(options_.tolerance),
           dropped);
     }
@@ -475,7 +438,7 @@ class AlibiKvCache {
     const detail::ConvertedRowsLease<Scalar> converted_lease;
     detail::TileWorkspace<Compute>& workspace = *workspace_lease;
     detail::ConvertedRows<Scalar>& converted = *converted_lease;
-    const std::size_t g = static_cast<std::size_t>(h / (heads_ / kv_heads_));
+    const std::size_t g = static_cast<std::size_t>(h / (shape_.heads / shape_.kv_heads));
     const detail::KvBuffer<Scalar>& buffer = buffers_[g];
     const detail::PinnedKeys<Scalar>& pins = pins_[g];
     const Index rows = row_end - row_begin;
@@ -486,16 +449,16 @@ class AlibiKvCache {
     const detail::KeySpan span{first_query - buffer.oldest(), first_query - (buffer.end() - 1)};
     AttentionOptions options;
     options.scale = scale_;
-    workspace.softmax.reset(rows, value_dim_);
+    workspace.softmax.reset(rows, shape_.value_dim);
     workspace.query.noalias() = detail::compute_rows(q.head(h), row_begin, rows, converted.query) *
                                 static_cast<Compute>(scale_);
     pins.for_each_run([&](Index first, Index count) {
       options.key_position = pins.position(first);
-      detail::attend_keys(
-          ConstHeadMap<Scalar>(pins.key_row(first), count, dim_, Eigen::OuterStride<>(dim_)),
-          ConstHeadMap<Scalar>(pins.value_row(first), count, value_dim_,
-                               Eigen::OuterStride<>(value_dim_)),
-          options, bias, span, first_query, 0, count, workspace, converted);
+      detail::attend_keys(ConstHeadMap<Scalar>(pins.key_row(first), count, shape_.dim,
+                                               Eigen::OuterStride<>(shape_.dim)),
+                          ConstHeadMap<Scalar>(pins.value_row(first), count, shape_.value_dim,
+                                               Eigen::OuterStride<>(shape_.value_dim)),
+                          options, bias, span, first_query, 0, count, workspace, converted);
     });
     // The window's keys up to the tile's last row (as attend_rows: the same tiles of keys).
     options.key_position = buffer.oldest();
@@ -508,8 +471,8 @@ class AlibiKvCache {
     constexpr double epsilon = std::numeric_limits<Compute>::epsilon();
     for (Index r = 0; r < rows; ++r) {
       const double lse = static_cast<double>(workspace.softmax.log_sum(r));
-      const double margin = epsilon * (std::abs(lse) + kept + static_cast<double>(dim_));
-      bounds_[static_cast<std::size_t>((row_begin + r) * heads_ + h)] =
+      const double margin = epsilon * (std::abs(lse) + kept + static_cast<double>(shape_.dim));
+      bounds_[static_cast<std::size_t>((row_begin + r) * shape_.heads + h)] =
           evicted_[g].bound(detail::key_norm_bound(workspace.query.row(r)), slope, first_query + r,
                             lse - margin, log_sums_[static_cast<std::size_t>(h)]);
     }
@@ -518,10 +481,7 @@ class AlibiKvCache {
     converted.result.store();
   }
 
-  Index heads_;
-  Index kv_heads_;
-  Index dim_;
-  Index value_dim_;
+  detail::CacheShape shape_;
   std::vector<double> slopes_;
   AlibiCacheOptions options_;
   Index position_;  // of the next appended token

@@ -43,6 +43,7 @@
 #include "attention/plsh_attention.hpp"
 #include "attention/regular.hpp"
 #include "decode/block_tracker.hpp"
+#include "decode/cache_shape.hpp"
 #include "decode/decode_mode.hpp"
 #include "decode/decode_step.hpp"
 #include "decode/kv_buffer.hpp"
@@ -98,14 +99,11 @@ class KvCache {
   /// compute type.
   KvCache(Index heads, Index kv_heads, Index dim, Index value_dim, std::vector<double> slopes,
           PlshOptions options = {})
-      : heads_(heads),
-        kv_heads_(kv_heads),
-        dim_(dim),
-        value_dim_(value_dim),
+      : shape_(detail::CacheShape::checked("KvCache", heads, kv_heads, dim, value_dim, slopes,
+                                           options.causal, options.key_position)),
         slopes_(std::move(slopes)),
         options_(options),
-        blocks_(checked_grids(heads, kv_heads, dim, value_dim, slopes_, options), options.samples,
-                options.key_position),
+        blocks_(checked_grids(dim, slopes_, options), options.samples, options.key_position),
         buffer_(kv_heads, dim, value_dim, options.key_position),
         estimators_(detail::head_estimators(slopes_, options.samples, options.near_field,
                                             detail::PositionRange{0, kMaxPosition})),
@@ -118,7 +116,7 @@ class KvCache {
   /// would pass kMaxPosition.
   void append(HeadsView<const Scalar> k, HeadsView<const Scalar> v) {
     const char* function = "KvCache::append";
-    check_append(function, k, v);
+    shape_.check_append(function, k, v, position());
     append_checked(k, v);
   }
 
@@ -129,7 +127,7 @@ class KvCache {
   /// the last append, or when `out` overlaps q or the cache.
   void attend(HeadsView<const Scalar> q, HeadsView<Scalar> out) const {
     const char* function = "KvCache::attend";
-    check_query(function, q, out);
+    shape_.check_query(function, q, out);
     detail::require(q.tokens <= last_append_, function, [&] {
       return "q.tokens (" + std::to_string(q.tokens) +
              ") must not exceed the tokens of the last append (" + std::to_string(last_append_) +
@@ -151,8 +149,8 @@ class KvCache {
   void decode(HeadsView<const Scalar> q, HeadsView<const Scalar> k, HeadsView<const Scalar> v,
               HeadsView<Scalar> out) {
     const char* function = "KvCache::decode";
-    check_append(function, k, v);
-    check_query(function, q, out);
+    shape_.check_append(function, k, v, position());
+    shape_.check_query(function, q, out);
     detail::require(q.tokens == k.tokens, function, "q.tokens must equal k.tokens");
     // The whole buffers: the appended rows land in them (or in new ones, which out cannot
     // overlap).
@@ -177,9 +175,10 @@ class KvCache {
     append_checked(k, v);
     // Successive one-token steps run their heads in opposite orders (decode_step.hpp): a step
     // starts on the keys that the step before read last.
-    const double work = detail::decode_step(buffer_, blocks_, heads_, options_.samples, q, out,
-                                            detail::resolved_scale(attend_options(1), dim_),
-                                            mode.parallel, reverse_heads_, workspace_, estimators_);
+    const double work =
+        detail::decode_step(buffer_, blocks_, shape_.heads, options_.samples, q, out,
+                            detail::resolved_scale(attend_options(1), shape_.dim), mode.parallel,
+                            reverse_heads_, workspace_, estimators_);
     reverse_heads_ = !reverse_heads_;
     if (mode.measured) {
       mode_.record(mode, work, std::chrono::duration<double>(Clock::now() - start).count());
@@ -208,59 +207,21 @@ class KvCache {
   /// types as for float.
   std::size_t bytes() const { return buffer_.bytes(); }
 
-  Index heads() const { return heads_; }
-  Index kv_heads() const { return kv_heads_; }
-  Index dim() const { return dim_; }
-  Index value_dim() const { return value_dim_; }
+  Index heads() const { return shape_.heads; }
+  Index kv_heads() const { return shape_.kv_heads; }
+  Index dim() const { return shape_.dim; }
+  Index value_dim() const { return shape_.value_dim; }
   const std::vector<double>& slopes() const { return slopes_; }
   const PlshOptions& options() const { return options_; }
 
  private:
-  /// The constructor's checks, then the draws of every head.
-  static std::vector<std::vector<Grid>> checked_grids(Index heads, Index kv_heads, Index dim,
-                                                      Index value_dim,
-                                                      const std::vector<double>& slopes,
+  /// The constructor's checks beyond those of CacheShape::checked, then the draws of every head.
+  static std::vector<std::vector<Grid>> checked_grids(Index dim, const std::vector<double>& slopes,
                                                       const PlshOptions& options) {
     const char* function = "KvCache";
-    detail::require(heads >= 1, function, "heads must be at least 1");
-    detail::require(kv_heads >= 1, function, "kv_heads must be at least 1");
-    detail::require(heads % kv_heads == 0, function, "heads must be a multiple of kv_heads");
-    detail::require(dim >= 1, function, "dim must be at least 1");
-    detail::require(value_dim >= 1, function, "value_dim must be at least 1");
-    detail::validate_slopes(function, slopes, heads, "heads");
     detail::require_samples(options.samples, function, "options.samples");
-    detail::require(options.causal, function,
-                    "options.causal must be true (a cache serves causal decoding)");
-    detail::require(options.key_position >= 0 && options.key_position <= kMaxPosition, function,
-                    "options.key_position must lie in [0, kMaxPosition = 2^53]");
     detail::validate_scale<detail::Compute<Scalar>>(function, options, dim);
     return detail::kernel_grids(slopes, options, function);
-  }
-
-  /// append's checks of k and v.
-  void check_append(const char* function, const HeadsView<const Scalar>& k,
-                    const HeadsView<const Scalar>& v) const {
-    detail::require_view(k, function, "k");
-    detail::require_view(v, function, "v");
-    detail::require(k.heads == kv_heads_, function, "k.heads must equal the cache's kv_heads");
-    detail::require(k.dim == dim_, function, "k.dim must equal the cache's dim");
-    detail::require(v.heads == kv_heads_, function, "v.heads must equal the cache's kv_heads");
-    detail::require(v.dim == value_dim_, function, "v.dim must equal the cache's value_dim");
-    detail::require(v.tokens == k.tokens, function, "v.tokens must equal k.tokens");
-    detail::require(k.tokens <= kMaxPosition - position(), function,
-                    "position() + k.tokens must not exceed kMaxPosition = 2^53");
-  }
-
-  /// The shapes of q and out against the cache.
-  void check_query(const char* function, const HeadsView<const Scalar>& q,
-                   const HeadsView<Scalar>& out) const {
-    detail::require_view(q, function, "q");
-    detail::require_view(out, function, "out");
-    detail::require(q.heads == heads_, function, "q.heads must equal the cache's heads");
-    detail::require(q.dim == dim_, function, "q.dim must equal the cache's dim");
-    detail::require(out.tokens == q.tokens, function, "out.tokens must equal q.tokens");
-    detail::require(out.heads == heads_, function, "out.heads must equal the cache's heads");
-    detail::require(out.dim == value_dim_, function, "out.dim must equal the cache's value_dim");
   }
 
   /// The options of plsh_attention over the resident keys for the newest `tokens` queries.
@@ -288,8 +249,8 @@ class KvCache {
   void attend_checked(const HeadsView<const Scalar>& q, const HeadsView<Scalar>& out) const {
     const PlshOptions options = attend_options(q.tokens);
     if (q.tokens <= detail::kDecodeRows) {
-      detail::decode_step(buffer_, blocks_, heads_, options_.samples, q, out,
-                          detail::resolved_scale(options, dim_), true, false, workspace_,
+      detail::decode_step(buffer_, blocks_, shape_.heads, options_.samples, q, out,
+                          detail::resolved_scale(options, shape_.dim), true, false, workspace_,
                           estimators_);
     } else if (options.kernel == Kernel::Passes) {
       detail::pass_attention(q, keys(), values(), out, blocks_.grids(),
@@ -302,10 +263,7 @@ class KvCache {
     }
   }
 
-  Index heads_;
-  Index kv_heads_;
-  Index dim_;
-  Index value_dim_;
+  detail::CacheShape shape_;
   std::vector<double> slopes_;
   PlshOptions options_;
   detail::BlockTracker blocks_;
