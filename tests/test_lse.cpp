@@ -249,12 +249,10 @@ const std::vector<Shape>& shapes() {
   return list;
 }
 
-}  // namespace
-
-TEMPLATE_TEST_CASE("every forward's lse is the dense row log-sum-exp", "[lse]", float, double) {
-  using Scalar = TestType;
-  using C = plsh::detail::Compute<Scalar>;
-  const double tolerance = std::is_same<C, float>::value ? 2e-5 : 1e-11;
+/// Calls `check(shape, slopes, kernel)` for every shape, causal or not, every positions case and
+/// every kernel, with the case named in Catch's messages.
+template <class Check>
+void for_each_case(Check&& check) {
   for (const Shape& shape : shapes()) {
     const std::vector<double> slopes = plsh::alibi_slopes(shape.heads);
     for (const bool causal : {true, false}) {
@@ -262,23 +260,34 @@ TEMPLATE_TEST_CASE("every forward's lse is the dense row log-sum-exp", "[lse]", 
         for (const Kernel& kernel : kernels(causal, query_position, key_position)) {
           INFO(kernel.name << ", " << shape << (causal ? ", causal" : ", not causal")
                            << ", positions " << query_position << ", " << key_position);
-          Problem<Scalar> p(shape, 11);
-          std::vector<C> lse(static_cast<std::size_t>(shape.heads * shape.n_q), C(7));
-          forward<Scalar>(kernel, p, slopes, {lse.data(), shape.heads, shape.n_q});
-          const std::vector<double> expected = reference_lse(kernel, p, slopes);
-          // The windowed kernel drops keys of total weight at most the tolerance.
-          const double allowed = kernel.kind == Kind::Windowed ? 2 * kTolerance : tolerance;
-          double worst = 0;
-          for (std::size_t i = 0; i < lse.size(); ++i) {
-            worst = std::max(worst, std::abs(static_cast<double>(lse[i]) - expected[i]) /
-                                        std::max(1.0, std::abs(expected[i])));
-          }
-          INFO("largest relative difference " << worst);
-          CHECK(worst <= allowed);
+          check(shape, slopes, kernel);
         }
       }
     }
   }
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("every forward's lse is the dense row log-sum-exp", "[lse]", float, double) {
+  using Scalar = TestType;
+  using C = plsh::detail::Compute<Scalar>;
+  const double tolerance = std::is_same<C, float>::value ? 2e-5 : 1e-11;
+  for_each_case([&](const Shape& shape, const std::vector<double>& slopes, const Kernel& kernel) {
+    Problem<Scalar> p(shape, 11);
+    std::vector<C> lse(static_cast<std::size_t>(shape.heads * shape.n_q), C(7));
+    forward<Scalar>(kernel, p, slopes, {lse.data(), shape.heads, shape.n_q});
+    const std::vector<double> expected = reference_lse(kernel, p, slopes);
+    // The windowed kernel drops keys of total weight at most the tolerance.
+    const double allowed = kernel.kind == Kind::Windowed ? 2 * kTolerance : tolerance;
+    double worst = 0;
+    for (std::size_t i = 0; i < lse.size(); ++i) {
+      worst = std::max(worst, std::abs(static_cast<double>(lse[i]) - expected[i]) /
+                                  std::max(1.0, std::abs(expected[i])));
+    }
+    INFO("largest relative difference " << worst);
+    CHECK(worst <= allowed);
+  });
 }
 
 TEMPLATE_TEST_CASE("every backward given the forward's lse equals the one that computes it",
@@ -286,41 +295,31 @@ TEMPLATE_TEST_CASE("every backward given the forward's lse equals the one that c
   using Scalar = TestType;
   using C = plsh::detail::Compute<Scalar>;
   const double tolerance = std::is_same<C, float>::value ? 1e-4 : 1e-11;
-  for (const Shape& shape : shapes()) {
-    const std::vector<double> slopes = plsh::alibi_slopes(shape.heads);
-    for (const bool causal : {true, false}) {
-      for (const auto& [query_position, key_position] : positions(shape)) {
-        for (const Kernel& kernel : kernels(causal, query_position, key_position)) {
-          INFO(kernel.name << ", " << shape << (causal ? ", causal" : ", not causal")
-                           << ", positions " << query_position << ", " << key_position);
-          Problem<Scalar> computed(shape, 12);
-          std::vector<C> lse(static_cast<std::size_t>(shape.heads * shape.n_q));
-          plsh::KeptKeys kept;
-          forward<Scalar>(kernel, computed, slopes, {lse.data(), shape.heads, shape.n_q}, &kept);
-          Problem<Scalar> given = computed;
-          backward<Scalar>(kernel, computed, slopes, {});
-          backward<Scalar>(kernel, given, slopes, RowLse<C>(lse.data(), shape.heads, shape.n_q));
-          CHECK(max_relative_difference(given.dq, computed.dq) <= tolerance);
-          CHECK(max_relative_difference(given.dk, computed.dk) <= tolerance);
-          CHECK(max_relative_difference(given.dv, computed.dv) <= tolerance);
-          if (kernel.kind == Kind::Windowed) {
-            // The forward's kept keys are the certificate's: the same code path, the same bits.
-            Problem<Scalar> kept_given = computed;
-            backward<Scalar>(kernel, kept_given, slopes, {}, &kept);
-            CHECK(same_bits(kept_given.dq, computed.dq));
-            CHECK(same_bits(kept_given.dk, computed.dk));
-            CHECK(same_bits(kept_given.dv, computed.dv));
-            Problem<Scalar> both = computed;
-            backward<Scalar>(kernel, both, slopes, RowLse<C>(lse.data(), shape.heads, shape.n_q),
-                             &kept);
-            CHECK(same_bits(both.dq, given.dq));
-            CHECK(same_bits(both.dk, given.dk));
-            CHECK(same_bits(both.dv, given.dv));
-          }
-        }
-      }
+  for_each_case([&](const Shape& shape, const std::vector<double>& slopes, const Kernel& kernel) {
+    Problem<Scalar> computed(shape, 12);
+    std::vector<C> lse(static_cast<std::size_t>(shape.heads * shape.n_q));
+    plsh::KeptKeys kept;
+    forward<Scalar>(kernel, computed, slopes, {lse.data(), shape.heads, shape.n_q}, &kept);
+    Problem<Scalar> given = computed;
+    backward<Scalar>(kernel, computed, slopes, {});
+    backward<Scalar>(kernel, given, slopes, RowLse<C>(lse.data(), shape.heads, shape.n_q));
+    CHECK(max_relative_difference(given.dq, computed.dq) <= tolerance);
+    CHECK(max_relative_difference(given.dk, computed.dk) <= tolerance);
+    CHECK(max_relative_difference(given.dv, computed.dv) <= tolerance);
+    if (kernel.kind == Kind::Windowed) {
+      // The forward's kept keys are the certificate's: the same code path, the same bits.
+      Problem<Scalar> kept_given = computed;
+      backward<Scalar>(kernel, kept_given, slopes, {}, &kept);
+      CHECK(same_bits(kept_given.dq, computed.dq));
+      CHECK(same_bits(kept_given.dk, computed.dk));
+      CHECK(same_bits(kept_given.dv, computed.dv));
+      Problem<Scalar> both = computed;
+      backward<Scalar>(kernel, both, slopes, RowLse<C>(lse.data(), shape.heads, shape.n_q), &kept);
+      CHECK(same_bits(both.dq, given.dq));
+      CHECK(same_bits(both.dk, given.dk));
+      CHECK(same_bits(both.dv, given.dv));
     }
-  }
+  });
 }
 
 TEST_CASE("rows that see no key: lse -inf, zero gradients, with or without the lse", "[lse]") {
