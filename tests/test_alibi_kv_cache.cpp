@@ -23,66 +23,19 @@
 #include <plsh/attention/alibi_attention.hpp>
 #include <plsh/decode/evicted_keys.hpp>
 
-#include "fill.hpp"
 #include "kernel_instances.hpp"
+#include "test_kv_cache_common.hpp"
 
 namespace {
 
 using plsh::HeadsView;
 using plsh::Index;
 
-/// Queries, keys and values of a whole sequence, packed, each entry uniform in [-1, 1]; tests
-/// reshape them into hostile inputs.
-template <class Scalar>
-struct Tokens {
-  Index tokens, heads, kv_heads, dim, value_dim;
-  std::vector<Scalar> q, k, v;
-
-  Tokens(Index n, Index h, Index h_kv, Index d, Index d_v, std::uint64_t seed)
-      : tokens(n),
-        heads(h),
-        kv_heads(h_kv),
-        dim(d),
-        value_dim(d_v),
-        q(plsh_test::uniform_values<Scalar>(static_cast<std::size_t>(n * h * d), seed)),
-        k(plsh_test::uniform_values<Scalar>(static_cast<std::size_t>(n * h_kv * d), seed + 1)),
-        v(plsh_test::uniform_values<Scalar>(static_cast<std::size_t>(n * h_kv * d_v), seed + 2)) {}
-
-  Scalar& query(Index t, Index h, Index e) {
-    return q[static_cast<std::size_t>((t * heads + h) * dim + e)];
-  }
-  Scalar& key(Index t, Index g, Index e) {
-    return k[static_cast<std::size_t>((t * kv_heads + g) * dim + e)];
-  }
-
-  HeadsView<const Scalar> queries(Index begin, Index count) const {
-    return HeadsView<const Scalar>{q.data(), tokens, heads, dim}.slice(begin, count);
-  }
-  HeadsView<const Scalar> keys(Index begin, Index count) const {
-    return HeadsView<const Scalar>{k.data(), tokens, kv_heads, dim}.slice(begin, count);
-  }
-  HeadsView<const Scalar> values(Index begin, Index count) const {
-    return HeadsView<const Scalar>{v.data(), tokens, kv_heads, value_dim}.slice(begin, count);
-  }
-};
-
-/// Chunk sizes cycling through `pattern`, cut to `tokens`.
-std::vector<Index> chunks_of(Index tokens, const std::vector<Index>& pattern) {
-  std::vector<Index> chunks;
-  for (Index done = 0, i = 0; done < tokens; ++i) {
-    const Index size =
-        std::min(pattern[static_cast<std::size_t>(i) % pattern.size()], tokens - done);
-    chunks.push_back(size);
-    done += size;
-  }
-  return chunks;
-}
-
 /// The exact-ALiBi weight, in double over the whole prefix, of the keys that query row `t` of head
 /// h does not attend in `cache` (those before its kv head's window that are not pinned).
 template <class Scalar>
-double dropped_weight(const Tokens<Scalar>& tokens, const plsh::AlibiKvCache<Scalar>& cache,
-                      Index t, Index h) {
+double dropped_weight(const plsh_test::Sequence<Scalar>& tokens,
+                      const plsh::AlibiKvCache<Scalar>& cache, Index t, Index h) {
   const Index g = h / (tokens.heads / tokens.kv_heads);
   const Index first = cache.options().key_position;
   const double scale = plsh::detail::resolved_scale(cache.options(), tokens.dim);
@@ -131,7 +84,7 @@ struct Run {
 };
 
 template <class Scalar>
-Run run_cache(const Tokens<Scalar>& tokens, const std::vector<double>& slopes,
+Run run_cache(const plsh_test::Sequence<Scalar>& tokens, const std::vector<double>& slopes,
               const plsh::AlibiCacheOptions& options, const std::vector<Index>& chunks,
               bool check_truth, double rounding) {
   plsh::AlibiKvCache<Scalar> cache(tokens.heads, tokens.kv_heads, tokens.dim, tokens.value_dim,
@@ -305,7 +258,7 @@ TEST_CASE("AlibiKvCache equals exact_alibi_attention bit for bit while it keeps 
           "[alibi_kv_cache]") {
   // At 1e-6 the standard slopes keep every key of 200 tokens (the window of slope 1/16 is 349);
   // tolerance 0 keeps every key at any slope.
-  const Tokens<float> tokens(200, 8, 2, 16, 8, 3);
+  const plsh_test::Sequence<float> tokens(200, 8, 2, 16, 8, 3);
   const std::vector<std::vector<Index>> patterns = {{1}, {1, 7, 64, 3}, {70, 1}};
   for (const double tolerance : {0.0, 1e-6}) {
     const std::vector<double> slopes =
@@ -315,8 +268,8 @@ TEST_CASE("AlibiKvCache equals exact_alibi_attention bit for bit while it keeps 
       for (const auto& pattern : patterns) {
         plsh::AlibiCacheOptions options = declared(16, tolerance, 4);
         options.key_position = key_position;
-        const Run run =
-            run_cache(tokens, slopes, options, chunks_of(tokens.tokens, pattern), false, 0);
+        const Run run = run_cache(tokens, slopes, options,
+                                  plsh_test::chunk_schedule(tokens.tokens, pattern), false, 0);
         INFO("tolerance " << tolerance << ", first position " << key_position << ", chunks of "
                           << pattern.front() << ": max |cache - exact| " << run.max_difference);
         CHECK(run.bit_equal);
@@ -335,13 +288,13 @@ TEST_CASE(
   // Four query heads on two key/value heads (kv head 0 keeps the window of slope 0.25, kv head 1
   // that of 0.0625: 202 positions at 1e-2, 276 at 1e-4); inputs in [-1, 1] satisfy the
   // declaration.
-  const Tokens<float> tokens(500, 4, 2, 16, 8, 11);
+  const plsh_test::Sequence<float> tokens(500, 4, 2, 16, 8, 11);
   for (const double tolerance : {1e-2, 1e-4}) {
     for (const Index sinks : {Index{0}, Index{3}}) {
       for (const auto& pattern : std::vector<std::vector<Index>>{{1}, {5, 1, 70}}) {
         const plsh::AlibiCacheOptions options = declared(16, tolerance, sinks);
-        const Run run =
-            run_cache(tokens, kSteepSlopes, options, chunks_of(tokens.tokens, pattern), true, 1e-5);
+        const Run run = run_cache(tokens, kSteepSlopes, options,
+                                  plsh_test::chunk_schedule(tokens.tokens, pattern), true, 1e-5);
         INFO("tolerance " << tolerance << ", " << sinks << " sinks, chunks of " << pattern.front()
                           << ": max |cache - exact| " << run.max_difference << ", largest bound "
                           << run.largest_bound << ", smallest bound/truth "
@@ -360,10 +313,11 @@ TEST_CASE(
 
 TEST_CASE("AlibiKvCache in double: the bound holds the true dropped weight, grouped heads",
           "[alibi_kv_cache]") {
-  const Tokens<double> tokens(500, 8, 2, 8, 8, 23);
+  const plsh_test::Sequence<double> tokens(500, 8, 2, 8, 8, 23);
   const std::vector<double> slopes = {0.5, 0.4, 0.3, 0.25, 0.2, 0.15, 0.1, 0.08};
   const plsh::AlibiCacheOptions options = declared(8, 1e-6, 2);
-  const Run run = run_cache(tokens, slopes, options, chunks_of(tokens.tokens, {3, 1}), true, 1e-12);
+  const Run run = run_cache(tokens, slopes, options,
+                            plsh_test::chunk_schedule(tokens.tokens, {3, 1}), true, 1e-12);
   INFO("largest bound " << run.largest_bound << ", smallest bound/truth " << run.worst_bound_ratio);
   CHECK(run.certified);
   CHECK(run.max_excess <= 0);
@@ -376,7 +330,7 @@ TEST_CASE("AlibiKvCache pins a sink at position 0, and reports it when it cannot
   // Key 0 of every kv head is 16 times the others' largest norm and aligned with every query's
   // first entry, which is positive: it takes a large share of every row, far beyond its window. The
   // declaration (|scale| ||q|| ||k|| <= max_score) is broken by this key only.
-  Tokens<double> tokens(600, 4, 2, 8, 8, 31);
+  plsh_test::Sequence<double> tokens(600, 4, 2, 8, 8, 31);
   for (Index t = 0; t < tokens.tokens; ++t) {
     for (Index h = 0; h < tokens.heads; ++h) tokens.query(t, h, 0) = 1.0;
   }
@@ -386,7 +340,8 @@ TEST_CASE("AlibiKvCache pins a sink at position 0, and reports it when it cannot
   const std::vector<double> slopes = {0.25, 0.125, 0.0625, 0.05};
   for (const Index sinks : {Index{1}, Index{0}}) {
     const plsh::AlibiCacheOptions options = declared(8, 1e-4, sinks);
-    const Run run = run_cache(tokens, slopes, options, chunks_of(tokens.tokens, {1}), true, 1e-12);
+    const Run run = run_cache(tokens, slopes, options,
+                              plsh_test::chunk_schedule(tokens.tokens, {1}), true, 1e-12);
     INFO(sinks << " sinks: largest bound " << run.largest_bound << ", max |cache - exact| "
                << run.max_difference << ", smallest bound/truth " << run.worst_bound_ratio);
     CHECK(run.bound_below_truth == 0);
@@ -407,15 +362,15 @@ TEST_CASE("AlibiKvCache with growing key norms: every bound holds the true dropp
           "[alibi_kv_cache][hostile]") {
   // Key j is scaled by 1 + j/50: each key leaving the window is larger than every pinned one, so
   // the pins turn over at every step and the dropped keys break the declaration more and more.
-  Tokens<double> tokens(500, 2, 1, 8, 4, 41);
+  plsh_test::Sequence<double> tokens(500, 2, 1, 8, 4, 41);
   for (Index t = 0; t < tokens.tokens; ++t) {
     for (Index e = 0; e < tokens.dim; ++e) {
       tokens.key(t, 0, e) *= 1 + static_cast<double>(t) / 50;
     }
   }
   const plsh::AlibiCacheOptions options = declared(8, 1e-4, 2);
-  const Run run =
-      run_cache(tokens, {0.25, 0.125}, options, chunks_of(tokens.tokens, {1, 4}), true, 1e-12);
+  const Run run = run_cache(tokens, {0.25, 0.125}, options,
+                            plsh_test::chunk_schedule(tokens.tokens, {1, 4}), true, 1e-12);
   INFO("largest bound " << run.largest_bound << ", smallest bound/truth " << run.worst_bound_ratio);
   CHECK(run.bound_below_truth == 0);
   CHECK(run.max_excess <= 0);
@@ -427,7 +382,7 @@ TEST_CASE("AlibiKvCache reports a sudden large query, and throws in strict mode"
           "[alibi_kv_cache][hostile]") {
   // At step 400 the query of head 0 is 1000 times key 100's direction, a key long dropped: in
   // exact ALiBi that key takes nearly the whole row. The bound says so at that step only.
-  Tokens<double> tokens(420, 2, 1, 8, 4, 43);
+  plsh_test::Sequence<double> tokens(420, 2, 1, 8, 4, 43);
   const Index large = 400;
   for (Index e = 0; e < tokens.dim; ++e) tokens.query(large, 0, e) = 1000 * tokens.key(100, 0, e);
   const std::vector<double> slopes = {0.25, 0.125};
@@ -475,7 +430,7 @@ TEST_CASE("AlibiKvCache with non-finite keys never certifies what it cannot boun
           "[alibi_kv_cache][nonfinite]") {
   // Key 20 has an infinite entry; without pins it is dropped once it leaves the window, and every
   // later bound of a row that could see it is infinite or NaN.
-  Tokens<float> tokens(200, 2, 1, 8, 4, 47);
+  plsh_test::Sequence<float> tokens(200, 2, 1, 8, 4, 47);
   tokens.key(20, 0, 3) = std::numeric_limits<float>::infinity();
   plsh::AlibiKvCache<float> cache(2, 1, 8, 4, {0.5, 0.25}, declared(8, 1e-4, 0));
   std::vector<float> out(2 * 4);
@@ -492,12 +447,13 @@ TEST_CASE("AlibiKvCache with non-finite keys never certifies what it cannot boun
 }
 
 TEST_CASE("AlibiKvCache decode equals append then attend, bit for bit", "[alibi_kv_cache]") {
-  const Tokens<float> tokens(300, 4, 2, 16, 8, 53);
+  const plsh_test::Sequence<float> tokens(300, 4, 2, 16, 8, 53);
   const plsh::AlibiCacheOptions options = declared(16, 1e-4, 2);
   plsh::AlibiKvCache<float> decoded(4, 2, 16, 8, kSteepSlopes, options);
   plsh::AlibiKvCache<float> split(4, 2, 16, 8, kSteepSlopes, options);
   Index done = 0;
-  for (const Index chunk : chunks_of(299, {1, 3, 9})) {  // 23 rounds of 13: the last chunk is 9
+  for (const Index chunk :
+       plsh_test::chunk_schedule(299, {1, 3, 9})) {  // 23 rounds of 13: the last chunk is 9
     std::vector<float> a(static_cast<std::size_t>(chunk * 4 * 8));
     std::vector<float> b(a.size());
     const plsh::DroppedWeight first =
@@ -527,11 +483,11 @@ TEST_CASE("AlibiKvCache decode equals append then attend, bit for bit", "[alibi_
 }
 
 TEST_CASE("AlibiKvCache stores bfloat16 and computes in float", "[alibi_kv_cache][half]") {
-  const Tokens<float> tokens(400, 4, 2, 16, 8, 59);
-  Tokens<Eigen::bfloat16> rounded(400, 4, 2, 16, 8, 59);
+  const plsh_test::Sequence<Eigen::bfloat16> rounded(
+      plsh_test::Sequence<float>(400, 4, 2, 16, 8, 59));
   const plsh::AlibiCacheOptions options = declared(16, 1e-3, 2);
-  const Run run =
-      run_cache(rounded, kSteepSlopes, options, chunks_of(tokens.tokens, {1, 6}), false, 1e-2);
+  const Run run = run_cache(rounded, kSteepSlopes, options,
+                            plsh_test::chunk_schedule(rounded.tokens, {1, 6}), false, 1e-2);
   INFO("largest bound " << run.largest_bound << ", max |cache - exact| " << run.max_difference);
   CHECK(run.certified);
   CHECK(run.max_excess <= 0);
@@ -543,14 +499,14 @@ TEST_CASE("AlibiKvCache memory stays within its bound over 10^5 tokens", "[alibi
   // W_g + 37 - 1 + sinks, the blocks of dropped positions stay logarithmic, and the bytes stop
   // growing once the windows are full.
   const Index n = 100000;
-  const Tokens<float> tokens(1000, 2, 2, 4, 4, 61);
+  const plsh_test::Sequence<float> tokens(1000, 2, 2, 4, 4, 61);
   const plsh::AlibiCacheOptions options = declared(4, 1e-4, 3);
   plsh::AlibiKvCache<float> cache(2, 2, 4, 4, {0.5, 0.05}, options);
   std::vector<float> out(static_cast<std::size_t>(37 * 2 * 4));
   Index done = 0;
   std::size_t bytes_at_half = 0;
   Index most_resident[2] = {0, 0};
-  for (const Index chunk : chunks_of(n, {1, 1, 37})) {
+  for (const Index chunk : plsh_test::chunk_schedule(n, {1, 1, 37})) {
     const Index offset = done % (tokens.tokens - 37);
     cache.append(tokens.keys(offset, chunk), tokens.values(offset, chunk));
     if (done % 997 < chunk) {
@@ -623,7 +579,7 @@ TEST_CASE("AlibiKvCache rejects bad arguments and leaves the cache unchanged",
     CHECK(std::string(error.what()).rfind("AlibiKvCache: ", 0) == 0);
   }
 
-  const Tokens<float> tokens(40, 2, 1, 4, 4, 67);
+  const plsh_test::Sequence<float> tokens(40, 2, 1, 4, 4, 67);
   plsh::AlibiKvCache<float> cache(2, 1, 4, 4, slopes, declared(4, 1e-4, 1));
   std::vector<float> out(static_cast<std::size_t>(40 * 2 * 4));
   for (Index t = 0; t < 30; ++t) {

@@ -72,6 +72,15 @@ struct Sequence {
     return result;
   }
 
+  /// Element e of the query of token t, head h (tests reshape sequences into hostile inputs).
+  Scalar& query(Index t, Index h, Index e) {
+    return q[static_cast<std::size_t>((t * heads + h) * dim + e)];
+  }
+  /// Element e of the key of token t, key/value head g.
+  Scalar& key(Index t, Index g, Index e) {
+    return k[static_cast<std::size_t>((t * kv_heads + g) * dim + e)];
+  }
+
   HeadsView<const Scalar> queries(Index begin, Index count) const {
     return HeadsView<const Scalar>{q.data(), tokens, heads, dim}.slice(begin, count);
   }
