@@ -1,8 +1,11 @@
 # Included by the scripts that configure a small project from a ctest test (run_consumer.cmake,
 # ../draws/run_other_compiler.cmake): sets `common_args`, the options of every configure step,
-# from the variables GENERATOR, MAKE_PROGRAM, CXX_COMPILER and EIGEN3_DIR (each optional), with
-# the build type Release.
-set(common_args -DCMAKE_BUILD_TYPE=Release)
+# from the variables GENERATOR, MAKE_PROGRAM, CXX_COMPILER, EIGEN3_DIR and BUILD_TYPE (each
+# optional; the build type is Release unless BUILD_TYPE says otherwise).
+if(NOT BUILD_TYPE)
+  set(BUILD_TYPE Release)
+endif()
+set(common_args -DCMAKE_BUILD_TYPE=${BUILD_TYPE})
 if(GENERATOR)
   list(APPEND common_args -G ${GENERATOR})
 endif()

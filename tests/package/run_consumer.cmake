@@ -12,7 +12,9 @@
 # subdirectory: configure the consumer, which calls add_subdirectory(PLSH_SOURCE_DIR).
 #
 # In both modes the consumer is built and its executable run; any failing step fails
-# the script (and so the ctest test).
+# the script (and so the ctest test). The consumer builds as a user's Debug build: assertions
+# on (Eigen's and the standard library's), and no optimiser time spent on a program that runs
+# a tiny problem once.
 cmake_minimum_required(VERSION 3.16)
 
 foreach(required IN ITEMS MODE PLSH_SOURCE_DIR CONSUMER_SOURCE_DIR WORK_DIR)
@@ -24,9 +26,10 @@ if(NOT MODE MATCHES "^(installed|subdirectory)$")
   message(FATAL_ERROR "run_consumer.cmake: MODE must be installed or subdirectory, not '${MODE}'")
 endif()
 
-set(config Release)
+set(config Debug)
 
 # Options shared by every configure step: same generator and compiler as the outer build.
+set(BUILD_TYPE ${config})
 include(${CMAKE_CURRENT_LIST_DIR}/configure_args.cmake)
 
 function(run_step description)
