@@ -68,7 +68,8 @@ mkdir -p "${out}"
 
 build_bench() {
   plsh_ensure_deps
-  cmake -S . -B "${build_dir}" -DCMAKE_BUILD_TYPE=Release -DPLSH_BUILD_BENCHMARKS=ON
+  cmake -S . -B "${build_dir}" -DCMAKE_BUILD_TYPE=Release -DPLSH_BUILD_BENCHMARKS=ON \
+    -DPLSH_SMOKE_BUILD=OFF
   cmake --build "${build_dir}" --target "$@" -j "${jobs}"
 }
 
@@ -118,7 +119,7 @@ for part in "${parts[@]}"; do
       plsh_ensure_deps libopenmpi-dev openmpi-bin
       mpi_build=build/mpi
       cmake -S . -B "${mpi_build}" -DCMAKE_BUILD_TYPE=Release -DPLSH_MPI=ON \
-        -DPLSH_BUILD_BENCHMARKS=ON
+        -DPLSH_BUILD_BENCHMARKS=ON -DPLSH_SMOKE_BUILD=OFF
       cmake --build "${mpi_build}" --target mpi_bench -j "${jobs}"
       # Open MPI refuses to start as root without these two variables.
       for ranks in 2 4; do

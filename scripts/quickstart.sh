@@ -20,7 +20,7 @@ else
   example=error_decay
 fi
 
-cmake -S . -B "${build_dir}" -DCMAKE_BUILD_TYPE=Release
+cmake -S . -B "${build_dir}" -DCMAKE_BUILD_TYPE=Release -DPLSH_SMOKE_BUILD=OFF
 cmake --build "${build_dir}" --target "${example}" -j "${jobs}"
 echo "plsh: running ${build_dir}/examples/${example}"
 "${build_dir}/examples/${example}" "$@"

@@ -2,7 +2,9 @@
 # Everything CI checks, in order:
 #   format   clang-format --dry-run --Werror over include/ tests/ examples/ bench/ python/, and
 #            bench/report.py --check (every generated table in README.md and docs/ matches its data)
-#   release  preset "release": build/release (tests, examples, benchmarks, -Werror), ctest
+#   release  preset "release": build/release (tests, examples, benchmarks, -Werror), ctest. The
+#            benchmarks and examples are compiled at -O1 (PLSH_SMOKE_BUILD=ON): here they only
+#            have to build and run; bench/regenerate.sh, which measures, configures them at -O3
 #   asan     preset "asan": build/asan, the unit tests with ASan and UBSan at -O1 with line
 #            tables only (the usual settings of a sanitizer build), compiled by clang++ (installed
 #            here; the default compiler when it cannot be had), ctest (the examples and the
@@ -10,9 +12,9 @@
 #            only). The release build compiles the unit tests for AVX-512 where the machine runs
 #            it (tests/CMakeLists.txt, PLSH_TEST_AVX512), the sanitizer build for the portable
 #            paths: each phase compiles every test once
-#   mpi      build/mpi (Release, PLSH_MPI=ON): only the MPI tests, example and benchmark, then
-#            ctest -L mpi (mpirun on 1, 2 and 4 ranks, the installed mpi component, the bytes
-#            acceptance); installs libopenmpi-dev and openmpi-bin, skipped with a message when
+#   mpi      build/mpi (Release, PLSH_MPI=ON, PLSH_SMOKE_BUILD=ON): only the MPI tests, example
+#            and benchmark, then ctest -L mpi (mpirun on 1, 2 and 4 ranks, the installed mpi
+#            component, the bytes acceptance); installs libopenmpi-dev and openmpi-bin, skipped with a message when
 #            they cannot be had. The release and asan phases build with PLSH_MPI=OFF.
 #   python   the Python package for Debian's /usr/bin/python3, installed by
 #            `pip install --no-build-isolation .` into the virtual environment build/python-venv
@@ -151,7 +153,7 @@ build_and_test() {
 # PLSH_MPI=OFF: the MPI parts are built and run once, by the mpi phase, whether or not MPI was
 # installed when these phases run.
 release() {
-  build_and_test release -DPLSH_WERROR=ON -DPLSH_MPI=OFF
+  build_and_test release -DPLSH_WERROR=ON -DPLSH_MPI=OFF -DPLSH_SMOKE_BUILD=ON
 }
 
 # The sanitizer build compiles with clang++ when it and its ASan runtime and OpenMP can be had
@@ -177,7 +179,7 @@ mpi_phase() {
     return 0
   fi
   cmake -S . -B build/mpi -DCMAKE_BUILD_TYPE=Release -DPLSH_WERROR=ON -DPLSH_MPI=ON \
-    -DPLSH_BUILD_TESTS=ON -DPLSH_BUILD_EXAMPLES=ON -DPLSH_BUILD_BENCHMARKS=ON
+    -DPLSH_BUILD_TESTS=ON -DPLSH_BUILD_EXAMPLES=ON -DPLSH_BUILD_BENCHMARKS=ON -DPLSH_SMOKE_BUILD=ON
   cmake --build build/mpi -j "${jobs}" --target test_mpi mpi_long_context mpi_bench
   ctest --test-dir build/mpi -L mpi -j "${jobs}" --timeout "${test_timeout}" --output-on-failure
 }
