@@ -198,6 +198,14 @@ TEST_CASE("Passes with a near field matches Fused and the dense reference on edg
       for (const Index n : {1, 2, 63, 65, 257}) {
         check_near_field_kernels<double>(Shape{n, n, 8, 2, 16, 12}, options, slopes, near_field,
                                          ++seed);
+#ifdef PLSH_TEST_SANITIZED
+        // Under the sanitizers float stops at 65 tokens: the double runs take the same paths at
+        // 257, where the dense reference is most of this test's time.
+        if (n > 65) {
+          ++seed;
+          continue;
+        }
+#endif
         check_near_field_kernels<float>(Shape{n, n, 8, 2, 16, 12}, options, slopes, near_field,
                                         ++seed);
       }

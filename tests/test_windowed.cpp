@@ -200,7 +200,11 @@ TEST_CASE("windowed ALiBi keeps a far attention sink that exact ALiBi weighs", "
   for (const bool causal : {true, false}) {
     plsh::AttentionOptions options;
     options.causal = causal;
+#ifndef PLSH_TEST_SANITIZED
+    // The dense references at 1500 tokens, in the Release build (the sanitizer build runs the
+    // kernel's certificate below).
     check_windowed(problem, plsh::alibi_slopes(4), 1e-6, options);
+#endif
     const std::vector<Block> kept = kept_rows(problem, plsh::alibi_slopes(4), 1e-6, options);
     const Index tiles = (n + 63) / 64;
     INFO("the last query tile of head 2 (slope 1/64) keeps the sink at key 0");
