@@ -82,6 +82,25 @@ def parse_name(run_name):
     return family, numbers
 
 
+def read_runs(path):
+    """{run name: [entries]} from a Google Benchmark JSON file: the median aggregate alone when it
+    was written, else every repetition; entries with an error are left out."""
+    with open(path) as file:
+        report = json.load(file)
+    medians, runs = {}, {}
+    for entry in report.get("benchmarks", []):
+        if entry.get("error_occurred"):
+            continue
+        name = entry.get("run_name", entry["name"])
+        if entry.get("run_type") == "aggregate":
+            if entry.get("aggregate_name") == "median":
+                medians[name] = [entry]
+        else:
+            runs.setdefault(name, []).append(entry)
+    runs.update(medians)
+    return runs
+
+
 def read_benchmarks(paths, clock):
     """{(family, n, s or None): {"seconds": ..., "gflops": ...}} from Google Benchmark JSON files,
     later files first."""
@@ -92,35 +111,20 @@ def read_benchmarks(paths, clock):
 
 
 def read_benchmark_file(path, clock):
-    with open(path) as file:
-        report = json.load(file)
-    medians = {}
-    repetitions = {}
-    for entry in report.get("benchmarks", []):
-        if entry.get("error_occurred"):
-            continue
-        run_name = entry.get("run_name", entry["name"])
-        seconds = entry[clock + "_time"] * TIME_UNIT_SECONDS[entry.get("time_unit", "ns")]
-        gflops = entry.get("gflops")
-        if gflops is not None and clock == "cpu" and entry.get("cpu_time"):
-            gflops *= entry["real_time"] / entry["cpu_time"]  # the counter is per wall second
-        sample = {"seconds": seconds, "gflops": gflops}
-        if entry.get("run_type") == "aggregate":
-            if entry.get("aggregate_name") == "median":
-                medians[run_name] = sample
-        else:
-            repetitions.setdefault(run_name, []).append(sample)
     results = {}
-    for run_name in set(medians) | set(repetitions):
-        if run_name in medians:
-            sample = medians[run_name]
-        else:
-            runs = repetitions[run_name]
-            sample = {
-                "seconds": statistics.median(run["seconds"] for run in runs),
-                "gflops": (statistics.median(run["gflops"] for run in runs)
-                           if all(run["gflops"] is not None for run in runs) else None),
-            }
+    for run_name, runs in read_runs(path).items():
+        samples = []
+        for entry in runs:
+            seconds = entry[clock + "_time"] * TIME_UNIT_SECONDS[entry.get("time_unit", "ns")]
+            gflops = entry.get("gflops")
+            if gflops is not None and clock == "cpu" and entry.get("cpu_time"):
+                gflops *= entry["real_time"] / entry["cpu_time"]  # the counter is per wall second
+            samples.append({"seconds": seconds, "gflops": gflops})
+        sample = {
+            "seconds": statistics.median(run["seconds"] for run in samples),
+            "gflops": (statistics.median(run["gflops"] for run in samples)
+                       if all(run["gflops"] is not None for run in samples) else None),
+        }
         family, numbers = parse_name(run_name)
         if family not in STYLE or not numbers:
             continue  # other families (threads, decoding) are not part of these plots
@@ -236,24 +240,11 @@ def read_train(path):
     """{(family, kernel, n, threads): {"real": seconds, "cpu": seconds}} from the training
     families' JSON (train_forward/<kernel>/<n>/<threads>, train/...): the median aggregate when
     written, else the median of the runs."""
-    with open(path) as file:
-        report = json.load(file)
-    medians, runs = {}, {}
-    for entry in report.get("benchmarks", []):
-        if entry.get("error_occurred"):
-            continue
-        name = entry.get("run_name", entry["name"])
-        if entry.get("run_type") == "aggregate":
-            if entry.get("aggregate_name") == "median":
-                medians[name] = entry
-        else:
-            runs.setdefault(name, []).append(entry)
     results = {}
-    for name in set(medians) | set(runs):
+    for name, chosen in read_runs(path).items():
         parts = name.split("/")
         if len(parts) < 4 or parts[0] not in ("train", "train_forward"):
             continue
-        chosen = [medians[name]] if name in medians else runs[name]
         scale = TIME_UNIT_SECONDS[chosen[0].get("time_unit", "ns")]
         results[(parts[0], parts[1], int(parts[2]), int(parts[3]))] = {
             clock: statistics.median(entry[clock + "_time"] for entry in chosen) * scale
@@ -320,24 +311,11 @@ def read_frontier(path, clock):
     """{set: {family: [(parameter, seconds, relative_error, n, dim)]}} from plsh_frontier's JSON
     (frontier/<set>/<family>/<parameter>): the median aggregate when written, else the median of
     the runs."""
-    with open(path) as file:
-        report = json.load(file)
-    medians, runs = {}, {}
-    for entry in report.get("benchmarks", []):
-        if entry.get("error_occurred"):
-            continue
-        name = entry.get("run_name", entry["name"])
-        if entry.get("run_type") == "aggregate":
-            if entry.get("aggregate_name") == "median":
-                medians[name] = entry
-        else:
-            runs.setdefault(name, []).append(entry)
     frontier = {}
-    for name in set(medians) | set(runs):
+    for name, chosen in read_runs(path).items():
         parts = name.split("/")
         if len(parts) < 4 or parts[0] != "frontier":
             continue
-        chosen = [medians[name]] if name in medians else runs[name]
         seconds = statistics.median(
             entry[clock + "_time"] * TIME_UNIT_SECONDS[entry.get("time_unit", "ns")]
             for entry in chosen)
