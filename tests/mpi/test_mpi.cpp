@@ -243,15 +243,15 @@ TEMPLATE_TEST_CASE("plsh::mpi::windowed_alibi_attention keeps the guarantee of t
   });
 }
 
-TEST_CASE("plsh::mpi::windowed_alibi_attention with a halo shorter than the sequence",
-          "[mpi][windowed]") {
-  // 1200 tokens and steep slopes: the certified window (about 340 positions) leaves every rank of
-  // two or more without most of the others' keys, which its certificate counts at the largest
-  // key norm. The guarantee must hold all the same.
-  const Index n = 1200;
-  const std::vector<double> slopes{2.0, 1.0};
-  const Shape shape{n, n, 2, 1, 8, 6};
-  const plsh_test::Problem<double> problem(shape, 15);
+/// Runs `windowed(q, k, v, mine, options)` (a windowed entry point at tolerance 1e-3 on this
+/// rank's chunk of an even layout of `problem`), causal and not, checks its rows against exact
+/// ALiBi within the guarantee, and hands its exchange counts to `check_counts(counts, causal,
+/// layout, chunk)`.
+template <class Windowed, class CheckCounts>
+void check_windowed_chunks(const plsh_test::Problem<double>& problem,
+                           const std::vector<double>& slopes, Windowed&& windowed,
+                           CheckCounts&& check_counts) {
+  const Index n = problem.shape.n_q;
   const ChunkLayout layout(plsh::mpi::even_chunk_sizes(n, world_size()));
   const Block chunk = layout.chunk(world_rank());
   for (const bool causal : {true, false}) {
@@ -262,19 +262,39 @@ TEST_CASE("plsh::mpi::windowed_alibi_attention with a halo shorter than the sequ
     Buffer<double> exact = problem.output();
     plsh::exact_alibi_attention<double>(problem.q.in(), problem.k.in(), problem.v.in(), exact.view,
                                         slopes, options);
-    Buffer<double> mine(chunk.size(), shape.heads, shape.value_dim);
-    const ExchangeCounts counts = plsh::mpi::windowed_alibi_attention<double>(
-        MPI_COMM_WORLD, problem.q.in().slice(chunk.begin, chunk.size()),
-        problem.k.in().slice(chunk.begin, chunk.size()),
-        problem.v.in().slice(chunk.begin, chunk.size()), mine.view, slopes, 1e-3, options);
+    Buffer<double> mine(chunk.size(), problem.shape.heads, problem.shape.value_dim);
+    const ExchangeCounts counts =
+        windowed(problem.q.in().slice(chunk.begin, chunk.size()),
+                 problem.k.in().slice(chunk.begin, chunk.size()),
+                 problem.v.in().slice(chunk.begin, chunk.size()), mine.view, options);
     CHECK(plsh_test::max_abs_difference(mine.in(), exact.in().slice(chunk.begin, chunk.size())) <=
           2e-3 + ::tolerance<double>());
-    if (world_size() > 1) {
-      if (!causal || world_rank() > 0) CHECK(counts.bytes_received > 0);
-      CHECK(counts.bytes_received <
-            static_cast<std::uint64_t>(n - chunk.size()) * row_bytes(shape, sizeof(double)));
-    }
+    check_counts(counts, causal, layout, chunk);
   }
+}
+
+TEST_CASE("plsh::mpi::windowed_alibi_attention with a halo shorter than the sequence",
+          "[mpi][windowed]") {
+  // 1200 tokens and steep slopes: the certified window (about 340 positions) leaves every rank of
+  // two or more without most of the others' keys, which its certificate counts at the largest
+  // key norm. The guarantee must hold all the same.
+  const Index n = 1200;
+  const std::vector<double> slopes{2.0, 1.0};
+  const Shape shape{n, n, 2, 1, 8, 6};
+  check_windowed_chunks(
+      plsh_test::Problem<double>(shape, 15), slopes,
+      [&](const HeadsView<const double>& q, const HeadsView<const double>& k,
+          const HeadsView<const double>& v, const HeadsView<double>& out,
+          const plsh::AttentionOptions& options) {
+        return plsh::mpi::windowed_alibi_attention<double>(MPI_COMM_WORLD, q, k, v, out, slopes,
+                                                           1e-3, options);
+      },
+      [&](const ExchangeCounts& counts, bool causal, const ChunkLayout&, const Block& chunk) {
+        if (world_size() == 1) return;
+        if (!causal || world_rank() > 0) CHECK(counts.bytes_received > 0);
+        CHECK(counts.bytes_received <
+              static_cast<std::uint64_t>(n - chunk.size()) * row_bytes(shape, sizeof(double)));
+      });
 }
 
 TEST_CASE("plsh::mpi::windowed_alibi_attention widens a halo whose certificate does not hold",
@@ -286,29 +306,24 @@ TEST_CASE("plsh::mpi::windowed_alibi_attention widens a halo whose certificate d
   const Index n = 600;
   const std::vector<double> slopes{0.05, 0.02};
   const Shape shape{n, n, 2, 1, 8, 6};
-  const plsh_test::Problem<double> problem(shape, 17);
-  const ChunkLayout layout(plsh::mpi::even_chunk_sizes(n, world_size()));
-  const Block chunk = layout.chunk(world_rank());
-  for (const bool causal : {true, false}) {
-    plsh::AttentionOptions options;
-    options.causal = causal;
-    INFO((causal ? "causal" : "bidirectional")
-         << ", rank " << world_rank() << " of " << world_size());
-    Buffer<double> exact = problem.output();
-    plsh::exact_alibi_attention<double>(problem.q.in(), problem.k.in(), problem.v.in(), exact.view,
-                                        slopes, options);
-    Buffer<double> mine(chunk.size(), shape.heads, shape.value_dim);
-    const ExchangeCounts counts = plsh::detail::windowed_with_halo<double>(
-        MPI_COMM_WORLD, problem.q.in().slice(chunk.begin, chunk.size()),
-        problem.k.in().slice(chunk.begin, chunk.size()),
-        problem.v.in().slice(chunk.begin, chunk.size()), mine.view, slopes, 1e-3, options, 0);
-    CHECK(plsh_test::max_abs_difference(mine.in(), exact.in().slice(chunk.begin, chunk.size())) <=
-          2e-3 + ::tolerance<double>());
-    const std::uint64_t narrow =
-        plsh::detail::halo_bytes(layout, plsh::detail::windowed_reachable_keys(layout, 0, options),
-                                 world_rank(), row_bytes(shape, sizeof(double)));
-    if (world_size() > 1 && (!causal || world_rank() > 0)) CHECK(counts.bytes_received > narrow);
-  }
+  check_windowed_chunks(
+      plsh_test::Problem<double>(shape, 17), slopes,
+      [&](const HeadsView<const double>& q, const HeadsView<const double>& k,
+          const HeadsView<const double>& v, const HeadsView<double>& out,
+          const plsh::AttentionOptions& options) {
+        return plsh::detail::windowed_with_halo<double>(MPI_COMM_WORLD, q, k, v, out, slopes, 1e-3,
+                                                        options, 0);
+      },
+      [&](const ExchangeCounts& counts, bool causal, const ChunkLayout& layout, const Block&) {
+        plsh::AttentionOptions options;
+        options.causal = causal;
+        const std::uint64_t narrow = plsh::detail::halo_bytes(
+            layout, plsh::detail::windowed_reachable_keys(layout, 0, options), world_rank(),
+            row_bytes(shape, sizeof(double)));
+        if (world_size() > 1 && (!causal || world_rank() > 0)) {
+          CHECK(counts.bytes_received > narrow);
+        }
+      });
 }
 
 TEMPLATE_TEST_CASE("plsh::mpi::exact_alibi_attention (ring) equals exact_alibi_attention",
