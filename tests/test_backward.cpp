@@ -1,8 +1,8 @@
 // Tests of attention/backward.hpp: the gradients of exact ALiBi, truncated ALiBi and Positional
 // LSH attention against central finite differences of the forward kernels, against the dense
 // double reference (plsh::reference::*_backward), the convergence of the Positional LSH gradients
-// to the exact ones as the number of draws grows, independence from the thread count, and every
-// rejected argument.
+// to the exact ones as the number of draws grows, the one sweep against the two sweeps,
+// independence from the thread count (of either path), and every rejected argument.
 //
 // The loss is L = sum(dout o out) for a fixed random dout, so dL/dout = dout and the backward's
 // dq, dk, dv are dL/dq, dL/dk, dL/dv. Errors are measured per tensor as
@@ -475,33 +475,35 @@ TEST_CASE("Positional LSH gradients approach the exact ALiBi gradients as s grow
 
 TEST_CASE("backward results do not depend on the number of threads", "[backward][threads]") {
   const std::vector<double> slopes = {0.5, 0.1, 1.0 / 32, 0.0};
-  const Shape shape{300, 300, 4, 2, 16, 16};
-  for (const Case& c : {make_case("exact", Method::Exact, 1, true, 0, 0),
-                        truncated_case("truncated 0.05, bidirectional", 0.05, false, 0, 0),
-                        make_case("plsh s = 20", Method::Plsh, 20, true, 0, 0),
-                        make_case("plsh s = 20, bidirectional", Method::Plsh, 20, false, 0, 0)}) {
-    INFO(c.name);
-    Problem<float> one(shape, 9, 1.5);
-    forward(c, one, slopes);
-    Problem<float> two = one;
+  // One key/value head: the two sweeps on two or more processors (uses_one_sweep).
+  for (const Shape& shape : {Shape{300, 300, 4, 2, 16, 16}, Shape{300, 300, 4, 1, 16, 16}}) {
+    for (const Case& c : {make_case("exact", Method::Exact, 1, true, 0, 0),
+                          truncated_case("truncated 0.05, bidirectional", 0.05, false, 0, 0),
+                          make_case("plsh s = 20", Method::Plsh, 20, true, 0, 0),
+                          make_case("plsh s = 20, bidirectional", Method::Plsh, 20, false, 0, 0)}) {
+      INFO(c.name << ", " << shape);
+      Problem<float> one(shape, 9, 1.5);
+      forward(c, one, slopes);
+      Problem<float> two = one;
 #if defined(_OPENMP)
-    const int threads = omp_get_max_threads();
-    omp_set_num_threads(1);
-    backward(c, one, slopes);
-    omp_set_num_threads(2);
-    backward(c, two, slopes);
-    omp_set_num_threads(threads);
+      const int threads = omp_get_max_threads();
+      omp_set_num_threads(1);
+      backward(c, one, slopes);
+      omp_set_num_threads(2);
+      backward(c, two, slopes);
+      omp_set_num_threads(threads);
 #else
-    backward(c, one, slopes);
-    backward(c, two, slopes);
+      backward(c, one, slopes);
+      backward(c, two, slopes);
 #endif
-    INFO("dq, dk, dv of 1 and 2 threads must be identical bit for bit");
-    CHECK(std::memcmp(one.dq.storage.data(), two.dq.storage.data(),
-                      one.dq.storage.size() * sizeof(float)) == 0);
-    CHECK(std::memcmp(one.dk.storage.data(), two.dk.storage.data(),
-                      one.dk.storage.size() * sizeof(float)) == 0);
-    CHECK(std::memcmp(one.dv.storage.data(), two.dv.storage.data(),
-                      one.dv.storage.size() * sizeof(float)) == 0);
+      INFO("dq, dk, dv of 1 and 2 threads must be identical bit for bit");
+      CHECK(std::memcmp(one.dq.storage.data(), two.dq.storage.data(),
+                        one.dq.storage.size() * sizeof(float)) == 0);
+      CHECK(std::memcmp(one.dk.storage.data(), two.dk.storage.data(),
+                        one.dk.storage.size() * sizeof(float)) == 0);
+      CHECK(std::memcmp(one.dv.storage.data(), two.dv.storage.data(),
+                        one.dv.storage.size() * sizeof(float)) == 0);
+    }
   }
 }
 

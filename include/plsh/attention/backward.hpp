@@ -62,7 +62,8 @@
 /// exact_alibi_attention, truncated_alibi_attention and plsh_attention, and against the dense
 /// double references plsh::reference::alibi_attention_backward,
 /// plsh::reference::truncated_alibi_attention_backward and
-/// plsh::reference::plsh_attention_backward (reference.hpp); the windowed backward in
+/// plsh::reference::plsh_attention_backward (reference.hpp), and the one sweep against the two
+/// sweeps and on 1 and 2 threads; the windowed backward in
 /// tests/test_windowed.cpp; bfloat16 and half storage in tests/test_half.cpp.
 
 #include <Eigen/Core>
@@ -894,7 +895,8 @@ void batched_fixed_block_attention_backward(
 /// \param dout `[n_q][H][d_v]`. \param dq like q, \param dk like k, \param dv like v.
 /// \param slopes, options as the forward.
 /// \param lse the forward's row log-sum-exp (row_lse.hpp), or empty: then computed here. Given,
-/// sweep 1 takes \f$P = e^{l - \mathrm{lse}}\f$ from it, without a running maximum.
+/// \f$P = e^{l - \mathrm{lse}}\f$ comes from it, without a pass or a running maximum to compute
+/// it.
 /// \throws std::invalid_argument on shapes that disagree, a bad slope, a gradient view that
 /// overlaps an input or another gradient, or an `lse` of another shape; the message names the
 /// argument.
