@@ -1,8 +1,8 @@
 // Tests of attention/backward.hpp: the gradients of exact ALiBi, truncated ALiBi and Positional
 // LSH attention against central finite differences of the forward kernels, against the dense
 // double reference (plsh::reference::*_backward), the convergence of the Positional LSH gradients
-// to the exact ones as the number of draws grows, independence from the thread count, and every
-// rejected argument.
+// to the exact ones as the number of draws grows, the one sweep against the two sweeps,
+// independence from the thread count (of either path), and every rejected argument.
 //
 // The loss is L = sum(dout o out) for a fixed random dout, so dL/dout = dout and the backward's
 // dq, dk, dv are dL/dq, dL/dk, dL/dv. Errors are measured per tensor as
@@ -22,6 +22,7 @@
 #include <omp.h>
 #endif
 
+#include <plsh/alibi.hpp>
 #include <plsh/attention/alibi_attention.hpp>
 #include <plsh/attention/backward.hpp>
 #include <plsh/attention/plsh_attention.hpp>
@@ -30,6 +31,7 @@
 
 #include "attention_fixture.hpp"
 #include "kernel_instances.hpp"
+#include "thread_count.hpp"
 
 namespace {
 
@@ -183,6 +185,13 @@ double relative_error(const std::vector<A>& actual, const std::vector<B>& expect
   return difference / scale;
 }
 
+/// relative_error, and 0 for equal tensors (a gradient that is exactly 0: that of the only key
+/// of a row, of a query that sees one key).
+template <class A, class B>
+double difference(const std::vector<A>& actual, const std::vector<B>& expected) {
+  return actual == expected ? 0.0 : relative_error(actual, expected);
+}
+
 double loss(const Case& c, Problem<double>& p, const std::vector<double>& slopes) {
   forward(c, p, slopes);
   double sum = 0;
@@ -206,6 +215,51 @@ std::vector<double> finite_differences(const Case& c, Problem<double>& p, Buffer
     gradient[i] = (plus - minus) / (2 * step);
   }
   return gradient;
+}
+
+/// The forward of case c writing its row lse to `lse` (`[H][n_q]`).
+void forward_writing_lse(const Case& c, Problem<float>& p, const std::vector<double>& slopes,
+                         std::vector<float>& lse) {
+  lse.assign(static_cast<std::size_t>(p.shape.heads * p.shape.n_q), 0.0f);
+  const plsh::RowLse<float> row_lse(lse.data(), p.shape.heads, p.shape.n_q);
+  if (c.method == Method::Exact) {
+    plsh::exact_alibi_attention<float>(p.q_view(), p.k_view(), p.v_view(), p.out_mutable(), slopes,
+                                       c.options, row_lse);
+  } else if (c.method == Method::Truncated) {
+    plsh::truncated_alibi_attention<float>(p.q_view(), p.k_view(), p.v_view(), p.out_mutable(),
+                                           slopes, c.factor_tolerance, c.options, row_lse);
+  } else {
+    plsh::plsh_attention<float>(p.q_view(), p.k_view(), p.v_view(), p.out_mutable(), slopes,
+                                c.options, row_lse);
+  }
+}
+
+/// The backward of case c by detail::attention_backward on the given sweeps, with the logits of
+/// its public function and the forward's lse when `lse` is not empty.
+void backward_by_sweeps(const Case& c, Problem<float>& p, const std::vector<double>& slopes,
+                        const std::vector<float>& lse, plsh::detail::BackwardSweeps sweeps) {
+  namespace detail = plsh::detail;
+  const auto q = detail::batch_of_one(p.q_view());
+  const auto k = detail::batch_of_one(p.k_view());
+  plsh::AttentionOptions resolved = c.options;
+  resolved.scale = detail::resolved_scale(c.options, p.shape.dim);
+  const plsh::RowLse<const float> row_lse =
+      lse.empty() ? plsh::RowLse<const float>()
+                  : plsh::RowLse<const float>(lse.data(), p.shape.heads, p.shape.n_q);
+  const auto run = [&](const auto& logits) {
+    detail::attention_backward<float>(
+        q, k, detail::batch_of_one(p.v_view()), detail::batch_of_one(p.out_view()),
+        detail::batch_of_one(p.dout_view()), detail::batch_of_one(p.dq_view()),
+        detail::batch_of_one(p.dk_view()), detail::batch_of_one(p.dv_view()), resolved, logits,
+        row_lse, sweeps);
+  };
+  if (c.method == Method::Plsh) {
+    const auto grids = detail::kernel_grids(slopes, c.options, "plsh_attention_backward");
+    run(detail::PlshLogits<float>(slopes, grids, resolved, detail::position_range(q, k, c.options),
+                                  p.shape.n_q, p.shape.n_k, c.options.near_field));
+  } else {
+    run(detail::AlibiLogits<float>(slopes, resolved, p.shape.n_q, p.shape.n_k, c.factor_tolerance));
+  }
 }
 
 const std::vector<Case>& forward_cases() {
@@ -421,33 +475,112 @@ TEST_CASE("Positional LSH gradients approach the exact ALiBi gradients as s grow
 
 TEST_CASE("backward results do not depend on the number of threads", "[backward][threads]") {
   const std::vector<double> slopes = {0.5, 0.1, 1.0 / 32, 0.0};
-  const Shape shape{300, 300, 4, 2, 16, 16};
+  // One key/value head: the two sweeps on two or more processors (uses_one_sweep).
+  for (const Shape& shape : {Shape{300, 300, 4, 2, 16, 16}, Shape{300, 300, 4, 1, 16, 16}}) {
+    for (const Case& c : {make_case("exact", Method::Exact, 1, true, 0, 0),
+                          truncated_case("truncated 0.05, bidirectional", 0.05, false, 0, 0),
+                          make_case("plsh s = 20", Method::Plsh, 20, true, 0, 0),
+                          make_case("plsh s = 20, bidirectional", Method::Plsh, 20, false, 0, 0)}) {
+      INFO(c.name << ", " << shape);
+      Problem<float> one(shape, 9, 1.5);
+      forward(c, one, slopes);
+      Problem<float> two = one;
+#if defined(_OPENMP)
+      const int threads = omp_get_max_threads();
+      omp_set_num_threads(1);
+      backward(c, one, slopes);
+      omp_set_num_threads(2);
+      backward(c, two, slopes);
+      omp_set_num_threads(threads);
+#else
+      backward(c, one, slopes);
+      backward(c, two, slopes);
+#endif
+      INFO("dq, dk, dv of 1 and 2 threads must be identical bit for bit");
+      CHECK(std::memcmp(one.dq.storage.data(), two.dq.storage.data(),
+                        one.dq.storage.size() * sizeof(float)) == 0);
+      CHECK(std::memcmp(one.dk.storage.data(), two.dk.storage.data(),
+                        one.dk.storage.size() * sizeof(float)) == 0);
+      CHECK(std::memcmp(one.dv.storage.data(), two.dv.storage.data(),
+                        one.dv.storage.size() * sizeof(float)) == 0);
+    }
+  }
+}
+
+TEST_CASE("the one sweep equals the two sweeps to rounding", "[backward][sweeps]") {
+  using plsh::detail::BackwardSweeps;
+  // Key tiles of 128 and query tiles of 32 or 64: 1 token, fewer and more queries than keys,
+  // ragged last tiles (130 = 2 * 64 + 2, 257 = 2 * 128 + 1), grouped heads.
+  const std::vector<Shape> shapes = {{1, 1, 2, 2, 16, 8},
+                                     {70, 257, 2, 2, 16, 16},
+                                     {257, 70, 2, 1, 16, 8},
+                                     {130, 130, 4, 2, 16, 16},
+                                     {130, 257, 6, 3, 8, 16}};
+  for (const Shape& shape : shapes) {
+    const std::vector<double> slopes = plsh::alibi_slopes(shape.heads);
+    for (const bool causal : {true, false}) {
+      for (const Case& c : {make_case("exact", Method::Exact, 1, causal, 0, 0),
+                            make_case("exact, offsets", Method::Exact, 1, causal, 200, 3),
+                            truncated_case("truncated 0.05", 0.05, causal, 0, 0),
+                            make_case("plsh s = 20", Method::Plsh, 20, causal, 0, 0)}) {
+        Problem<float> one(shape, 21, 1.5);
+        std::vector<float> lse;
+        forward_writing_lse(c, one, slopes, lse);
+        for (const bool given : {true, false}) {
+          INFO(c.name << (causal ? ", causal, " : ", bidirectional, ") << shape
+                      << (given ? ", the forward's lse" : ", lse computed"));
+          Problem<float> two = one;
+          const std::vector<float> no_lse;
+          backward_by_sweeps(c, one, slopes, given ? lse : no_lse, BackwardSweeps::One);
+          backward_by_sweeps(c, two, slopes, given ? lse : no_lse, BackwardSweeps::Two);
+          // Each gradient entry is a sum of at most n = max(group n_q, n_k) products of factors
+          // that both paths round alike, summed in another blocking: the two sums differ by at
+          // most 2 gamma_n sum|terms| (gamma_n = n u / (1 - n u), u = 2^-24), and on these
+          // random inputs sum|terms| stays within 4 max|entry|.
+          const double n = static_cast<double>(
+              std::max(shape.heads / shape.kv_heads * shape.n_q, shape.n_k) + shape.dim);
+          const double u = std::ldexp(1.0, -24);
+          const double bound = 4 * 2 * n * u / (1 - n * u);
+          CHECK(difference(one.dq.storage, two.dq.storage) <= bound);
+          CHECK(difference(one.dk.storage, two.dk.storage) <= bound);
+          CHECK(difference(one.dv.storage, two.dv.storage) <= bound);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("the one sweep does not depend on the number of threads", "[backward][threads]") {
+  using plsh::detail::BackwardSweeps;
+  // Three key/value heads on two threads: one thread runs two of them.
+  const Shape shape{300, 300, 6, 3, 16, 16};
+  const std::vector<double> slopes = plsh::alibi_slopes(shape.heads);
   for (const Case& c : {make_case("exact", Method::Exact, 1, true, 0, 0),
                         truncated_case("truncated 0.05, bidirectional", 0.05, false, 0, 0),
-                        make_case("plsh s = 20", Method::Plsh, 20, true, 0, 0),
-                        make_case("plsh s = 20, bidirectional", Method::Plsh, 20, false, 0, 0)}) {
-    INFO(c.name);
+                        make_case("plsh s = 20", Method::Plsh, 20, true, 0, 0)}) {
     Problem<float> one(shape, 9, 1.5);
-    forward(c, one, slopes);
-    Problem<float> two = one;
-#if defined(_OPENMP)
-    const int threads = omp_get_max_threads();
-    omp_set_num_threads(1);
-    backward(c, one, slopes);
-    omp_set_num_threads(2);
-    backward(c, two, slopes);
-    omp_set_num_threads(threads);
-#else
-    backward(c, one, slopes);
-    backward(c, two, slopes);
-#endif
-    INFO("dq, dk, dv of 1 and 2 threads must be identical bit for bit");
-    CHECK(std::memcmp(one.dq.storage.data(), two.dq.storage.data(),
-                      one.dq.storage.size() * sizeof(float)) == 0);
-    CHECK(std::memcmp(one.dk.storage.data(), two.dk.storage.data(),
-                      one.dk.storage.size() * sizeof(float)) == 0);
-    CHECK(std::memcmp(one.dv.storage.data(), two.dv.storage.data(),
-                      one.dv.storage.size() * sizeof(float)) == 0);
+    std::vector<float> lse;
+    forward_writing_lse(c, one, slopes, lse);
+    for (const bool given : {true, false}) {
+      INFO(c.name << (given ? ", the forward's lse" : ", lse computed"));
+      Problem<float> two = one;
+      const std::vector<float> no_lse;
+      {
+        const plsh_test::ThreadCount threads(1);
+        backward_by_sweeps(c, one, slopes, given ? lse : no_lse, BackwardSweeps::One);
+      }
+      {
+        const plsh_test::ThreadCount threads(2);
+        backward_by_sweeps(c, two, slopes, given ? lse : no_lse, BackwardSweeps::One);
+      }
+      INFO("dq, dk, dv of 1 and 2 threads must be identical bit for bit");
+      CHECK(std::memcmp(one.dq.storage.data(), two.dq.storage.data(),
+                        one.dq.storage.size() * sizeof(float)) == 0);
+      CHECK(std::memcmp(one.dk.storage.data(), two.dk.storage.data(),
+                        one.dk.storage.size() * sizeof(float)) == 0);
+      CHECK(std::memcmp(one.dv.storage.data(), two.dv.storage.data(),
+                        one.dv.storage.size() * sizeof(float)) == 0);
+    }
   }
 }
 

@@ -265,13 +265,15 @@ using Backward =
 
 template <class Scalar>
 std::vector<std::pair<std::string, Backward<Scalar>>> backward_kernels() {
-  const std::vector<double> slopes{0.5, 0.05};
+  // ALiBi's slopes, one per head of the problem.
+  const auto slopes_of = [](const Problem<Scalar>& p) { return plsh::alibi_slopes(p.shape.heads); };
   plsh::AttentionOptions options;
   plsh::PlshOptions plsh_options;
   plsh_options.samples = 7;
   return {
       {"exact",
        [=](const Problem<Scalar>& p, const Buffer<Scalar>& dout, Gradients<Scalar>& g) {
+         const std::vector<double> slopes = slopes_of(p);
          plsh::exact_alibi_attention<Scalar>(p.q.in(), p.k.in(), p.v.in(), g.out.view, slopes,
                                              options);
          plsh::exact_alibi_attention_backward<Scalar>(p.q.in(), p.k.in(), p.v.in(), g.out.in(),
@@ -280,6 +282,7 @@ std::vector<std::pair<std::string, Backward<Scalar>>> backward_kernels() {
        }},
       {"plsh",
        [=](const Problem<Scalar>& p, const Buffer<Scalar>& dout, Gradients<Scalar>& g) {
+         const std::vector<double> slopes = slopes_of(p);
          plsh::plsh_attention<Scalar>(p.q.in(), p.k.in(), p.v.in(), g.out.view, slopes,
                                       plsh_options);
          plsh::plsh_attention_backward<Scalar>(p.q.in(), p.k.in(), p.v.in(), g.out.in(), dout.in(),
@@ -318,12 +321,17 @@ bool zero_rows(const Buffer<Scalar>& a, Index begin, Index end) {
 
 template <class Scalar>
 void check_masked_poison_backward() {
-  // Causal, 30 queries at positions 0..29 and 40 keys: keys 30..39 are seen by no query.
-  const Shape unseen_shape{30, 40, 2, 1, 8, 8};
-  // Causal self-attention: rows 0..29 cannot see key 30.
-  const Shape self_shape{40, 40, 2, 1, 8, 8};
+  // One key/value head: the two sweeps; as many as processors: the one sweep (uses_one_sweep).
+  const Index processors = std::max<Index>(2, plsh::detail::processor_count());
+  std::vector<Shape> shapes;
+  for (const Index kv_heads : {Index{1}, processors}) {
+    // Causal, 30 queries at positions 0..29 and 40 keys: keys 30..39 are seen by no query.
+    shapes.push_back(Shape{30, 40, 2 * kv_heads, kv_heads, 8, 8});
+    // Causal self-attention: rows 0..29 cannot see key 30.
+    shapes.push_back(Shape{40, 40, 2 * kv_heads, kv_heads, 8, 8});
+  }
   for (const auto& kernel : backward_kernels<Scalar>()) {
-    for (const Shape& shape : {unseen_shape, self_shape}) {
+    for (const Shape& shape : shapes) {
       const Problem<Scalar> clean(shape, 17);
       Buffer<Scalar> dout(shape.n_q, shape.heads, shape.value_dim);
       dout.fill_random(23);
@@ -338,7 +346,7 @@ void check_masked_poison_backward() {
       for (const Scalar poison : poisons<Scalar>()) {
         for (const bool poison_key : {false, true}) {
           INFO(plsh_test::type_name<Scalar>()
-               << " " << kernel.first << " n_q " << shape.n_q << " poison " << poison
+               << " " << kernel.first << " " << shape << " poison " << poison
                << (poison_key ? " in k" : " in v") << " row " << key);
           Problem<Scalar> poisoned = clean;
           set_row(poison_key ? poisoned.k : poisoned.v, key, poison);

@@ -8,9 +8,10 @@
 /// Every batched kernel checks the batch once (the same batch size everywhere, no element address
 /// overflowing, outputs not overlapping each other or an input), then the shapes and options of
 /// one element, and runs the kernel's job list over all the elements in one parallel region:
-/// jobs (batch element, head, query tile) for the tiled forwards and backward sweep 1, (batch
-/// element, head) for the Positional LSH passes, (batch element, key/value head, key tile) for
-/// backward sweep 2. The draws of Positional LSH are made once per call and shared by the
+/// jobs (batch element, head, query tile) for the tiled forwards and the backward's sweep 1 and
+/// lse pass, (batch element, head) for the Positional LSH passes, (batch element, key/value head,
+/// key tile) for the backward's sweep 2, (batch element, key/value head) for its one sweep. The
+/// draws of Positional LSH are made once per call and shared by the
 /// elements. An unbatched call is the same code with a batch of one, every job computes what it
 /// computes there, and every output row is written by one job, so a batched call equals the loop
 /// over its elements bit for bit, for any number of threads. Cost: the sum of the elements' costs

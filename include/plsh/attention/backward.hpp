@@ -16,30 +16,43 @@
 /// \f[ dQ_i = \text{scale}\sum_j dS_{ij} k_j,\qquad dK_j = \text{scale}\sum_i dS_{ij} q_i. \f]
 /// Query heads of a group (H a multiple of H_kv) add their dK, dV into their shared head.
 ///
-/// Cost: FlashAttention-style recomputation, nothing \f$n\times n\f$. Sweep 1, parallel over
-/// (batch element, head, query tile): the logits of the visible keys, a running log-sum-exp and
-/// dQ in one pass (dQ's accumulator is rescaled on a new row maximum, like the forward's output).
-/// Sweep 2, parallel over (batch element, key/value head, key tile): the logits again, P from the
-/// stored lse, dV and dK, with the query heads of the group and their query tiles visited in a
-/// fixed order. Given the forward's row lse (RowLse, row_lse.hpp, FlashAttention's
-/// `softmax_lse`), sweep 1 takes \f$P = e^{l - \mathrm{lse}}\f$ from it (no running maximum, no
-/// rescaling) and sweep 2 reads it, after the row constant of ALiBi's logits (regular.hpp's
+/// Cost: FlashAttention-style recomputation, nothing \f$n\times n\f$. Two paths; uses_one_sweep
+/// picks one from the number of key/value heads against the processors (never from the number of
+/// threads or the batch size, so the result does not change with either):
+/// - One sweep (backward_group; FlashAttention-2's backward), when an element has at least as
+///   many key/value heads as there are processors: parallel over (batch element, key/value
+///   head). A job visits the group's query heads in order, each head's query tiles in order and
+///   each tile's visible keys in chunks: the logits, \f$P = e^{l - \mathrm{lse}}\f$, dP and dS
+///   once per visible score, added to the tile's dQ and to the chunk's rows of dK and dV, which
+///   the job alone writes. Five products, about \f$6d + 4d_v\f$ flops per visible score; without
+///   the forward's lse, a pass over (batch element, head, query tile) first computes it from the
+///   logits alone (logits_lse, \f$2d\f$ more).
+/// - Two sweeps, for fewer key/value heads (one head; grouped heads with one key/value head),
+///   parallel over tiles. Sweep 1, over (batch element, head, query tile): the logits of the
+///   visible keys and dQ (without the forward's lse, with a running log-sum-exp: dQ's accumulator
+///   is rescaled on a new row maximum, like the forward's output). Sweep 2, over (batch element,
+///   key/value head, key tile): the logits again, P from the lse, dV and dK, with the query heads
+///   of the group and their query tiles visited in a fixed order. Seven products, about \f$8d +
+///   6d_v\f$ flops per visible score.
+///
+/// The forward: \f$2d + 2d_v\f$. The forward's row lse (RowLse, row_lse.hpp, FlashAttention's
+/// `softmax_lse`) is read after the row constant of ALiBi's logits (regular.hpp's
 /// apply_linear_bias: nonzero for a query beyond the last key or before the first) is added to a
-/// copy of it; given the windowed forward's kept keys (KeptKeys,
-/// kept_keys.hpp), the windowed backward does not run the certificate. Each sweep is one OpenMP
-/// region for the whole batch (batch.hpp; an unbatched call is a batch of one), and the draws are
-/// made once per call. About \f$8d + 6d_v\f$ flops per visible score (the forward: \f$2d +
-/// 2d_v\f$); memory: lse and D, \f$2BHn_q\f$ scalars, plus one tile workspace per thread. Every
-/// output row is written by one job and every sum runs in a fixed order: the result is identical
-/// for any number of threads. The Positional LSH visible set and counts of a tile of rows come from
-/// BlockCounts, the fused forward's own.
+/// copy of it; given the windowed forward's kept keys (KeptKeys, kept_keys.hpp), the windowed
+/// backward does not run the certificate. Each sweep is one OpenMP region for the whole batch
+/// (batch.hpp; an unbatched call is a batch of one), and the draws are made once per call.
+/// Memory: lse and D, \f$2BHn_q\f$ scalars, plus one tile workspace per thread (the one sweep
+/// with 16-bit storage: a head of dK and dV in float). Every output row is written by one job and
+/// every sum runs in a fixed order: the result is identical for any number of threads. The
+/// Positional LSH visible set and counts of a tile of rows come from BlockCounts, the fused
+/// forward's own.
 ///
 /// Storage types (detail/storage.hpp): q, k, v, out, dout and the gradients may be float, double,
 /// Eigen::bfloat16 or Eigen::half; the sweeps compute in `Compute<S>` (float for the 16-bit
 /// types), lse and D included. A 16-bit tile of an input is converted to float once per use
-/// (compute_rows: sweep 1 the query tile's q, out, dout rows and each key tile's k, v; sweep 2 the
+/// (compute_rows: a query tile's q, out, dout rows and each of its key chunks' k, v; sweep 2 the
 /// key tile's k, v and each query tile's q, dout) and the gradient rows are rounded back once
-/// (OutputRows): O(tile) scratch per thread. For float and double nothing is copied.
+/// (OutputRows). For float and double nothing is copied.
 ///
 /// Masked keys: the logits are \f$-\infty\f$, their weights exactly 0 (the forward's masked
 /// exp), and every product skips the terms of a zero weight, so a key no query sees gets
@@ -49,7 +62,8 @@
 /// exact_alibi_attention, truncated_alibi_attention and plsh_attention, and against the dense
 /// double references plsh::reference::alibi_attention_backward,
 /// plsh::reference::truncated_alibi_attention_backward and
-/// plsh::reference::plsh_attention_backward (reference.hpp); the windowed backward in
+/// plsh::reference::plsh_attention_backward (reference.hpp), and the one sweep against the two
+/// sweeps and on 1 and 2 threads; the windowed backward in
 /// tests/test_windowed.cpp; bfloat16 and half storage in tests/test_half.cpp.
 
 #include <Eigen/Core>
@@ -360,8 +374,8 @@ void weights_from_lse(Eigen::Map<RowMatrix<Scalar>>& scores, const Scalar* lse,
 
 /// `accumulator += weights * operand`, where an operand row with a non-finite entry adds only
 /// where `weight_of(row, operand row)` is not 0.
-template <class Scalar, class Weights, class Operand, class WeightOf>
-void add_seen_product(BackwardWorkspace<Scalar>& workspace, RowMatrix<Scalar>& accumulator,
+template <class Scalar, class Accumulator, class Weights, class Operand, class WeightOf>
+void add_seen_product(BackwardWorkspace<Scalar>& workspace, Accumulator& accumulator,
                       const Weights& weights, const Operand& operand, WeightOf&& weight_of) {
   find_nonfinite_rows(operand, workspace.nonfinite);
   add_product(
@@ -505,11 +519,142 @@ void backward_key_rows(const HeadsView<const Storage>& q, const HeadsView<const 
   converted.value_result.store();
 }
 
-/// Both sweeps over a batch, each one parallel region over the jobs of every batch element:
-/// sweep 1 over (element, head, query tile), sweep 2 over (element, key/value head, key tile).
-/// `options.scale` must be resolved; the logits are shared by the elements. Views in the storage
-/// type `Scalar`, lse and D in its compute type. With `given_lse` (the forward's, checked) sweep 1
-/// takes P from it and both sweeps read it; otherwise sweep 1 computes it.
+/// The one sweep for key/value head `kv_head` of one batch element: the query heads of its group
+/// in order, each head's query tiles in order (the tiles of backward_query_rows), and each tile's
+/// visible keys in chunks of kKeyTile in order. A chunk's logits give P (from `lse`, the given lse
+/// shifted as the logits, `[H][n_q]`), dP and dS, which add to the tile's dQ and to the chunk's
+/// rows of dK and dV: the job writes dq of the group's heads, their rows of `delta`, and dk and
+/// dv of `kv_head`, which it alone writes, so it sums into them in place (16-bit storage: into
+/// a compute-type copy of the head, rounded once at the end).
+template <class Storage, class Logits>
+void backward_group(const HeadsView<const Storage>& q, const HeadsView<const Storage>& k,
+                    const HeadsView<const Storage>& v, const HeadsView<const Storage>& out,
+                    const HeadsView<const Storage>& dout, const HeadsView<Storage>& dq,
+                    const HeadsView<Storage>& dk, const HeadsView<Storage>& dv,
+                    const AttentionOptions& options, const Logits& logits, Index b, Index kv_head,
+                    const Compute<Storage>* lse, Compute<Storage>* delta) {
+  using Scalar = Compute<Storage>;
+  const BackwardWorkspaceLease<Scalar> workspace_lease;
+  const ConvertedRowsLease<Storage> converted_lease;
+  BackwardWorkspace<Scalar>& workspace = *workspace_lease;
+  ConvertedRows<Storage>& converted = *converted_lease;
+  const Index group = q.heads / k.heads;
+  const Scalar scale = static_cast<Scalar>(options.scale);
+  const ConstHeadMap<Storage> k_head = k.head(kv_head);
+  const ConstHeadMap<Storage> v_head = v.head(kv_head);
+  HeadMap<Scalar> dk_head = converted.key_result.bind(dk.head(kv_head));
+  HeadMap<Scalar> dv_head = converted.value_result.bind(dv.head(kv_head));
+  dk_head.setZero();
+  dv_head.setZero();
+  for (Index h = kv_head * group; h < (kv_head + 1) * group; ++h) {
+    const Scalar* head_lse = lse + h * q.tokens;
+    Scalar* head_delta = delta + h * q.tokens;
+    const Index height = logits.query_tile(h);
+    for (Index row_begin = 0; row_begin < q.tokens; row_begin += height) {
+      const Index rows = std::min(height, q.tokens - row_begin);
+      const Index first_query = options.query_position + row_begin;
+      const ConstHeadMap<Scalar> dout_rows =
+          compute_rows(dout.head(h), row_begin, rows, converted.dout);
+      {
+        const ConstHeadMap<Scalar> out_rows =
+            compute_rows(out.head(h), row_begin, rows, converted.out);
+        for (Index r = 0; r < rows; ++r) {
+          head_delta[row_begin + r] = dout_rows.row(r).dot(out_rows.row(r));
+        }
+      }
+      workspace.accumulator.setZero(rows, q.dim);
+      const Block keys = logits.prepare_rows(b, h, first_query, rows, workspace);
+      if (keys.begin < keys.end) {
+        workspace.query.noalias() =
+            compute_rows(q.head(h), row_begin, rows, converted.query) * scale;
+        const std::size_t needed = static_cast<std::size_t>(rows * kKeyTile);
+        if (workspace.scores.size() < needed) workspace.scores.resize(needed);
+        if (workspace.value_scores.size() < needed) workspace.value_scores.resize(needed);
+        for (Index c0 = keys.begin; c0 < keys.end; c0 += kKeyTile) {
+          const Index cols = std::min(kKeyTile, keys.end - c0);
+          const Index first_key = c0 - options.key_position;
+          Eigen::Map<RowMatrix<Scalar>> scores(workspace.scores.data(), rows, cols);
+          Eigen::Map<RowMatrix<Scalar>> value_scores(workspace.value_scores.data(), rows, cols);
+          const ConstHeadMap<Scalar> k_chunk = compute_rows(k_head, first_key, cols, converted.key);
+          scores.noalias() = workspace.query * k_chunk.transpose();
+          logits.apply(h, workspace, scores, first_query, c0);
+          weights_from_lse(scores, head_lse + row_begin, workspace.row_scratch);
+          // A product with the weights transposed: an operand row (a query's) with a non-finite
+          // entry adds only to the keys it weighs.
+          const auto seen_by_key = [&](Index key, Index query) { return scores(query, key); };
+          auto dv_chunk = dv_head.middleRows(first_key, cols);
+          add_seen_product(workspace, dv_chunk, scores.transpose(), dout_rows, seen_by_key);
+          value_scores.noalias() =
+              dout_rows * compute_rows(v_head, first_key, cols, converted.value).transpose();
+          score_gradient(scores, value_scores, head_delta + row_begin);
+          add_seen_product(workspace, workspace.accumulator, scores, k_chunk,
+                           [&](Index query, Index key) { return scores(query, key); });
+          auto dk_chunk = dk_head.middleRows(first_key, cols);
+          add_seen_product(workspace, dk_chunk, scores.transpose(), workspace.query, seen_by_key);
+        }
+      }
+      converted.result.bind(dq.head(h), row_begin, rows) = workspace.accumulator * scale;
+      converted.result.store();
+    }
+  }
+  converted.key_result.store();
+  converted.value_result.store();
+}
+
+/// The log-sum-exp of the logits as formed here of head h's query rows `[row_begin, row_end)`,
+/// written to those rows of `lse` (the head's): the forward's online softmax over the logits
+/// alone, the rows' visible keys in the chunks of backward_group. Without the forward's lse, it
+/// is what backward_group takes P from.
+template <class Storage, class Logits>
+void logits_lse(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
+                const AttentionOptions& options, const Logits& logits, Index b, Index h,
+                Index row_begin, Index row_end, Compute<Storage>* lse) {
+  using Scalar = Compute<Storage>;
+  const BackwardWorkspaceLease<Scalar> workspace_lease;
+  const ConvertedRowsLease<Storage> converted_lease;
+  BackwardWorkspace<Scalar>& workspace = *workspace_lease;
+  ConvertedRows<Storage>& converted = *converted_lease;
+  const Index rows = row_end - row_begin;
+  const Index first_query = options.query_position + row_begin;
+  workspace.softmax.reset(rows, 0);
+  const Block keys = logits.prepare_rows(b, h, first_query, rows, workspace);
+  if (keys.begin < keys.end) {
+    workspace.query.noalias() =
+        compute_rows(q, row_begin, rows, converted.query) * static_cast<Scalar>(options.scale);
+    const std::size_t needed = static_cast<std::size_t>(rows * kKeyTile);
+    if (workspace.scores.size() < needed) workspace.scores.resize(needed);
+    for (Index c0 = keys.begin; c0 < keys.end; c0 += kKeyTile) {
+      const Index cols = std::min(kKeyTile, keys.end - c0);
+      Eigen::Map<RowMatrix<Scalar>> scores(workspace.scores.data(), rows, cols);
+      scores.noalias() =
+          workspace.query *
+          compute_rows(k, c0 - options.key_position, cols, converted.key).transpose();
+      logits.apply(h, workspace, scores, first_query, c0);
+      workspace.softmax.exponentiate(scores);
+    }
+  }
+  workspace.accumulator.resize(rows, 0);
+  workspace.softmax.finish(workspace.accumulator, lse + row_begin);
+}
+
+/// Which sweeps attention_backward runs: `Automatic` (uses_one_sweep decides), or one path
+/// forced, as the tests that compare the two do.
+enum class BackwardSweeps { Automatic, One, Two };
+
+/// Whether attention_backward runs the one sweep (backward_group), whose jobs are the
+/// \f$B H_{kv}\f$ key/value heads, rather than the two sweeps, whose jobs are tiles. The one sweep
+/// does five of the two sweeps' seven products per visible score and forms the logits once, not
+/// twice, but runs no more jobs at once than there are key/value heads: it is chosen when an
+/// element has at least as many key/value heads as OpenMP has processors (omp_get_num_procs).
+/// The choice depends neither on the number of threads nor on the batch size, so that the result
+/// is the same for any number of threads and for a batch and the loop over its elements.
+inline bool uses_one_sweep(Index kv_heads) { return kv_heads >= processor_count(); }
+
+/// The backward over a batch: the one sweep or the two (`sweeps`; Automatic: uses_one_sweep),
+/// each sweep one parallel region over the jobs of every batch element. `options.scale` must be
+/// resolved; the logits are shared by the elements. Views in the storage type `Scalar`, lse and D
+/// in its compute type. With `given_lse` (the forward's, checked) every sweep takes P from it;
+/// otherwise logits_lse (one sweep) or sweep 1 (two sweeps) computes it.
 template <class Scalar, class Logits>
 void attention_backward(const BatchedHeadsView<const Scalar>& q,
                         const BatchedHeadsView<const Scalar>& k,
@@ -518,7 +663,8 @@ void attention_backward(const BatchedHeadsView<const Scalar>& q,
                         const BatchedHeadsView<const Scalar>& dout,
                         const BatchedHeadsView<Scalar>& dq, const BatchedHeadsView<Scalar>& dk,
                         const BatchedHeadsView<Scalar>& dv, const AttentionOptions& options,
-                        const Logits& logits, const RowLse<const Compute<Scalar>>& given_lse) {
+                        const Logits& logits, const RowLse<const Compute<Scalar>>& given_lse,
+                        BackwardSweeps sweeps = BackwardSweeps::Automatic) {
   if (q.batch == 0) return;
   const Index group = q.heads / k.heads;
   const Index element_rows = q.heads * q.tokens;  // lse and D of one element, [H][n_q]
@@ -549,6 +695,26 @@ void attention_backward(const BatchedHeadsView<const Scalar>& q,
     }
   }
   Index element_jobs = static_cast<Index>(tiles.size());
+  const bool one_sweep = sweeps == BackwardSweeps::One ||
+                         (sweeps == BackwardSweeps::Automatic && uses_one_sweep(k.heads));
+  if (one_sweep) {
+    if (!given) {
+      parallel_for(q.batch * element_jobs, work / 2, [&](Index job) {
+        const Index b = job / element_jobs;
+        const Tile& tile = tiles[static_cast<std::size_t>(job % element_jobs)];
+        logits_lse<Scalar>(q[b].head(tile.head), k[b].head(tile.head / group), options, logits, b,
+                           tile.head, tile.begin, tile.end,
+                           lse.data() + b * element_rows + tile.head * q.tokens);
+      });
+    }
+    parallel_for(q.batch * k.heads, work, [&](Index job) {
+      const Index b = job / k.heads;
+      backward_group<Scalar>(q[b], k[b], v[b], out[b], dout[b], dq[b], dk[b], dv[b], options,
+                             logits, b, job % k.heads, lse.data() + b * element_rows,
+                             delta.data() + b * element_rows);
+    });
+    return;
+  }
   parallel_for(q.batch * element_jobs, work, [&](Index job) {
     const Index b = job / element_jobs;
     const Tile& tile = tiles[static_cast<std::size_t>(job % element_jobs)];
@@ -729,7 +895,8 @@ void batched_fixed_block_attention_backward(
 /// \param dout `[n_q][H][d_v]`. \param dq like q, \param dk like k, \param dv like v.
 /// \param slopes, options as the forward.
 /// \param lse the forward's row log-sum-exp (row_lse.hpp), or empty: then computed here. Given,
-/// sweep 1 takes \f$P = e^{l - \mathrm{lse}}\f$ from it, without a running maximum.
+/// \f$P = e^{l - \mathrm{lse}}\f$ comes from it, without a pass or a running maximum to compute
+/// it.
 /// \throws std::invalid_argument on shapes that disagree, a bad slope, a gradient view that
 /// overlaps an input or another gradient, or an `lse` of another shape; the message names the
 /// argument.

@@ -77,7 +77,7 @@ struct TileWorkspace {
 template <class Storage>
 struct ConvertedRows {
   AlignedVector<Compute<Storage>> query, key, value, out, dout;
-  OutputRows<Storage> result, value_result;
+  OutputRows<Storage> result, key_result, value_result;
 };
 
 /// The calling thread's ConvertedRows of a storage type, for the lease's lifetime.

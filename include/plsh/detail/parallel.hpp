@@ -33,6 +33,16 @@ double attention_work(const View& q, const View& k, const View& v) {
          static_cast<double>(k.tokens) * static_cast<double>(q.dim + v.dim);
 }
 
+/// The processors OpenMP may use (omp_get_num_procs; 1 without OpenMP): unlike the number of
+/// threads, fixed for the process.
+inline int processor_count() {
+#if defined(_OPENMP)
+  return omp_get_num_procs();
+#else
+  return 1;
+#endif
+}
+
 /// How parallel_for_threads deals out the indices: `Dynamic`, one at a time to whichever thread
 /// is free (uneven work); `Static`, index i to thread i for `count` equal to the number of
 /// threads (the same thread for the same part from call to call, which keeps its data in that
