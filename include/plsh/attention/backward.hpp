@@ -107,6 +107,12 @@ struct BackwardWorkspace {
   Eigen::Array<Scalar, 1, Eigen::Dynamic> row_scratch;
   BlockCounts<Scalar> block_counts;                 // c_ij of the Positional LSH logits
   Eigen::Array<Scalar, 1, Eigen::Dynamic> offsets;  // 0, 1, ..., for apply_linear_bias
+
+  /// Room for `elements` entries in scores and value_scores (they only grow).
+  void reserve_tile(std::size_t elements) {
+    if (scores.size() < elements) scores.resize(elements);
+    if (value_scores.size() < elements) value_scores.resize(elements);
+  }
 };
 
 /// The calling thread's BackwardWorkspace for the lease's lifetime (detail/scratch.hpp).
@@ -383,6 +389,16 @@ void add_seen_product(BackwardWorkspace<Scalar>& workspace, Accumulator& accumul
       [&](Index row, std::size_t i) { return weight_of(row, workspace.nonfinite[i]) != 0; });
 }
 
+/// \f$D_i = dO_i\cdot o_i\f$ of the rows `[row_begin, row_begin + rows)` of a head into
+/// `delta[row_begin + r]`, given the rows' dO in the compute type.
+template <class Storage>
+void write_delta(const ConstHeadMap<Compute<Storage>>& dout_rows, const ConstHeadMap<Storage>& out,
+                 Index row_begin, Index rows, ConvertedRows<Storage>& converted,
+                 Compute<Storage>* delta) {
+  const ConstHeadMap<Compute<Storage>> out_rows = compute_rows(out, row_begin, rows, converted.out);
+  for (Index r = 0; r < rows; ++r) delta[row_begin + r] = dout_rows.row(r).dot(out_rows.row(r));
+}
+
 /// Sweep 1 for query rows `[row_begin, row_end)` of head h: writes those rows of dq, and their
 /// lse and D. The forward's OnlineSoftmax runs over the logits, with \f$e^{l_{ij} - \mu_i}(dP_{ij}
 /// - D_i)\f$ in place of the weights and \f$k_j\f$ in place of the values: its accumulator holds
@@ -406,10 +422,7 @@ void backward_query_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Stor
   const Index first_query = options.query_position + row_begin;
   const Scalar scale = static_cast<Scalar>(options.scale);
   const ConstHeadMap<Scalar> dout_rows = compute_rows(dout, row_begin, rows, converted.dout);
-  {
-    const ConstHeadMap<Scalar> out_rows = compute_rows(out, row_begin, rows, converted.out);
-    for (Index r = 0; r < rows; ++r) delta[row_begin + r] = dout_rows.row(r).dot(out_rows.row(r));
-  }
+  write_delta(dout_rows, out, row_begin, rows, converted, delta);
   const bool given = given_lse != nullptr;
   if (given) {
     workspace.accumulator.setZero(rows, q.cols());
@@ -419,9 +432,7 @@ void backward_query_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Stor
   const Block keys = logits.prepare_rows(b, h, first_query, rows, workspace);
   if (keys.begin < keys.end) {
     workspace.query.noalias() = compute_rows(q, row_begin, rows, converted.query) * scale;
-    const std::size_t needed = static_cast<std::size_t>(rows * kKeyTile);
-    if (workspace.scores.size() < needed) workspace.scores.resize(needed);
-    if (workspace.value_scores.size() < needed) workspace.value_scores.resize(needed);
+    workspace.reserve_tile(static_cast<std::size_t>(rows * kKeyTile));
     for (Index c0 = keys.begin; c0 < keys.end; c0 += kKeyTile) {
       const Index cols = std::min(kKeyTile, keys.end - c0);
       const Index first_key = c0 - options.key_position;
@@ -496,9 +507,7 @@ void backward_key_rows(const HeadsView<const Storage>& q, const HeadsView<const 
       const Index row_begin = p0 - options.query_position;
       const Block keys = logits.prepare_rows(b, h, p0, rows, workspace);
       if (keys.end <= first_key || keys.begin >= first_key + cols) continue;
-      const std::size_t needed = static_cast<std::size_t>(rows * cols);
-      if (workspace.scores.size() < needed) workspace.scores.resize(needed);
-      if (workspace.value_scores.size() < needed) workspace.value_scores.resize(needed);
+      workspace.reserve_tile(static_cast<std::size_t>(rows * cols));
       Eigen::Map<RowMatrix<Scalar>> scores(workspace.scores.data(), rows, cols);
       Eigen::Map<RowMatrix<Scalar>> value_scores(workspace.value_scores.data(), rows, cols);
       workspace.query.noalias() = compute_rows(q_head, row_begin, rows, converted.query) * scale;
@@ -555,21 +564,13 @@ void backward_group(const HeadsView<const Storage>& q, const HeadsView<const Sto
       const Index first_query = options.query_position + row_begin;
       const ConstHeadMap<Scalar> dout_rows =
           compute_rows(dout.head(h), row_begin, rows, converted.dout);
-      {
-        const ConstHeadMap<Scalar> out_rows =
-            compute_rows(out.head(h), row_begin, rows, converted.out);
-        for (Index r = 0; r < rows; ++r) {
-          head_delta[row_begin + r] = dout_rows.row(r).dot(out_rows.row(r));
-        }
-      }
+      write_delta(dout_rows, out.head(h), row_begin, rows, converted, head_delta);
       workspace.accumulator.setZero(rows, q.dim);
       const Block keys = logits.prepare_rows(b, h, first_query, rows, workspace);
       if (keys.begin < keys.end) {
         workspace.query.noalias() =
             compute_rows(q.head(h), row_begin, rows, converted.query) * scale;
-        const std::size_t needed = static_cast<std::size_t>(rows * kKeyTile);
-        if (workspace.scores.size() < needed) workspace.scores.resize(needed);
-        if (workspace.value_scores.size() < needed) workspace.value_scores.resize(needed);
+        workspace.reserve_tile(static_cast<std::size_t>(rows * kKeyTile));
         for (Index c0 = keys.begin; c0 < keys.end; c0 += kKeyTile) {
           const Index cols = std::min(kKeyTile, keys.end - c0);
           const Index first_key = c0 - options.key_position;
