@@ -708,10 +708,13 @@ void attention_backward(const BatchedHeadsView<const Scalar>& q,
                            lse.data() + b * element_rows + tile.head * q.tokens);
       });
     }
+    // Each element's key/value heads start last to first: with ALiBi's standard slopes, which
+    // fall with the head index, the gentlest heads, whose rows see the most keys, start first and
+    // the threads finish together. Every job writes its own rows, so the order changes no result.
     parallel_for(q.batch * k.heads, work, [&](Index job) {
       const Index b = job / k.heads;
       backward_group<Scalar>(q[b], k[b], v[b], out[b], dout[b], dq[b], dk[b], dv[b], options,
-                             logits, b, job % k.heads, lse.data() + b * element_rows,
+                             logits, b, k.heads - 1 - job % k.heads, lse.data() + b * element_rows,
                              delta.data() + b * element_rows);
     });
     return;
