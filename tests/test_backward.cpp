@@ -18,10 +18,6 @@
 #include <string>
 #include <vector>
 
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
-
 #include <plsh/alibi.hpp>
 #include <plsh/attention/alibi_attention.hpp>
 #include <plsh/attention/backward.hpp>
@@ -473,6 +469,17 @@ TEST_CASE("Positional LSH gradients approach the exact ALiBi gradients as s grow
   CHECK(mean_errors[0] > 0);
 }
 
+/// The gradients of two runs of one problem (on 1 and 2 threads) are identical bit for bit.
+void check_same_gradients(const Problem<float>& one, const Problem<float>& two) {
+  INFO("dq, dk, dv of 1 and 2 threads must be identical bit for bit");
+  CHECK(std::memcmp(one.dq.storage.data(), two.dq.storage.data(),
+                    one.dq.storage.size() * sizeof(float)) == 0);
+  CHECK(std::memcmp(one.dk.storage.data(), two.dk.storage.data(),
+                    one.dk.storage.size() * sizeof(float)) == 0);
+  CHECK(std::memcmp(one.dv.storage.data(), two.dv.storage.data(),
+                    one.dv.storage.size() * sizeof(float)) == 0);
+}
+
 TEST_CASE("backward results do not depend on the number of threads", "[backward][threads]") {
   const std::vector<double> slopes = {0.5, 0.1, 1.0 / 32, 0.0};
   // One key/value head: the two sweeps on two or more processors (uses_one_sweep).
@@ -485,24 +492,15 @@ TEST_CASE("backward results do not depend on the number of threads", "[backward]
       Problem<float> one(shape, 9, 1.5);
       forward(c, one, slopes);
       Problem<float> two = one;
-#if defined(_OPENMP)
-      const int threads = omp_get_max_threads();
-      omp_set_num_threads(1);
-      backward(c, one, slopes);
-      omp_set_num_threads(2);
-      backward(c, two, slopes);
-      omp_set_num_threads(threads);
-#else
-      backward(c, one, slopes);
-      backward(c, two, slopes);
-#endif
-      INFO("dq, dk, dv of 1 and 2 threads must be identical bit for bit");
-      CHECK(std::memcmp(one.dq.storage.data(), two.dq.storage.data(),
-                        one.dq.storage.size() * sizeof(float)) == 0);
-      CHECK(std::memcmp(one.dk.storage.data(), two.dk.storage.data(),
-                        one.dk.storage.size() * sizeof(float)) == 0);
-      CHECK(std::memcmp(one.dv.storage.data(), two.dv.storage.data(),
-                        one.dv.storage.size() * sizeof(float)) == 0);
+      {
+        const plsh_test::ThreadCount threads(1);
+        backward(c, one, slopes);
+      }
+      {
+        const plsh_test::ThreadCount threads(2);
+        backward(c, two, slopes);
+      }
+      check_same_gradients(one, two);
     }
   }
 }
@@ -573,13 +571,7 @@ TEST_CASE("the one sweep does not depend on the number of threads", "[backward][
         const plsh_test::ThreadCount threads(2);
         backward_by_sweeps(c, two, slopes, given ? lse : no_lse, BackwardSweeps::One);
       }
-      INFO("dq, dk, dv of 1 and 2 threads must be identical bit for bit");
-      CHECK(std::memcmp(one.dq.storage.data(), two.dq.storage.data(),
-                        one.dq.storage.size() * sizeof(float)) == 0);
-      CHECK(std::memcmp(one.dk.storage.data(), two.dk.storage.data(),
-                        one.dk.storage.size() * sizeof(float)) == 0);
-      CHECK(std::memcmp(one.dv.storage.data(), two.dv.storage.data(),
-                        one.dv.storage.size() * sizeof(float)) == 0);
+      check_same_gradients(one, two);
     }
   }
 }
