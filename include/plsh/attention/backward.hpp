@@ -399,6 +399,37 @@ void write_delta(const ConstHeadMap<Compute<Storage>>& dout_rows, const ConstHea
   for (Index r = 0; r < rows; ++r) delta[row_begin + r] = dout_rows.row(r).dot(out_rows.row(r));
 }
 
+/// The logits of query rows `[row_begin, row_begin + rows)` of head h, chunk by chunk: prepares
+/// the rows (logits.prepare_rows), and when they see a key, puts their scaled queries in
+/// `workspace.query` and calls `chunk(scores, k_chunk, first_key)` for their visible keys in
+/// chunks of kKeyTile, in order. `scores` (rows × the chunk's keys, in `workspace.scores`) holds
+/// the chunk's logits, `k_chunk` its keys in the compute type and `first_key` the row of its first
+/// key in `k`. The three backward loops (backward_query_rows, backward_group, logits_lse) walk the
+/// scores this way.
+template <class Storage, class Logits, class Chunk>
+void for_each_logit_chunk(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
+                          const AttentionOptions& options, const Logits& logits, Index b, Index h,
+                          Index row_begin, Index rows,
+                          BackwardWorkspace<Compute<Storage>>& workspace,
+                          ConvertedRows<Storage>& converted, Chunk&& chunk) {
+  using Scalar = Compute<Storage>;
+  const Index first_query = options.query_position + row_begin;
+  const Block keys = logits.prepare_rows(b, h, first_query, rows, workspace);
+  if (keys.begin >= keys.end) return;
+  workspace.query.noalias() =
+      compute_rows(q, row_begin, rows, converted.query) * static_cast<Scalar>(options.scale);
+  workspace.reserve_tile(static_cast<std::size_t>(rows * kKeyTile));
+  for (Index c0 = keys.begin; c0 < keys.end; c0 += kKeyTile) {
+    const Index cols = std::min(kKeyTile, keys.end - c0);
+    const Index first_key = c0 - options.key_position;
+    Eigen::Map<RowMatrix<Scalar>> scores(workspace.scores.data(), rows, cols);
+    const ConstHeadMap<Scalar> k_chunk = compute_rows(k, first_key, cols, converted.key);
+    scores.noalias() = workspace.query * k_chunk.transpose();
+    logits.apply(h, workspace, scores, first_query, c0);
+    chunk(scores, k_chunk, first_key);
+  }
+}
+
 /// Sweep 1 for query rows `[row_begin, row_end)` of head h: writes those rows of dq, and their
 /// lse and D. The forward's OnlineSoftmax runs over the logits, with \f$e^{l_{ij} - \mu_i}(dP_{ij}
 /// - D_i)\f$ in place of the weights and \f$k_j\f$ in place of the values: its accumulator holds
@@ -419,7 +450,6 @@ void backward_query_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Stor
   BackwardWorkspace<Scalar>& workspace = *workspace_lease;
   ConvertedRows<Storage>& converted = *converted_lease;
   const Index rows = row_end - row_begin;
-  const Index first_query = options.query_position + row_begin;
   const Scalar scale = static_cast<Scalar>(options.scale);
   const ConstHeadMap<Scalar> dout_rows = compute_rows(dout, row_begin, rows, converted.dout);
   write_delta(dout_rows, out, row_begin, rows, converted, delta);
@@ -429,34 +459,27 @@ void backward_query_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Stor
   } else {
     workspace.softmax.reset(rows, q.cols());
   }
-  const Block keys = logits.prepare_rows(b, h, first_query, rows, workspace);
-  if (keys.begin < keys.end) {
-    workspace.query.noalias() = compute_rows(q, row_begin, rows, converted.query) * scale;
-    workspace.reserve_tile(static_cast<std::size_t>(rows * kKeyTile));
-    for (Index c0 = keys.begin; c0 < keys.end; c0 += kKeyTile) {
-      const Index cols = std::min(kKeyTile, keys.end - c0);
-      const Index first_key = c0 - options.key_position;
-      Eigen::Map<RowMatrix<Scalar>> scores(workspace.scores.data(), rows, cols);
-      Eigen::Map<RowMatrix<Scalar>> value_scores(workspace.value_scores.data(), rows, cols);
-      const ConstHeadMap<Scalar> k_tile = compute_rows(k, first_key, cols, converted.key);
-      scores.noalias() = workspace.query * k_tile.transpose();
-      logits.apply(h, workspace, scores, first_query, c0);
-      value_scores.noalias() =
-          dout_rows * compute_rows(v, first_key, cols, converted.value).transpose();
-      if (given) {
-        weights_from_lse(scores, given_lse + row_begin, workspace.row_scratch);
-      } else {
-        workspace.softmax.exponentiate(scores);
-      }
-      score_gradient(scores, value_scores, delta + row_begin);
-      if (given) {
-        add_seen_product(workspace, workspace.accumulator, scores, k_tile,
-                         [&](Index row, Index key) { return scores(row, key); });
-      } else {
-        workspace.softmax.accumulate(scores, k_tile);
-      }
-    }
-  }
+  for_each_logit_chunk(q, k, options, logits, b, h, row_begin, rows, workspace, converted,
+                       [&](Eigen::Map<RowMatrix<Scalar>>& scores,
+                           const ConstHeadMap<Scalar>& k_tile, Index first_key) {
+                         Eigen::Map<RowMatrix<Scalar>> value_scores(workspace.value_scores.data(),
+                                                                    rows, scores.cols());
+                         value_scores.noalias() =
+                             dout_rows *
+                             compute_rows(v, first_key, scores.cols(), converted.value).transpose();
+                         if (given) {
+                           weights_from_lse(scores, given_lse + row_begin, workspace.row_scratch);
+                         } else {
+                           workspace.softmax.exponentiate(scores);
+                         }
+                         score_gradient(scores, value_scores, delta + row_begin);
+                         if (given) {
+                           add_seen_product(workspace, workspace.accumulator, scores, k_tile,
+                                            [&](Index row, Index key) { return scores(row, key); });
+                         } else {
+                           workspace.softmax.accumulate(scores, k_tile);
+                         }
+                       });
   if (given) {
     converted.result.bind(dq, row_begin, rows) = workspace.accumulator * scale;
   } else {
@@ -561,39 +584,30 @@ void backward_group(const HeadsView<const Storage>& q, const HeadsView<const Sto
     const Index height = logits.query_tile(h);
     for (Index row_begin = 0; row_begin < q.tokens; row_begin += height) {
       const Index rows = std::min(height, q.tokens - row_begin);
-      const Index first_query = options.query_position + row_begin;
       const ConstHeadMap<Scalar> dout_rows =
           compute_rows(dout.head(h), row_begin, rows, converted.dout);
       write_delta(dout_rows, out.head(h), row_begin, rows, converted, head_delta);
       workspace.accumulator.setZero(rows, q.dim);
-      const Block keys = logits.prepare_rows(b, h, first_query, rows, workspace);
-      if (keys.begin < keys.end) {
-        workspace.query.noalias() =
-            compute_rows(q.head(h), row_begin, rows, converted.query) * scale;
-        workspace.reserve_tile(static_cast<std::size_t>(rows * kKeyTile));
-        for (Index c0 = keys.begin; c0 < keys.end; c0 += kKeyTile) {
-          const Index cols = std::min(kKeyTile, keys.end - c0);
-          const Index first_key = c0 - options.key_position;
-          Eigen::Map<RowMatrix<Scalar>> scores(workspace.scores.data(), rows, cols);
-          Eigen::Map<RowMatrix<Scalar>> value_scores(workspace.value_scores.data(), rows, cols);
-          const ConstHeadMap<Scalar> k_chunk = compute_rows(k_head, first_key, cols, converted.key);
-          scores.noalias() = workspace.query * k_chunk.transpose();
-          logits.apply(h, workspace, scores, first_query, c0);
-          weights_from_lse(scores, head_lse + row_begin, workspace.row_scratch);
-          // A product with the weights transposed: an operand row (a query's) with a non-finite
-          // entry adds only to the keys it weighs.
-          const auto seen_by_key = [&](Index key, Index query) { return scores(query, key); };
-          auto dv_chunk = dv_head.middleRows(first_key, cols);
-          add_seen_product(workspace, dv_chunk, scores.transpose(), dout_rows, seen_by_key);
-          value_scores.noalias() =
-              dout_rows * compute_rows(v_head, first_key, cols, converted.value).transpose();
-          score_gradient(scores, value_scores, head_delta + row_begin);
-          add_seen_product(workspace, workspace.accumulator, scores, k_chunk,
-                           [&](Index query, Index key) { return scores(query, key); });
-          auto dk_chunk = dk_head.middleRows(first_key, cols);
-          add_seen_product(workspace, dk_chunk, scores.transpose(), workspace.query, seen_by_key);
-        }
-      }
+      for_each_logit_chunk(
+          q.head(h), k_head, options, logits, b, h, row_begin, rows, workspace, converted,
+          [&](Eigen::Map<RowMatrix<Scalar>>& scores, const ConstHeadMap<Scalar>& k_chunk,
+              Index first_key) {
+            const Index cols = scores.cols();
+            Eigen::Map<RowMatrix<Scalar>> value_scores(workspace.value_scores.data(), rows, cols);
+            weights_from_lse(scores, head_lse + row_begin, workspace.row_scratch);
+            // A product with the weights transposed: an operand row (a query's) with a non-finite
+            // entry adds only to the keys it weighs.
+            const auto seen_by_key = [&](Index key, Index query) { return scores(query, key); };
+            auto dv_chunk = dv_head.middleRows(first_key, cols);
+            add_seen_product(workspace, dv_chunk, scores.transpose(), dout_rows, seen_by_key);
+            value_scores.noalias() =
+                dout_rows * compute_rows(v_head, first_key, cols, converted.value).transpose();
+            score_gradient(scores, value_scores, head_delta + row_begin);
+            add_seen_product(workspace, workspace.accumulator, scores, k_chunk,
+                             [&](Index query, Index key) { return scores(query, key); });
+            auto dk_chunk = dk_head.middleRows(first_key, cols);
+            add_seen_product(workspace, dk_chunk, scores.transpose(), workspace.query, seen_by_key);
+          });
       converted.result.bind(dq.head(h), row_begin, rows) = workspace.accumulator * scale;
       converted.result.store();
     }
@@ -616,24 +630,10 @@ void logits_lse(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
   BackwardWorkspace<Scalar>& workspace = *workspace_lease;
   ConvertedRows<Storage>& converted = *converted_lease;
   const Index rows = row_end - row_begin;
-  const Index first_query = options.query_position + row_begin;
   workspace.softmax.reset(rows, 0);
-  const Block keys = logits.prepare_rows(b, h, first_query, rows, workspace);
-  if (keys.begin < keys.end) {
-    workspace.query.noalias() =
-        compute_rows(q, row_begin, rows, converted.query) * static_cast<Scalar>(options.scale);
-    const std::size_t needed = static_cast<std::size_t>(rows * kKeyTile);
-    if (workspace.scores.size() < needed) workspace.scores.resize(needed);
-    for (Index c0 = keys.begin; c0 < keys.end; c0 += kKeyTile) {
-      const Index cols = std::min(kKeyTile, keys.end - c0);
-      Eigen::Map<RowMatrix<Scalar>> scores(workspace.scores.data(), rows, cols);
-      scores.noalias() =
-          workspace.query *
-          compute_rows(k, c0 - options.key_position, cols, converted.key).transpose();
-      logits.apply(h, workspace, scores, first_query, c0);
-      workspace.softmax.exponentiate(scores);
-    }
-  }
+  for_each_logit_chunk(q, k, options, logits, b, h, row_begin, rows, workspace, converted,
+                       [&](Eigen::Map<RowMatrix<Scalar>>& scores, const ConstHeadMap<Scalar>&,
+                           Index) { workspace.softmax.exponentiate(scores); });
   workspace.accumulator.resize(rows, 0);
   workspace.softmax.finish(workspace.accumulator, lse + row_begin);
 }
