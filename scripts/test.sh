@@ -3,8 +3,9 @@
 #   format   clang-format --dry-run --Werror over include/ tests/ examples/ bench/ python/, and
 #            bench/report.py --check (every generated table in README.md and docs/ matches its data)
 #   release  preset "release": build/release (tests, examples, benchmarks, -Werror), ctest. The
-#            benchmarks and examples are compiled at -O1 (PLSH_SMOKE_BUILD=ON): here they only
-#            have to build and run; bench/regenerate.sh, which measures, configures them at -O3
+#            benchmarks and examples are compiled at -O1 and take the kernels' cores from the
+#            unit tests' instance library (PLSH_SMOKE_BUILD=ON): here they only have to build and
+#            run; bench/regenerate.sh, which measures, configures them at -O3 for this machine
 #   asan     preset "asan": build/asan, the unit tests with ASan and UBSan at -O1 with line
 #            tables only (the usual settings of a sanitizer build), compiled by clang++ (installed
 #            here; the default compiler when it cannot be had), ctest (the examples and the
