@@ -21,74 +21,81 @@
 
 // PLSH_TEST_KERNEL_INSTANCES(extern template, S) declares the cores for storage type S;
 // PLSH_TEST_KERNEL_INSTANCES(template, S) instantiates them.
-#define PLSH_TEST_KERNEL_INSTANCES(PREFIX, S)                                                \
-  PREFIX void plsh::detail::batched_exact_alibi_attention<S>(                                \
-      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
-      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,              \
-      const std::vector<double>&, const plsh::AttentionOptions&,                             \
-      const plsh::RowLse<plsh::detail::Compute<S>>&);                                        \
-  PREFIX void plsh::detail::batched_truncated_alibi_attention<S>(                            \
-      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
-      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,              \
-      const std::vector<double>&, double, const plsh::AttentionOptions&, const char*,        \
-      const plsh::RowLse<plsh::detail::Compute<S>>&);                                        \
-  PREFIX plsh::Index plsh::detail::batched_windowed_alibi_attention<S>(                      \
-      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
-      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>*,              \
-      const std::vector<double>&, double, const plsh::AttentionOptions&,                     \
-      const plsh::detail::UnheldKeys&, std::vector<plsh::Block>*,                            \
-      const plsh::RowLse<plsh::detail::Compute<S>>&);                                        \
-  PREFIX void plsh::detail::windowed_alibi_attention_keeping<S>(                             \
-      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
-      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,              \
-      const std::vector<double>&, double, const plsh::AttentionOptions&,                     \
-      const plsh::RowLse<plsh::detail::Compute<S>>&, plsh::KeptKeys*);                       \
-  PREFIX void plsh::detail::batched_plsh_attention<S>(                                       \
-      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
-      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,              \
-      const std::vector<double>&, const plsh::PlshOptions&);                                 \
-  PREFIX void plsh::detail::plsh_attention_writing_lse<S>(                                   \
-      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
-      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,              \
-      const std::vector<double>&, const plsh::PlshOptions&,                                  \
-      const plsh::RowLse<plsh::detail::Compute<S>>&);                                        \
-  PREFIX void plsh::detail::batched_fixed_block_attention<S>(                                \
-      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
-      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&, plsh::Index, \
-      const plsh::AttentionOptions&, const plsh::RowLse<plsh::detail::Compute<S>>&);         \
-  PREFIX void plsh::detail::batched_exact_alibi_attention_backward<S>(                       \
-      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
-      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
-      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,              \
-      const plsh::BatchedHeadsView<S>&, const plsh::BatchedHeadsView<S>&,                    \
-      const std::vector<double>&, const plsh::AttentionOptions&,                             \
-      const plsh::RowLse<const plsh::detail::Compute<S>>&);                                  \
-  PREFIX void plsh::detail::batched_truncated_alibi_attention_backward<S>(                   \
-      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
-      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
-      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,              \
-      const plsh::BatchedHeadsView<S>&, const plsh::BatchedHeadsView<S>&,                    \
-      const std::vector<double>&, double, const plsh::AttentionOptions&, const char*,        \
-      const plsh::RowLse<const plsh::detail::Compute<S>>&);                                  \
-  PREFIX void plsh::detail::batched_windowed_alibi_attention_backward<S>(                    \
-      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
-      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
-      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,              \
-      const plsh::BatchedHeadsView<S>&, const plsh::BatchedHeadsView<S>&,                    \
-      const std::vector<double>&, double, const plsh::AttentionOptions&,                     \
-      const plsh::RowLse<const plsh::detail::Compute<S>>&, const plsh::KeptKeys*);           \
-  PREFIX void plsh::detail::batched_plsh_attention_backward<S>(                              \
-      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
-      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
-      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,              \
-      const plsh::BatchedHeadsView<S>&, const plsh::BatchedHeadsView<S>&,                    \
-      const std::vector<double>&, const plsh::PlshOptions&,                                  \
-      const plsh::RowLse<const plsh::detail::Compute<S>>&);                                  \
-  PREFIX void plsh::detail::batched_fixed_block_attention_backward<S>(                       \
-      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
-      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,        \
-      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,              \
-      const plsh::BatchedHeadsView<S>&, const plsh::BatchedHeadsView<S>&, plsh::Index,       \
+#define PLSH_TEST_KERNEL_INSTANCES(PREFIX, S)                                                      \
+  PREFIX void plsh::detail::batched_exact_alibi_attention<S>(                                      \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,              \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,                    \
+      const std::vector<double>&, const plsh::AttentionOptions&,                                   \
+      const plsh::RowLse<plsh::detail::Compute<S>>&);                                              \
+  PREFIX void plsh::detail::batched_truncated_alibi_attention<S>(                                  \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,              \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,                    \
+      const std::vector<double>&, double, const plsh::AttentionOptions&, const char*,              \
+      const plsh::RowLse<plsh::detail::Compute<S>>&);                                              \
+  PREFIX plsh::Index plsh::detail::batched_windowed_alibi_attention<S>(                            \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,              \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>*,                    \
+      const std::vector<double>&, double, const plsh::AttentionOptions&,                           \
+      const plsh::detail::UnheldKeys&, std::vector<plsh::Block>*,                                  \
+      const plsh::RowLse<plsh::detail::Compute<S>>&);                                              \
+  PREFIX void plsh::detail::windowed_alibi_attention_keeping<S>(                                   \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,              \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,                    \
+      const std::vector<double>&, double, const plsh::AttentionOptions&,                           \
+      const plsh::RowLse<plsh::detail::Compute<S>>&, plsh::KeptKeys*);                             \
+  PREFIX void plsh::detail::batched_plsh_attention<S>(                                             \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,              \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,                    \
+      const std::vector<double>&, const plsh::PlshOptions&);                                       \
+  PREFIX void plsh::detail::plsh_attention_writing_lse<S>(                                         \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,              \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,                    \
+      const std::vector<double>&, const plsh::PlshOptions&,                                        \
+      const plsh::RowLse<plsh::detail::Compute<S>>&);                                              \
+  PREFIX void plsh::detail::batched_fixed_block_attention<S>(                                      \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,              \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&, plsh::Index,       \
+      const plsh::AttentionOptions&, const plsh::RowLse<plsh::detail::Compute<S>>&);               \
+  PREFIX void plsh::detail::batched_exact_alibi_attention_backward<S>(                             \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,              \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,              \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,                    \
+      const plsh::BatchedHeadsView<S>&, const plsh::BatchedHeadsView<S>&,                          \
+      const std::vector<double>&, const plsh::AttentionOptions&,                                   \
+      const plsh::RowLse<const plsh::detail::Compute<S>>&);                                        \
+  PREFIX void plsh::detail::batched_truncated_alibi_attention_backward<S>(                         \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,              \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,              \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,                    \
+      const plsh::BatchedHeadsView<S>&, const plsh::BatchedHeadsView<S>&,                          \
+      const std::vector<double>&, double, const plsh::AttentionOptions&, const char*,              \
+      const plsh::RowLse<const plsh::detail::Compute<S>>&);                                        \
+  PREFIX void plsh::detail::batched_windowed_alibi_attention_backward<S>(                          \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,              \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,              \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,                    \
+      const plsh::BatchedHeadsView<S>&, const plsh::BatchedHeadsView<S>&,                          \
+      const std::vector<double>&, double, const plsh::AttentionOptions&,                           \
+      const plsh::RowLse<const plsh::detail::Compute<S>>&, const plsh::KeptKeys*);                 \
+  PREFIX void plsh::detail::batched_plsh_attention_backward<S>(                                    \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,              \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,              \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,                    \
+      const plsh::BatchedHeadsView<S>&, const plsh::BatchedHeadsView<S>&,                          \
+      const std::vector<double>&, const plsh::PlshOptions&,                                        \
+      const plsh::RowLse<const plsh::detail::Compute<S>>&);                                        \
+  PREFIX void plsh::detail::block_counts_backward<S>(                                              \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,              \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,              \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,                    \
+      const plsh::BatchedHeadsView<S>&, const plsh::BatchedHeadsView<S>&,                          \
+      const std::vector<double>&, const std::vector<std::vector<plsh::Grid>>&,                     \
+      const plsh::AttentionOptions&, double, const plsh::RowLse<const plsh::detail::Compute<S>>&); \
+  PREFIX void plsh::detail::batched_fixed_block_attention_backward<S>(                             \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,              \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<const S>&,              \
+      const plsh::BatchedHeadsView<const S>&, const plsh::BatchedHeadsView<S>&,                    \
+      const plsh::BatchedHeadsView<S>&, const plsh::BatchedHeadsView<S>&, plsh::Index,             \
       const plsh::AttentionOptions&, const plsh::RowLse<const plsh::detail::Compute<S>>&);
 
 // PLSH_TEST_INNER_INSTANCES(PREFIX, S): the inner kernels for storage type S, which the public
