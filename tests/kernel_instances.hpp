@@ -4,6 +4,7 @@
 // that includes this header only declares them (extern template), which takes most of the code
 // generation out of those files' compilation. The public entry points (unbatched and batched) are
 // thin wrappers around these cores, so their tests exercise exactly the code the library ships.
+// A smoke build includes it first in the examples and benchmarks too (plsh_smoke_kernels).
 
 #ifndef PLSH_TESTS_KERNEL_INSTANCES_HPP
 #define PLSH_TESTS_KERNEL_INSTANCES_HPP
