@@ -13,10 +13,12 @@
 #            only). The release build compiles the unit tests for AVX-512 where the machine runs
 #            it (tests/CMakeLists.txt, PLSH_TEST_AVX512), the sanitizer build for the portable
 #            paths: each phase compiles every test once
-#   mpi      build/mpi (Release, PLSH_MPI=ON, PLSH_SMOKE_BUILD=ON): only the MPI tests, example
-#            and benchmark, then ctest -L mpi (mpirun on 1, 2 and 4 ranks, the installed mpi
-#            component, the bytes acceptance); installs libopenmpi-dev and openmpi-bin, skipped with a message when
-#            they cannot be had. The release and asan phases build with PLSH_MPI=OFF.
+#   mpi      build/release again, configured with PLSH_MPI=ON: only the MPI tests, example and
+#            benchmark (target plsh_mpi_programs; they reuse the release phase's kernel instances
+#            when it ran first), then ctest -L mpi (mpirun on 1, 2 and 4 ranks, the installed mpi
+#            component, the bytes acceptance); installs libopenmpi-dev and openmpi-bin, skipped
+#            with a message when they cannot be had. The release and asan phases build with
+#            PLSH_MPI=OFF.
 #   python   the Python package for Debian's /usr/bin/python3, installed by
 #            `pip install --no-build-isolation .` into the virtual environment build/python-venv
 #            (--system-site-packages), its pytest suite against the installed package
@@ -172,17 +174,18 @@ asan() {
 }
 
 # The MPI layer: Open MPI from Debian (installed here, not at the start, so that the other phases
-# never depend on it), a Release build of the MPI targets only, and the tests labelled mpi.
+# never depend on it), the release build reconfigured with PLSH_MPI=ON (which adds targets and
+# changes no other target's flags, so nothing the release phase built is compiled again), the MPI
+# targets only, and the tests labelled mpi.
 mpi_phase() {
   if ! (plsh_ensure_deps libopenmpi-dev openmpi-bin); then
     echo "plsh: SKIP mpi: Open MPI (Debian: libopenmpi-dev openmpi-bin) could not be installed;" \
       "see the messages above" >&2
     return 0
   fi
-  cmake -S . -B build/mpi -DCMAKE_BUILD_TYPE=Release -DPLSH_WERROR=ON -DPLSH_MPI=ON \
-    -DPLSH_BUILD_TESTS=ON -DPLSH_BUILD_EXAMPLES=ON -DPLSH_BUILD_BENCHMARKS=ON -DPLSH_SMOKE_BUILD=ON
-  cmake --build build/mpi -j "${jobs}" --target test_mpi mpi_long_context mpi_bench
-  ctest --test-dir build/mpi -L mpi -j "${jobs}" --timeout "${test_timeout}" --output-on-failure
+  cmake --preset release -DPLSH_WERROR=ON -DPLSH_MPI=ON -DPLSH_SMOKE_BUILD=ON
+  cmake --build --preset release -j "${jobs}" --target plsh_mpi_programs
+  ctest --preset release -L mpi -j "${jobs}" --timeout "${test_timeout}"
 }
 
 python_phase() {

@@ -31,6 +31,7 @@
 #include <plsh/mpi.hpp>
 
 #include "../attention_fixture.hpp"
+#include "../kernel_instances.hpp"
 
 namespace {
 
