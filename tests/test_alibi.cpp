@@ -10,6 +10,8 @@
 
 #include <plsh/alibi.hpp>
 
+namespace test_alibi {
+
 namespace {
 
 using plsh::Index;
@@ -220,3 +222,5 @@ TEST_CASE("laplacian_kernel rejects bad sizes and slopes", "[alibi]") {
     REQUIRE_THROWS_AS(plsh::laplacian_kernel<float>(4, -0.5), std::invalid_argument);
   }
 }
+
+}  // namespace test_alibi

@@ -25,6 +25,8 @@
 #include "attention_fixture.hpp"
 #include "kernel_instances.hpp"
 
+namespace test_alibi_attention {
+
 namespace {
 
 using plsh::Index;
@@ -497,3 +499,5 @@ TEST_CASE("every entry point handles empty queries and empty keys", "[validation
     }
   }
 }
+
+}  // namespace test_alibi_attention

@@ -26,6 +26,8 @@
 #include "kernel_instances.hpp"
 #include "test_kv_cache_common.hpp"
 
+namespace test_alibi_kv_cache {
+
 namespace {
 
 using plsh::HeadsView;
@@ -624,3 +626,5 @@ TEST_CASE("AlibiKvCache rejects bad arguments and leaves the cache unchanged",
                {out.data(), 0, 2, 4});
   CHECK(cache.position() == position);
 }
+
+}  // namespace test_alibi_kv_cache

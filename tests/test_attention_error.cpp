@@ -20,6 +20,8 @@
 #include "kernel_instances.hpp"
 #include "skip.hpp"
 
+namespace test_attention_error {
+
 namespace {
 
 using plsh::Grid;
@@ -412,3 +414,5 @@ TEST_CASE("the matrix-free attention spectral norm needs Spectra", "[attention_e
 }
 
 #endif  // PLSH_HAS_SPECTRA
+
+}  // namespace test_attention_error

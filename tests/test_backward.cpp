@@ -29,6 +29,8 @@
 #include "kernel_instances.hpp"
 #include "thread_count.hpp"
 
+namespace test_backward {
+
 namespace {
 
 using plsh::HeadsView;
@@ -820,3 +822,5 @@ TEST_CASE("backward rejects bad arguments", "[backward][validation]") {
                         good.q, good.k, good.v, good.dout, good.dq, good.dk, good.dv, {0.1}, 0.1),
                     std::invalid_argument);
 }
+
+}  // namespace test_backward

@@ -20,6 +20,8 @@
 #include <omp.h>
 #endif
 
+namespace test_batch {
+
 namespace {
 
 using plsh::BatchedHeadsView;
@@ -442,3 +444,5 @@ TEST_CASE("Batched kernels: argument checks", "[batch]") {
     REQUIRE_THROWS_WITH(exact(q, narrow, out), "exact_alibi_attention: k.dim must equal q.dim");
   }
 }
+
+}  // namespace test_batch

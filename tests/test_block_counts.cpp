@@ -13,6 +13,8 @@
 #include <plsh/partition.hpp>
 #include <plsh/sampler.hpp>
 
+namespace test_block_counts {
+
 namespace {
 
 using plsh::Index;
@@ -69,3 +71,5 @@ TEST_CASE("BlockCounts adds log c_ij on every chunk, for narrow and wide unions"
     }
   }
 }
+
+}  // namespace test_block_counts

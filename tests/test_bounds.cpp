@@ -30,6 +30,8 @@
 // argument checks that pass.
 #include "allocation_counter.hpp"
 
+namespace test_bounds {
+
 namespace {
 
 using Catch::Contains;
@@ -428,3 +430,5 @@ TEST_CASE("Passes visits only the blocks that hold a query, however far the keys
     }
   }
 }
+
+}  // namespace test_bounds

@@ -21,6 +21,8 @@
 #include "fill.hpp"
 #include "skip.hpp"
 
+namespace test_error_norms {
+
 namespace {
 
 using plsh::Grid;
@@ -477,3 +479,5 @@ TEST_CASE("the matrix-free mask norms reject bad input", "[error_norms]") {
   REQUIRE_THROWS_WITH(plsh::mean_mask_product({}, 0, x, z), Catch::Contains("grids"));
   REQUIRE_THROWS_WITH(plsh::mean_mask_product(grids, huge, x, z), Catch::Contains("first + n"));
 }
+
+}  // namespace test_error_norms

@@ -24,6 +24,8 @@
 #include "attention_fixture.hpp"
 #include "kernel_instances.hpp"
 
+namespace test_fused_half {
+
 namespace {
 
 using plsh::Index;
@@ -323,3 +325,5 @@ TEST_CASE("16-bit fused kernel: keys converted once per span or chunk by chunk i
     }
   }
 }
+
+}  // namespace test_fused_half

@@ -31,6 +31,8 @@
 #include "attention_fixture.hpp"
 #include "kernel_instances.hpp"
 
+namespace test_half {
+
 namespace {
 
 using plsh::HeadsView;
@@ -402,7 +404,8 @@ TEMPLATE_TEST_CASE("Half storage: relative error against float inputs", "[half]"
   }
 }
 
-// The figures of the README (8 heads, d = 64, n = 2048, causal): run with `test_half "[.report]"`.
+// The figures of the README (8 heads, d = 64, n = 2048, causal): run with
+// `build/release/tests/plsh_unit_tests "[.report]"`.
 TEMPLATE_TEST_CASE("Half storage: error against float inputs on the benchmark problem", "[.report]",
                    Eigen::bfloat16, Eigen::half) {
   using S = TestType;
@@ -469,3 +472,5 @@ TEMPLATE_TEST_CASE("Half storage: argument errors name the argument", "[half]", 
                           q.in(), k.in(), v.in(), out.in(), out.in(), dq.view, dk.view, dq.view, 4),
                       Catch::Contains("dv"));
 }
+
+}  // namespace test_half

@@ -18,6 +18,8 @@
 
 #include "test_kv_cache_common.hpp"
 
+namespace test_kv_cache {
+
 namespace {
 
 using plsh::HeadsView;
@@ -249,3 +251,5 @@ TEST_CASE("KvCache keeps a bounded number of tokens over a long run", "[kv_cache
   INFO("max |cache - whole sequence| at the checked steps = " << max_difference);
   CHECK(max_difference <= 2e-5);
 }
+
+}  // namespace test_kv_cache

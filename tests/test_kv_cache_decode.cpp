@@ -22,6 +22,8 @@
 #include "test_kv_cache_common.hpp"
 #include "thread_count.hpp"
 
+namespace test_kv_cache_decode {
+
 namespace {
 
 using plsh::HeadsView;
@@ -295,3 +297,5 @@ TEMPLATE_TEST_CASE("KvCache decoding with a near field equals the dense referenc
     }
   }
 }
+
+}  // namespace test_kv_cache_decode

@@ -15,6 +15,8 @@
 
 #include "kernel_instances.hpp"
 
+namespace test_kv_cache_errors {
+
 namespace {
 
 using plsh::HeadsView;
@@ -181,3 +183,5 @@ TEST_CASE("KvCache rejects bad arguments", "[kv_cache][validation]") {
   }());
   expect_rejected([&] { far.decode(q1, k1, v1, out1); }, decode, "kMaxPosition");
 }
+
+}  // namespace test_kv_cache_errors

@@ -23,6 +23,8 @@
 
 #include "sampler_checks.hpp"
 
+namespace test_latin_hypercube {
+
 namespace {
 
 using plsh::Grid;
@@ -235,3 +237,5 @@ TEST_CASE("Latin hypercube functions reject invalid arguments", "[sampler][latin
                         Contains("kernel_grids: slopes[1]"));
   }
 }
+
+}  // namespace test_latin_hypercube

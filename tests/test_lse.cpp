@@ -29,6 +29,8 @@
 #include "attention_fixture.hpp"
 #include "kernel_instances.hpp"
 
+namespace test_lse {
+
 namespace {
 
 using plsh::HeadsView;
@@ -457,3 +459,5 @@ TEST_CASE("an lse or kept keys of other shapes are rejected", "[lse]") {
   REQUIRE_THROWS_WITH(backward<float>(windowed, p, slopes, {}, &looser),
                       Catch::Contains("tolerance"));
 }
+
+}  // namespace test_lse

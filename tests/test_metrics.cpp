@@ -13,6 +13,8 @@
 #include <plsh/analysis.hpp>
 #include <plsh/sampler.hpp>
 
+namespace test_metrics {
+
 namespace {
 
 using plsh::Grid;
@@ -199,3 +201,5 @@ TEST_CASE("mask_error rejects invalid arguments", "[metrics]") {
     REQUIRE_THROWS_AS(plsh::mask_error(plsh::kMaxPosition, 0.5, grids), std::invalid_argument);
   }
 }
+
+}  // namespace test_metrics

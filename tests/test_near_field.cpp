@@ -33,6 +33,8 @@
 #include "kernel_instances.hpp"
 #include "test_kv_cache_common.hpp"
 
+namespace test_near_field {
+
 namespace {
 
 using plsh::BatchedHeadsView;
@@ -773,3 +775,5 @@ TEST_CASE("KvCache with Kernel::Passes and a near field equals plsh_attention",
   INFO("max |cache - whole| = " << result.max_difference);
   CHECK(result.max_difference <= 2e-5);
 }
+
+}  // namespace test_near_field

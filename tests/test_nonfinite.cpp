@@ -21,6 +21,8 @@
 #include "attention_fixture.hpp"
 #include "kernel_instances.hpp"
 
+namespace test_nonfinite {
+
 namespace {
 
 using plsh::Index;
@@ -421,3 +423,5 @@ TEST_CASE("fixed_block_attention_backward rejects a block size below 1",
 }
 
 }  // namespace
+
+}  // namespace test_nonfinite

@@ -12,6 +12,8 @@
 #include <plsh/attention/online_softmax.hpp>
 #include <plsh/detail/random.hpp>
 
+namespace test_online_softmax {
+
 namespace {
 
 using plsh::Index;
@@ -442,3 +444,5 @@ TEST_CASE("online_softmax_merge: a NaN partial makes the row NaN, an empty one i
   CHECK(out(2, 0) == 0.5);
   CHECK(lse[2] == 1.0);
 }
+
+}  // namespace test_online_softmax

@@ -20,6 +20,8 @@
 
 #include "brute_force.hpp"
 
+namespace test_partition {
+
 namespace {
 
 using plsh::Block;
@@ -438,3 +440,5 @@ TEST_CASE("partition functions reject invalid arguments", "[partition]") {
     REQUIRE_THROWS_AS(plsh::mean_mask(8, {grid, Grid{0.0, 0.0}}), std::invalid_argument);
   }
 }
+
+}  // namespace test_partition

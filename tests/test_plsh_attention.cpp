@@ -31,6 +31,8 @@
 #include "kernel_instances.hpp"
 #include "plsh_fixture.hpp"
 
+namespace test_plsh_attention {
+
 namespace {
 
 using plsh::Index;
@@ -588,3 +590,5 @@ TEST_CASE("Fused matches the reference for value widths around the vector blocks
     }
   }
 }
+
+}  // namespace test_plsh_attention

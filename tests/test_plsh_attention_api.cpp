@@ -28,6 +28,8 @@
 #include "kernel_instances.hpp"
 #include "plsh_fixture.hpp"
 
+namespace test_plsh_attention_api {
+
 namespace {
 
 using plsh::Index;
@@ -382,3 +384,5 @@ TEST_CASE("plsh_attention rejects samples < 1, fixed_block_attention a block siz
   CHECK_NOTHROW(plsh::fixed_block_attention<double>(problem.q.in(), problem.k.in(), problem.v.in(),
                                                     problem.out.view, 1));
 }
+
+}  // namespace test_plsh_attention_api

@@ -14,6 +14,8 @@
 
 #include "attention_fixture.hpp"
 
+namespace test_reference {
+
 namespace {
 
 using plsh::Index;
@@ -313,3 +315,5 @@ TEST_CASE("the windowed reference sees exactly the keys of its window", "[refere
     }
   }
 }
+
+}  // namespace test_reference

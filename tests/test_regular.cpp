@@ -15,6 +15,8 @@
 #include "attention_fixture.hpp"
 #include "kernel_instances.hpp"
 
+namespace test_regular {
+
 namespace {
 
 using plsh::Index;
@@ -259,3 +261,5 @@ TEST_CASE("regular_attention rejects shapes that disagree", "[regular][validatio
                       std::invalid_argument);
   }
 }
+
+}  // namespace test_regular

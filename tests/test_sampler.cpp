@@ -25,6 +25,8 @@
 
 #include "sampler_checks.hpp"
 
+namespace test_sampler {
+
 namespace {
 
 using plsh::Grid;
@@ -465,3 +467,5 @@ TEST_CASE("the mean mask over seeds equals exp(-slope |i - j|), both samplings",
     }
   }
 }
+
+}  // namespace test_sampler

@@ -25,6 +25,8 @@
 #include "kernel_instances.hpp"
 #include "thread_count.hpp"
 
+namespace test_scratch {
+
 namespace {
 
 using plsh::BatchedHeadsView;
@@ -233,3 +235,5 @@ TEST_CASE("release_scratch frees the workspaces and the results stay the same",
   }
 #endif
 }
+
+}  // namespace test_scratch

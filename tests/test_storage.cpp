@@ -10,6 +10,8 @@
 
 #include <plsh/detail/storage.hpp>
 
+namespace test_storage {
+
 namespace {
 
 using plsh::Index;
@@ -134,3 +136,5 @@ TEST_CASE("OutputRows rounds compute-type rows to nearest even into the output",
       direct.bind(plsh::HeadMap<float>(same.data(), 2, 2, Eigen::OuterStride<>(2)));
   CHECK(direct_rows.data() == same.data());
 }
+
+}  // namespace test_storage

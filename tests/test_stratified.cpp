@@ -28,6 +28,8 @@
 #include "attention_fixture.hpp"
 #include "kernel_instances.hpp"
 
+namespace test_stratified {
+
 namespace {
 
 using plsh::HeadsView;
@@ -238,3 +240,5 @@ TEST_CASE("every entry point rejects a sampling outside the enumeration", "[stra
   INFO("a rejected call leaves the output untouched");
   CHECK(out.storage == problem.output().storage);
 }
+
+}  // namespace test_stratified

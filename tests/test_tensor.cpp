@@ -12,6 +12,8 @@
 
 #include <plsh/tensor.hpp>
 
+namespace test_tensor {
+
 namespace {
 
 using plsh::HeadsView;
@@ -195,3 +197,5 @@ TEST_CASE("HeadsView slice selects a range of tokens", "[tensor]") {
   CHECK(inner.data == data.data() + 3 * heads * dim);
   CHECK(inner.head(2)(1, 3) == (3 + 1) * heads * dim + 2 * dim + 3);
 }
+
+}  // namespace test_tensor

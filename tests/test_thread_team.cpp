@@ -18,6 +18,8 @@
 #include <unistd.h>
 #endif
 
+namespace test_thread_team {
+
 namespace {
 
 using plsh::detail::ThreadTeam;
@@ -157,3 +159,5 @@ TEST_CASE("ThreadTeam declines steps in a forked child, whose copy has no helper
   CHECK(runs.load() == 2);
 }
 #endif
+
+}  // namespace test_thread_team

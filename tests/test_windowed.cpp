@@ -20,6 +20,8 @@
 #include "attention_fixture.hpp"
 #include "kernel_instances.hpp"
 
+namespace test_windowed {
+
 namespace {
 
 using plsh::Block;
@@ -649,3 +651,5 @@ TEST_CASE("truncated ALiBi keeps the keys of its factor window, and has no guara
                                               problem.out.view, plsh::alibi_slopes(4), 2.0),
       Catch::Contains("truncated_alibi_attention") && Catch::Contains("factor_tolerance"));
 }
+
+}  // namespace test_windowed
