@@ -104,8 +104,7 @@ struct BackwardWorkspace {
   std::vector<Index> nonfinite;         // rows of a product's operand with a non-finite entry
   RowMatrix<Scalar> clean;              // that operand with those rows zeroed
   Block window;                         // key positions of the tile last prepared (windowed)
-  Eigen::Array<Scalar, 1, Eigen::Dynamic> row_scratch;
-  BlockCounts<Scalar> block_counts;                 // c_ij of the Positional LSH logits
+  BlockCounts<Scalar> block_counts;     // c_ij of the Positional LSH logits
   Eigen::Array<Scalar, 1, Eigen::Dynamic> offsets;  // 0, 1, ..., for apply_linear_bias
 
   /// Room for `elements` entries in scores and value_scores (they only grow).
@@ -360,22 +359,60 @@ void score_gradient(Eigen::Map<RowMatrix<Scalar>>& weights,
   }
 }
 
-/// The weights \f$P_{ij} = e^{l_{ij} - \mathrm{lse}_i}\f$ in place of the logits of a tile whose
-/// rows have the log-sum-exp `lse[r]` (exactly 0 for a row with \f$\mathrm{lse} = -\infty\f$ and
-/// for a logit \f$-\infty\f$). A softmax weight is at most 1: \f$e^{l - \mathrm{lse}}\f$ above 1
-/// is the rounding of a logit computed in another tiling than the lse, which at huge scales would
-/// overflow (NaN stays NaN).
+/// The weights and the score gradients of a tile in one pass: the logits in `scores` become
+/// \f$P_{ij} = e^{l_{ij} - \mathrm{lse}_i}\f$ (exactly 0 where \f$l_{ij} = -\infty\f$ or
+/// \f$\mathrm{lse}_i = -\infty\f$), and \f$dP\f$ in `value_scores` becomes
+/// \f$dS_{ij} = P_{ij}(dP_{ij} - D_i)\f$ (exactly 0 where \f$P_{ij} = 0\f$: the \f$dP\f$ of a
+/// masked key is NaN when its value row is). A softmax weight is at most 1: \f$e^{l -
+/// \mathrm{lse}}\f$ above 1 is the rounding of a logit computed in another tiling than the lse,
+/// which at huge scales would overflow (NaN stays NaN). In Eigen's packets; the exponentials are
+/// those of Eigen's vectorised `exp()` of a row: its packet exp from the row's first aligned entry,
+/// std::exp before it and in the tail.
 template <class Scalar>
-void weights_from_lse(Eigen::Map<RowMatrix<Scalar>>& scores, const Scalar* lse,
-                      Eigen::Array<Scalar, 1, Eigen::Dynamic>& scratch) {
+void weights_and_score_gradient(Eigen::Map<RowMatrix<Scalar>>& scores,
+                                Eigen::Map<RowMatrix<Scalar>>& value_scores, const Scalar* lse,
+                                const Scalar* delta) {
+  using Packet = typename Eigen::internal::packet_traits<Scalar>::type;
+  namespace internal = Eigen::internal;
+  constexpr Index kSize = internal::packet_traits<Scalar>::size;
+  constexpr Scalar kMinusInfinity = -std::numeric_limits<Scalar>::infinity();
+  const Index cols = scores.cols();
+  const auto one_entry = [](Scalar& logit, Scalar& gradient, Scalar shift, Scalar d) {
+    Scalar weight = logit == kMinusInfinity ? Scalar(0) : std::exp(logit - shift);
+    if (weight > Scalar(1)) weight = 1;
+    gradient = weight == 0 ? Scalar(0) : weight * (gradient - d);
+    logit = weight;
+  };
+  const Packet one = internal::pset1<Packet>(Scalar(1));
+  const Packet zero = internal::pset1<Packet>(Scalar(0));
+  const Packet minus_infinity = internal::pset1<Packet>(kMinusInfinity);
   for (Index r = 0; r < scores.rows(); ++r) {
-    if (lse[r] == -std::numeric_limits<Scalar>::infinity()) {
-      scores.row(r).setZero();
-    } else {
-      masked_exp(scores.row(r).array(), lse[r], scratch);
+    Scalar* logit = scores.row(r).data();
+    Scalar* gradient = value_scores.row(r).data();
+    if (lse[r] == kMinusInfinity) {
+      std::fill(logit, logit + cols, Scalar(0));
+      std::fill(gradient, gradient + cols, Scalar(0));
+      continue;
     }
+    const Index aligned_begin =
+        internal::first_aligned<static_cast<int>(sizeof(Packet))>(logit, cols);
+    const Index aligned_end = aligned_begin + (cols - aligned_begin) / kSize * kSize;
+    for (Index c = 0; c < aligned_begin; ++c) one_entry(logit[c], gradient[c], lse[r], delta[r]);
+    const Packet shift = internal::pset1<Packet>(lse[r]);
+    const Packet d = internal::pset1<Packet>(delta[r]);
+    for (Index c = aligned_begin; c < aligned_end; c += kSize) {
+      const Packet l = internal::pload<Packet>(logit + c);
+      Packet weight = internal::pexp(internal::psub(l, shift));
+      weight = internal::pselect(internal::pcmp_eq(l, minus_infinity), zero, weight);
+      weight = internal::pselect(internal::pcmp_lt(one, weight), one, weight);
+      const Packet product =
+          internal::pmul(weight, internal::psub(internal::ploadu<Packet>(gradient + c), d));
+      internal::pstore(logit + c, weight);
+      internal::pstoreu(gradient + c,
+                        internal::pselect(internal::pcmp_eq(weight, zero), zero, product));
+    }
+    for (Index c = aligned_end; c < cols; ++c) one_entry(logit[c], gradient[c], lse[r], delta[r]);
   }
-  scores = scores.unaryExpr([](Scalar p) { return p > Scalar(1) ? Scalar(1) : p; });
 }
 
 /// `accumulator += weights * operand`, where an operand row with a non-finite entry adds only
@@ -435,8 +472,8 @@ void for_each_logit_chunk(const ConstHeadMap<Storage>& q, const ConstHeadMap<Sto
 /// - D_i)\f$ in place of the weights and \f$k_j\f$ in place of the values: its accumulator holds
 /// \f$\sum_j e^{l_{ij} - \mu_i}(dP_{ij} - D_i) k_j\f$ and its output is \f$dQ_i/\text{scale}\f$.
 /// With the forward's lse given (`given_lse`, the head's rows; `lse` is then not written), no
-/// running maximum: \f$P\f$ from it (weights_from_lse), \f$dQ_i = \text{scale}\sum_j dS_{ij}
-/// k_j\f$ summed directly.
+/// running maximum: \f$P\f$ from it (weights_and_score_gradient), \f$dQ_i = \text{scale}\sum_j
+/// dS_{ij} k_j\f$ summed directly.
 template <class Storage, class Logits>
 void backward_query_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Storage>& k,
                          const ConstHeadMap<Storage>& v, const ConstHeadMap<Storage>& out,
@@ -459,27 +496,25 @@ void backward_query_rows(const ConstHeadMap<Storage>& q, const ConstHeadMap<Stor
   } else {
     workspace.softmax.reset(rows, q.cols());
   }
-  for_each_logit_chunk(q, k, options, logits, b, h, row_begin, rows, workspace, converted,
-                       [&](Eigen::Map<RowMatrix<Scalar>>& scores,
-                           const ConstHeadMap<Scalar>& k_tile, Index first_key) {
-                         Eigen::Map<RowMatrix<Scalar>> value_scores(workspace.value_scores.data(),
-                                                                    rows, scores.cols());
-                         value_scores.noalias() =
-                             dout_rows *
-                             compute_rows(v, first_key, scores.cols(), converted.value).transpose();
-                         if (given) {
-                           weights_from_lse(scores, given_lse + row_begin, workspace.row_scratch);
-                         } else {
-                           workspace.softmax.exponentiate(scores);
-                         }
-                         score_gradient(scores, value_scores, delta + row_begin);
-                         if (given) {
-                           add_seen_product(workspace, workspace.accumulator, scores, k_tile,
-                                            [&](Index row, Index key) { return scores(row, key); });
-                         } else {
-                           workspace.softmax.accumulate(scores, k_tile);
-                         }
-                       });
+  for_each_logit_chunk(
+      q, k, options, logits, b, h, row_begin, rows, workspace, converted,
+      [&](Eigen::Map<RowMatrix<Scalar>>& scores, const ConstHeadMap<Scalar>& k_tile,
+          Index first_key) {
+        Eigen::Map<RowMatrix<Scalar>> value_scores(workspace.value_scores.data(), rows,
+                                                   scores.cols());
+        value_scores.noalias() =
+            dout_rows * compute_rows(v, first_key, scores.cols(), converted.value).transpose();
+        if (given) {
+          weights_and_score_gradient(scores, value_scores, given_lse + row_begin,
+                                     delta + row_begin);
+          add_seen_product(workspace, workspace.accumulator, value_scores, k_tile,
+                           [&](Index row, Index key) { return value_scores(row, key); });
+        } else {
+          workspace.softmax.exponentiate(scores);
+          score_gradient(scores, value_scores, delta + row_begin);
+          workspace.softmax.accumulate(scores, k_tile);
+        }
+      });
   if (given) {
     converted.result.bind(dq, row_begin, rows) = workspace.accumulator * scale;
   } else {
@@ -536,13 +571,13 @@ void backward_key_rows(const HeadsView<const Storage>& q, const HeadsView<const 
       workspace.query.noalias() = compute_rows(q_head, row_begin, rows, converted.query) * scale;
       scores.noalias() = workspace.query * k_tile.transpose();
       logits.apply(h, workspace, scores, p0, first_key);
-      weights_from_lse(scores, head_lse + row_begin, workspace.row_scratch);
       const ConstHeadMap<Scalar> dout_rows =
           compute_rows(dout_head, row_begin, rows, converted.dout);
-      add_product(workspace.value_accumulator, scores, dout_rows);
       value_scores.noalias() = dout_rows * v_tile.transpose();
-      score_gradient(scores, value_scores, head_delta + row_begin);
-      add_product(workspace.accumulator, scores, workspace.query);
+      weights_and_score_gradient(scores, value_scores, head_lse + row_begin,
+                                 head_delta + row_begin);
+      add_product(workspace.value_accumulator, scores, dout_rows);
+      add_product(workspace.accumulator, value_scores, workspace.query);
     }
   }
   converted.result.bind(dk.head(kv_head), col_begin, cols) = workspace.accumulator;
@@ -594,19 +629,22 @@ void backward_group(const HeadsView<const Storage>& q, const HeadsView<const Sto
               Index first_key) {
             const Index cols = scores.cols();
             Eigen::Map<RowMatrix<Scalar>> value_scores(workspace.value_scores.data(), rows, cols);
-            weights_from_lse(scores, head_lse + row_begin, workspace.row_scratch);
-            // A product with the weights transposed: an operand row (a query's) with a non-finite
-            // entry adds only to the keys it weighs.
-            const auto seen_by_key = [&](Index key, Index query) { return scores(query, key); };
-            auto dv_chunk = dv_head.middleRows(first_key, cols);
-            add_seen_product(workspace, dv_chunk, scores.transpose(), dout_rows, seen_by_key);
             value_scores.noalias() =
                 dout_rows * compute_rows(v_head, first_key, cols, converted.value).transpose();
-            score_gradient(scores, value_scores, head_delta + row_begin);
-            add_seen_product(workspace, workspace.accumulator, scores, k_chunk,
-                             [&](Index query, Index key) { return scores(query, key); });
+            weights_and_score_gradient(scores, value_scores, head_lse + row_begin,
+                                       head_delta + row_begin);
+            // A product with the weights transposed: an operand row (a query's) with a non-finite
+            // entry adds only to the keys it weighs.
+            auto dv_chunk = dv_head.middleRows(first_key, cols);
+            add_seen_product(workspace, dv_chunk, scores.transpose(), dout_rows,
+                             [&](Index key, Index query) { return scores(query, key); });
+            const auto gradient_of = [&](Index query, Index key) {
+              return value_scores(query, key);
+            };
+            add_seen_product(workspace, workspace.accumulator, value_scores, k_chunk, gradient_of);
             auto dk_chunk = dk_head.middleRows(first_key, cols);
-            add_seen_product(workspace, dk_chunk, scores.transpose(), workspace.query, seen_by_key);
+            add_seen_product(workspace, dk_chunk, value_scores.transpose(), workspace.query,
+                             [&](Index key, Index query) { return gradient_of(query, key); });
           });
       converted.result.bind(dq.head(h), row_begin, rows) = workspace.accumulator * scale;
       converted.result.store();
