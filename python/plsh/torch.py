@@ -95,6 +95,14 @@ def _array(tensor):
     return tensor.numpy()
 
 
+def _tensor(array, dtype):
+    """A tensor of ``dtype`` sharing a kernel's new output ``array`` (for bfloat16, its uint16 bit
+    patterns)."""
+    if dtype == _torch.bfloat16:
+        return _torch.from_numpy(array.view(_numpy.int16)).view(_torch.bfloat16)
+    return _torch.from_numpy(array)
+
+
 def _kernel_dtype(dtype):
     """The kernels' dtype argument for tensors of ``dtype``: "bfloat16" or None (the arrays')."""
     return "bfloat16" if dtype == _torch.bfloat16 else None
@@ -175,16 +183,17 @@ class _AttentionFunction(_torch.autograd.Function):
     the forward, so Positional LSH differentiates the forward's own draws, and the forward's row
     log-sum-exp (and the windowed kernel's kept keys), so that it does not compute them again
     (FlashAttention's ``softmax_lse``). The output and the gradients are new contiguous tensors in
-    the inputs' layout.
+    the inputs' layout, on the kernels' new arrays (from 4 MiB on, in Linux, mappings of their own
+    in transparent huge pages: a step does not fault its outputs in again page by page).
     """
 
     @staticmethod
     def forward(ctx, q, k, v, kernels, parameter, options):
         forward_kernel, backward_kernel = kernels
         options = dict(options, dtype=_kernel_dtype(q.dtype))
-        out = _torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
-        _, lse, *kept = forward_kernel(_array(q), _array(k), _array(v), parameter, out=_array(out),
-                                       return_lse=True, **options)
+        out, lse, *kept = forward_kernel(_array(q), _array(k), _array(v), parameter,
+                                         return_lse=True, **options)
+        out = _tensor(out, q.dtype)
         # lse among the saved tensors, so that activation checkpointing drops and recomputes it
         # with the others; the kept keys (windowed) are O(B H T / 64) and stay on ctx.
         ctx.save_for_backward(q, k, v, out, _torch.from_numpy(lse))
@@ -200,12 +209,10 @@ class _AttentionFunction(_torch.autograd.Function):
         """(dq, dk, dv) from the backward kernel, as new contiguous tensors in the inputs' layout;
         None for the non-tensor arguments."""
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = (_torch.empty_like(t, memory_format=_torch.contiguous_format)
-                      for t in (q, k, v))
-        ctx.backward_kernel(_array(q), _array(k), _array(v), _array(out), _array(dout),
-                            ctx.parameter, lse=lse.numpy(), dq=_array(dq), dk=_array(dk),
-                            dv=_array(dv), **ctx.kept, **ctx.options)
-        return dq, dk, dv, None, None, None
+        gradients = ctx.backward_kernel(_array(q), _array(k), _array(v), _array(out),
+                                        _array(dout), ctx.parameter, lse=lse.numpy(),
+                                        **ctx.kept, **ctx.options)
+        return (*(_tensor(gradient, q.dtype) for gradient in gradients), None, None, None)
 
 
 _EXACT_KERNELS = (_plsh.exact_alibi_attention, _plsh.exact_alibi_attention_backward)

@@ -6,6 +6,10 @@
 #include <sstream>
 #include <utility>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 namespace plsh_python {
 
 std::string shape_string(const std::vector<py::ssize_t>& shape) {
@@ -140,12 +144,80 @@ Layout layout_of(const py::array& array, std::size_t itemsize, std::size_t align
   return layout;
 }
 
+namespace {
+
+#if defined(__linux__)
+// The size of a huge page of x86-64 and of most aarch64 kernels: the mappings of new_array are
+// aligned to it, so that every whole huge page of the array can be one.
+constexpr std::size_t kHugePageBytes = std::size_t{2} << 20;
+
+// New arrays of at least this size get a mapping of their own (new_array).
+constexpr std::size_t kMappedArrayBytes = std::size_t{4} << 20;
+
+// An anonymous mapping of new_array: its start and length, which munmap takes back.
+struct Mapping {
+  void* start;
+  std::size_t bytes;
+};
+
+// `bytes` rounded up to whole huge pages, mapped from a huge-page boundary and advised
+// MADV_HUGEPAGE; null when the system refuses the mapping.
+Mapping* map_huge_pages(std::size_t bytes) {
+  const std::size_t length = (bytes + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
+  void* wide = mmap(nullptr, length + kHugePageBytes, PROT_READ | PROT_WRITE,
+                    MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (wide == MAP_FAILED) return nullptr;
+  // Keep the aligned `length` bytes inside, unmap the rest on both sides.
+  const auto base = reinterpret_cast<std::uintptr_t>(wide);
+  const std::uintptr_t start = (base + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
+  if (start > base) munmap(wide, start - base);
+  const std::uintptr_t end = start + length;
+  munmap(reinterpret_cast<void*>(end), base + length + kHugePageBytes - end);
+  // Advice only: where transparent huge pages are off, the pages stay 4 KiB.
+  madvise(reinterpret_cast<void*>(start), length, MADV_HUGEPAGE);
+  return new Mapping{reinterpret_cast<void*>(start), length};
+}
+#endif
+
+// A new C-contiguous array of `dtype` and `shape`. On Linux, from kMappedArrayBytes on, its
+// memory is an anonymous mapping of its own in transparent huge pages where the system allows them
+// (map_huge_pages), unmapped when the array is freed: a kernel writes every entry of a new output
+// at once, and faulting a 4 KiB page in costs more than writing it (the C library returns such
+// blocks to the system when they are freed, so every training step would fault its outputs in
+// again). Smaller arrays, and those the system refuses to map, come from NumPy.
+py::array new_array(const py::dtype& dtype, const std::vector<py::ssize_t>& shape) {
+  std::size_t bytes = static_cast<std::size_t>(dtype.itemsize());
+  for (const py::ssize_t extent : shape) bytes *= static_cast<std::size_t>(extent);
+#if defined(__linux__)
+  if (bytes >= kMappedArrayBytes) {
+    if (Mapping* mapping = map_huge_pages(bytes)) {
+      const auto unmap = [](void* pointer) {
+        auto* freed = static_cast<Mapping*>(pointer);
+        munmap(freed->start, freed->bytes);
+        delete freed;
+      };
+      py::capsule owner;
+      try {
+        owner = py::capsule(mapping, unmap);
+      } catch (...) {
+        unmap(mapping);
+        throw;
+      }
+      return py::array(dtype, shape, {}, mapping->start, owner);
+    }
+  }
+#endif
+  return py::array(dtype, shape);
+}
+
+}  // namespace
+
 std::pair<py::array, Layout> output_array(const py::object& out, const char* name,
                                           const std::vector<py::ssize_t>& shape, Storage storage,
                                           std::size_t itemsize, std::size_t alignment) {
   py::array array;
   if (out.is_none()) {
-    array = py::array(numpy_dtype(storage), shape);
+    array = new_array(numpy_dtype(storage), shape);
   } else {
     array = as_ndarray(out, name);
     if (!has_storage(array, storage)) {

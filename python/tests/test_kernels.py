@@ -238,6 +238,30 @@ def test_out_argument_writes_in_place_through_strides(inputs):
     np.testing.assert_array_equal(single, expected[0])
 
 
+def test_large_new_outputs_have_the_bits_of_out_arrays_and_keep_their_memory():
+    # From 4 MiB on, a new output is a mapping of its own (huge pages where the system allows):
+    # the same bits as an out= array from NumPy, C-contiguous and writeable, and alive as long as
+    # a view of it is.
+    q, k, v = random_inputs((1, 2048, 8, 64), 8, 64, seed=5, dtype=np.float32)
+    expected = np.empty_like(q)
+    plsh.plsh_attention(q, k, v, out=expected)
+    out = plsh.plsh_attention(q, k, v)
+    assert out.nbytes == 4 << 20 and out.flags.c_contiguous and out.flags.writeable
+    np.testing.assert_array_equal(out, expected)
+    dout = random_inputs((1, 2048, 8, 64), 8, 64, seed=6, dtype=np.float32)[0]
+    given = [np.full_like(q, np.nan) for _ in range(3)]
+    plsh.plsh_attention_backward(q, k, v, expected, dout, dq=given[0], dk=given[1], dv=given[2])
+    gradients = plsh.plsh_attention_backward(q, k, v, expected, dout)
+    for name, gradient, reference in zip(("dq", "dk", "dv"), gradients, given):
+        assert gradient.flags.c_contiguous and gradient.flags.writeable, name
+        np.testing.assert_array_equal(gradient, reference, err_msg=name)
+    view = out[0, -3:]
+    del out, gradients
+    np.testing.assert_array_equal(view, expected[0, -3:])
+    view[...] = 2.0
+    assert np.all(view == 2.0)
+
+
 def test_zero_copy_of_usable_layouts(inputs):
     # An input read in place: the kernel sees a change made after the view was taken.
     q, k, v = inputs

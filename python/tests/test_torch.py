@@ -89,6 +89,36 @@ def test_forward_and_gradients_against_dense_pytorch(method):
         assert_close(grad, reference_grad, 1e-11)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_outputs_and_gradients_equal_the_cpp_kernels_and_accumulate(dtype):
+    # 4 MiB and more per tensor: the output and the gradients are tensors on the kernels' own new
+    # arrays (mapped in huge pages); the same bits as the kernels writing into arrays from NumPy,
+    # and gradients that accumulate in place.
+    q, k, v = random_tensors(batch=1, n=4096, heads=8, kv_heads=8, dim=64, value_dim=64, seed=3,
+                             dtype=torch.float32, requires_grad=False)
+    q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    bits = (lambda t: t.detach().view(torch.int16).numpy().view(np.uint16)) \
+        if dtype == torch.bfloat16 else (lambda t: t.detach().numpy())
+    keywords = dict(dtype="bfloat16") if dtype == torch.bfloat16 else {}
+    out = pt.plsh_attention(q, k, v)
+    assert out.dtype == dtype and out.is_contiguous()
+    expected = np.empty_like(bits(q))
+    _, lse = plsh.plsh_attention(bits(q), bits(k), bits(v), out=expected, return_lse=True,
+                                 **keywords)
+    assert np.array_equal(bits(out), expected)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(dtype)
+    grads = [np.empty_like(expected) for _ in range(3)]
+    plsh.plsh_attention_backward(bits(q), bits(k), bits(v), expected, bits(dout), lse=lse,
+                                 dq=grads[0], dk=grads[1], dv=grads[2], **keywords)
+    out.backward(dout)
+    for tensor, grad in zip((q, k, v), grads):
+        assert tensor.grad.dtype == dtype and np.array_equal(bits(tensor.grad), grad)
+    first = [tensor.grad.clone() for tensor in (q, k, v)]
+    pt.plsh_attention(q, k, v).backward(dout)
+    for tensor, grad in zip((q, k, v), first):
+        assert torch.equal(tensor.grad, grad + grad)
+
+
 @pytest.mark.parametrize("method", ["exact", "plsh", "plsh latin", "plsh near field"])
 def test_results_equal_the_cpp_kernels_bit_for_bit(method):
     q, k, v = random_tensors(dtype=torch.float32, seed=2)
