@@ -183,8 +183,9 @@ class _AttentionFunction(_torch.autograd.Function):
     the forward, so Positional LSH differentiates the forward's own draws, and the forward's row
     log-sum-exp (and the windowed kernel's kept keys), so that it does not compute them again
     (FlashAttention's ``softmax_lse``). The output and the gradients are new contiguous tensors in
-    the inputs' layout, on the kernels' new arrays (from 4 MiB on, in Linux, mappings of their own
-    in transparent huge pages: a step does not fault its outputs in again page by page).
+    the inputs' layout, on the kernels' new arrays (from 4 MiB on, on Linux with transparent huge
+    pages, mappings of their own in huge pages: a step does not fault its outputs in again 4 KiB
+    at a time).
     """
 
     @staticmethod

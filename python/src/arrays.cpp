@@ -8,6 +8,9 @@
 
 #if defined(__linux__)
 #include <sys/mman.h>
+
+#include <fstream>
+#include <iterator>
 #endif
 
 namespace plsh_python {
@@ -160,6 +163,19 @@ struct Mapping {
   std::size_t bytes;
 };
 
+// Whether the kernel gives transparent huge pages to a mapping advised MADV_HUGEPAGE (its setting
+// is "always" or "madvise"), read once.
+bool huge_pages_available() {
+  static const bool available = [] {
+    std::ifstream file("/sys/kernel/mm/transparent_hugepage/enabled");
+    const std::string setting((std::istreambuf_iterator<char>(file)),
+                              std::istreambuf_iterator<char>());
+    return setting.find("[always]") != std::string::npos ||
+           setting.find("[madvise]") != std::string::npos;
+  }();
+  return available;
+}
+
 // `bytes` rounded up to whole huge pages, mapped from a huge-page boundary and advised
 // MADV_HUGEPAGE; null when the system refuses the mapping.
 Mapping* map_huge_pages(std::size_t bytes) {
@@ -173,23 +189,25 @@ Mapping* map_huge_pages(std::size_t bytes) {
   if (start > base) munmap(wide, start - base);
   const std::uintptr_t end = start + length;
   munmap(reinterpret_cast<void*>(end), base + length + kHugePageBytes - end);
-  // Advice only: where transparent huge pages are off, the pages stay 4 KiB.
+#if defined(MADV_HUGEPAGE)
   madvise(reinterpret_cast<void*>(start), length, MADV_HUGEPAGE);
+#endif
   return new Mapping{reinterpret_cast<void*>(start), length};
 }
 #endif
 
-// A new C-contiguous array of `dtype` and `shape`. On Linux, from kMappedArrayBytes on, its
-// memory is an anonymous mapping of its own in transparent huge pages where the system allows them
+// A new C-contiguous array of `dtype` and `shape`. On Linux with transparent huge pages, from
+// kMappedArrayBytes on, its memory is an anonymous mapping of its own in huge pages
 // (map_huge_pages), unmapped when the array is freed: a kernel writes every entry of a new output
 // at once, and faulting a 4 KiB page in costs more than writing it (the C library returns such
 // blocks to the system when they are freed, so every training step would fault its outputs in
-// again). Smaller arrays, and those the system refuses to map, come from NumPy.
+// again). Smaller arrays, those the system refuses to map, and every array where transparent huge
+// pages are off (a mapping of 4 KiB pages per array would fault in every time) come from NumPy.
 py::array new_array(const py::dtype& dtype, const std::vector<py::ssize_t>& shape) {
   std::size_t bytes = static_cast<std::size_t>(dtype.itemsize());
   for (const py::ssize_t extent : shape) bytes *= static_cast<std::size_t>(extent);
 #if defined(__linux__)
-  if (bytes >= kMappedArrayBytes) {
+  if (bytes >= kMappedArrayBytes && huge_pages_available()) {
     if (Mapping* mapping = map_huge_pages(bytes)) {
       const auto unmap = [](void* pointer) {
         auto* freed = static_cast<Mapping*>(pointer);
