@@ -97,9 +97,8 @@ def test_large_outputs_and_gradients_equal_the_cpp_kernels_and_accumulate(dtype)
     q, k, v = random_tensors(batch=1, n=4096, heads=8, kv_heads=8, dim=64, value_dim=64, seed=3,
                              dtype=torch.float32, requires_grad=False)
     q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
-    bits = (lambda t: t.detach().view(torch.int16).numpy().view(np.uint16)) \
-        if dtype == torch.bfloat16 else (lambda t: t.detach().numpy())
-    keywords = dict(dtype="bfloat16") if dtype == torch.bfloat16 else {}
+    bits = pt._array  # the arrays plsh.torch hands the kernels (bfloat16: uint16 bit patterns)
+    keywords = dict(dtype=pt._kernel_dtype(dtype))
     out = pt.plsh_attention(q, k, v)
     assert out.dtype == dtype and out.is_contiguous()
     expected = np.empty_like(bits(q))
